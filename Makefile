@@ -1,0 +1,30 @@
+# spanlet: the two commands of the README, and the pieces they are made of.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup run test unit bench dump-bpf clean
+
+setup:
+	bash scripts/setup.sh
+
+# Sets everything up, then runs the agent with its defaults (root needed).
+run: setup
+	$(VENV)/bin/spanlet run $(ARGS)
+
+# Sets everything up, then runs the whole test suite (root needed for the
+# kernel tier; SPANLET_REQUIRE_KERNEL=1 makes a kernel test that cannot run fail).
+test: setup
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+unit:
+	$(PY) -m pytest -ra tests/unit
+
+bench: setup
+	@for b in bench/*_bench.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+dump-bpf:
+	$(VENV)/bin/spanlet run --dump-bpf
+
+clean:
+	rm -rf $(VENV) build *.egg-info

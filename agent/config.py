@@ -1,0 +1,280 @@
+"""One typed configuration for the agent: YAML file, then SPANLET_* environment,
+then command-line flags, with every default named here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+import socket
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "SPANLET_"
+DEFAULT_CONFIG_FILE = Path("/etc/spanlet/config.yaml")
+
+
+class ConfigError(Exception):
+    """Bad configuration: names the key and where its value came from."""
+
+
+class Modality(str, Enum):
+    text = "text"
+    image = "image"
+    audio = "audio"
+    video = "video"
+    other = "other"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RtpPayloadType(_Section):
+    modality: Modality
+    clock_hz: int = Field(gt=0, le=1_000_000)
+
+
+# Static payload types of RFC 3551, plus the dynamic numbers WebRTC stacks
+# usually give H.264 (96) and Opus (111). Negotiated numbers go in the config.
+DEFAULT_RTP_PAYLOAD_TYPES = {
+    0: RtpPayloadType(modality=Modality.audio, clock_hz=8000),
+    8: RtpPayloadType(modality=Modality.audio, clock_hz=8000),
+    9: RtpPayloadType(modality=Modality.audio, clock_hz=8000),
+    10: RtpPayloadType(modality=Modality.audio, clock_hz=44100),
+    11: RtpPayloadType(modality=Modality.audio, clock_hz=44100),
+    26: RtpPayloadType(modality=Modality.video, clock_hz=90000),
+    31: RtpPayloadType(modality=Modality.video, clock_hz=90000),
+    32: RtpPayloadType(modality=Modality.video, clock_hz=90000),
+    33: RtpPayloadType(modality=Modality.video, clock_hz=90000),
+    34: RtpPayloadType(modality=Modality.video, clock_hz=90000),
+    96: RtpPayloadType(modality=Modality.video, clock_hz=90000),
+    111: RtpPayloadType(modality=Modality.audio, clock_hz=48000),
+}
+
+
+class TcConfig(_Section):
+    enabled: bool = True
+    # Empty: every non-loopback interface of the agent's network namespace,
+    # including ones that appear later (pod veths).
+    interfaces: list[str] = []
+    exclude_interfaces: list[str] = ["lo"]
+    port_modality: dict[int, Modality] = {}
+    rtp_payload_types: dict[int, RtpPayloadType] = Field(
+        default_factory=lambda: dict(DEFAULT_RTP_PAYLOAD_TYPES))
+    # Jitter Sensitivity Score threshold = tau_plc + delta_buffer (METRICS.md #4).
+    tau_plc_ms: float = Field(default=30.0, ge=0, le=10_000)
+    delta_buffer_ms: float = Field(default=10.0, ge=0, le=10_000)
+    max_flows: int = Field(default=65536, ge=64, le=4_194_304)
+    # Bytes of a request's first packet searched for HTTP headers.
+    http_scan_bytes: int = Field(default=512, ge=64, le=1024)
+    filter_priority: int = Field(default=0x5370, ge=1, le=0xFFFF)
+
+    @field_validator("port_modality")
+    @classmethod
+    def _ports_in_range(cls, v: dict[int, Modality]) -> dict[int, Modality]:
+        for port in v:
+            if not 0 < port < 65536:
+                raise ValueError(f"port {port} is not in 1..65535")
+        return v
+
+    @field_validator("rtp_payload_types")
+    @classmethod
+    def _pt_in_range(cls, v: dict[int, RtpPayloadType]) -> dict[int, RtpPayloadType]:
+        for pt in v:
+            if not 0 <= pt <= 127:
+                raise ValueError(f"RTP payload type {pt} is not in 0..127")
+        return v
+
+
+class SandboxGrant(_Section):
+    pids: list[int] = []
+    # cgroup v2 paths, absolute or relative to the cgroup2 mount.
+    cgroups: list[str] = []
+    access: Literal["ro", "rw"] = "ro"
+
+    @model_validator(mode="after")
+    def _names_someone(self) -> "SandboxGrant":
+        if not self.pids and not self.cgroups:
+            raise ValueError("a grant needs at least one of 'pids' or 'cgroups'")
+        return self
+
+
+class SandboxPool(_Section):
+    path: str
+    # 0: no size limit.
+    max_bytes: int = Field(default=0, ge=0)
+    grants: list[SandboxGrant] = []
+
+
+class SandboxConfig(_Section):
+    enabled: bool = True
+    mode: Literal["audit", "enforce"] = "audit"
+    prefixes: list[str] = ["/dev/shm/tensor_pool/"]
+    pools: list[SandboxPool] = []
+
+    @model_validator(mode="after")
+    def _pools_under_prefixes(self) -> "SandboxConfig":
+        for p in self.prefixes:
+            if not p.startswith("/") or len(p.encode()) > 120:
+                raise ValueError(f"prefix {p!r} must be an absolute path of at most 120 bytes")
+        for pool in self.pools:
+            if not any(pool.path.startswith(p) for p in self.prefixes):
+                raise ValueError(f"pool {pool.path!r} is not under any of the prefixes {self.prefixes}")
+            if len(pool.path.encode()) > 250:
+                raise ValueError(f"pool path {pool.path!r} is longer than 250 bytes")
+        if len(self.prefixes) > 8:
+            raise ValueError("at most 8 prefixes")
+        return self
+
+
+class GpuConfig(_Section):
+    enabled: bool = True
+    # File names (as in /proc/<pid>/maps) that hold the driver and runtime API.
+    driver_libraries: list[str] = ["libcuda.so"]
+    runtime_libraries: list[str] = ["libcudart.so"]
+    # Which launches go through the ring buffer one by one: those inside a
+    # span (for the join), all of them, or none (counts only).
+    launch_events: Literal["spanned", "all", "none"] = "spanned"
+
+
+class DiscoveryConfig(_Section):
+    interval_s: float = Field(default=1.0, gt=0, le=60)
+
+
+class Config(_Section):
+    node_name: str = Field(default_factory=socket.gethostname)
+    data_dir: str = "/var/lib/spanlet"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Folder of kernel headers for BCC; empty: /lib/modules/$(uname -r)/build.
+    kernel_headers: str = ""
+    ringbuf_pages: int = Field(default=256, ge=1, le=65536)
+    shutdown_timeout_s: float = Field(default=5.0, gt=0, le=60)
+    tc: TcConfig = TcConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    gpu: GpuConfig = GpuConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+
+    @field_validator("ringbuf_pages")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"{v} is not a power of two")
+        return v
+
+
+def _env_keys(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
+    """SPANLET_* variable name for every leaf key of the model."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name, field in model.model_fields.items():
+        path = prefix + (name,)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, _Section):
+            out.update(_env_keys(ann, path))
+        else:
+            out[ENV_PREFIX + "_".join(path).upper()] = path
+    return out
+
+
+ENV_KEYS = _env_keys(Config)
+
+
+def _leaf_annotation(path: tuple[str, ...]) -> Any:
+    model: type[BaseModel] = Config
+    for part in path[:-1]:
+        model = model.model_fields[part].annotation
+    return model.model_fields[path[-1]].annotation
+
+
+def _parse_scalar(path: tuple[str, ...], raw: str) -> Any:
+    """Environment and --set values are YAML scalars; a list may also be
+    written comma-separated (SPANLET_TC_INTERFACES=eth0,eth1)."""
+    ann = _leaf_annotation(path)
+    if getattr(ann, "__origin__", None) is list and not raw.lstrip().startswith("["):
+        return [p.strip() for p in raw.split(",") if p.strip()]
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for part in path[:-1]:
+        node = tree.setdefault(part, {})
+        if not isinstance(node, dict):
+            node = tree[part] = {}
+        tree = node
+    tree[path[-1]] = value
+
+
+def _describe(err: dict, origins: dict[tuple, str]) -> str:
+    loc = tuple(str(p) for p in err["loc"])
+    key = ".".join(loc) or "(top level)"
+    where = "defaults"
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in origins:
+            where = origins[loc[:n]]
+            break
+    if err["type"] == "extra_forbidden":
+        return f"{where}: unknown key '{key}'"
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return f"{where}: key '{key}': {msg}"
+
+
+def _file_origins(tree: Any, path: tuple, label: str, out: dict) -> None:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _file_origins(v, path + (str(k),), label, out)
+    if path:
+        out.setdefault(path, label)
+
+
+def load(path: str | os.PathLike | None = None,
+         env: dict[str, str] | None = None,
+         overrides: list[str] | None = None) -> Config:
+    """Build the config: file (if any), then SPANLET_* environment, then
+    `key.sub=value` overrides. Raises ConfigError naming the key and source."""
+    env = os.environ if env is None else env
+    tree: dict[str, Any] = {}
+    origins: dict[tuple, str] = {}
+    file_path = Path(path) if path else None
+    if file_path is None and env.get(ENV_PREFIX + "CONFIG"):
+        file_path = Path(env[ENV_PREFIX + "CONFIG"])
+    if file_path is not None:
+        try:
+            text = file_path.read_text()
+        except OSError as e:
+            raise ConfigError(f"config file {file_path}: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {file_path}: not valid YAML: {e}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {file_path}: the top level must be a mapping of keys, "
+                              f"not {type(data).__name__}")
+        tree = data
+        _file_origins(tree, (), f"config file {file_path}", origins)
+    for name, value in env.items():
+        keypath = ENV_KEYS.get(name)
+        if keypath is not None:
+            _set_path(tree, keypath, _parse_scalar(keypath, value))
+            origins[keypath] = f"environment variable {name}"
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        keypath = tuple(key.strip().split("."))
+        if not sep or ENV_PREFIX + "_".join(keypath).upper() not in ENV_KEYS:
+            raise ConfigError(f"--set {item!r}: unknown key '{key.strip()}' "
+                              "(use --set section.key=value)")
+        _set_path(tree, keypath, _parse_scalar(keypath, value))
+        origins[keypath] = f"--set {key.strip()}"
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        lines = [_describe(err, origins) for err in e.errors()]
+        raise ConfigError("bad configuration:\n  " + "\n  ".join(lines)) from None

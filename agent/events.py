@@ -1,0 +1,276 @@
+"""Decoder of ring-buffer records: the one Python definition of the structs in
+bpf/spanlet.h, and the CLOCK_MONOTONIC → epoch conversion."""
+
+from __future__ import annotations
+
+import ctypes as C
+import enum
+import ipaddress
+import time
+
+
+class Kind(enum.IntEnum):
+    GPU_LAUNCH = 1
+    GPU_SYNC = 2
+    SANDBOX = 3
+    HTTP = 4
+    FLOW = 5
+
+
+class Modality(enum.IntEnum):
+    other = 0
+    text = 1
+    image = 2
+    audio = 3
+    video = 4
+
+
+class Api(enum.IntEnum):
+    driver = 1
+    runtime = 2
+
+
+class Entry(enum.IntEnum):
+    cuLaunchKernel = 1
+    cuLaunchKernelEx = 2
+    cudaLaunchKernel = 3
+    cuStreamSynchronize = 4
+    cudaStreamSynchronize = 5
+    cudaDeviceSynchronize = 6
+
+
+class Rule(enum.IntEnum):
+    unauthorized = 1
+    write_on_readonly = 2
+    exec = 3
+    oversize = 4
+
+
+class Action(enum.IntEnum):
+    audit = 1
+    kill = 2
+
+
+class Proto(enum.IntEnum):
+    unknown = 0
+    http1 = 1
+    http2 = 2
+    websocket = 3
+    rtp = 4
+    tcp = 5
+    udp = 6
+
+
+class Direction(enum.IntEnum):
+    ingress = 0
+    egress = 1
+
+
+class Header(C.Structure):
+    _fields_ = [
+        ("ts_ns", C.c_uint64),
+        ("pid", C.c_uint32),
+        ("tid", C.c_uint32),
+        ("cgroup_id", C.c_uint64),
+        ("trace_id", C.c_uint8 * 16),
+        ("span_id", C.c_uint64),
+        ("kind", C.c_uint16),
+        ("modality", C.c_uint8),
+        ("flags", C.c_uint8),
+        ("_pad", C.c_uint32),
+    ]
+
+
+class SpanCtx(C.Structure):
+    _fields_ = [
+        ("trace_id", C.c_uint8 * 16),
+        ("span_id", C.c_uint64),
+        ("modality", C.c_uint8),
+        ("_pad", C.c_uint8 * 7),
+    ]
+
+
+class FlowKey(C.Structure):
+    _fields_ = [
+        ("saddr", C.c_uint8 * 16),
+        ("daddr", C.c_uint8 * 16),
+        ("sport", C.c_uint16),
+        ("dport", C.c_uint16),
+        ("l4proto", C.c_uint8),
+        ("family", C.c_uint8),
+        ("_pad", C.c_uint8 * 2),
+    ]
+
+    def addresses(self) -> tuple[str, str]:
+        return _addr(self.family, self.saddr), _addr(self.family, self.daddr)
+
+    def as_dict(self) -> dict:
+        src, dst = self.addresses()
+        return {"src": src, "dst": dst, "sport": self.sport, "dport": self.dport,
+                "l4proto": self.l4proto}
+
+
+def _addr(family: int, raw) -> str:
+    data = bytes(raw)
+    if family == 4:
+        return str(ipaddress.IPv4Address(data[:4]))
+    return str(ipaddress.IPv6Address(data))
+
+
+class _Event(C.Structure):
+    """Base of every record: decoded fields plus the epoch timestamp."""
+
+    epoch_ns = 0
+
+    @property
+    def kind(self) -> Kind:
+        return Kind(self.hdr.kind)
+
+    def as_dict(self) -> dict:
+        h = self.hdr
+        out = {
+            "kind": Kind(h.kind).name,
+            "ts_ns": self.epoch_ns,
+            "pid": h.pid,
+            "tid": h.tid,
+            "cgroup_id": h.cgroup_id,
+            "trace_id": bytes(h.trace_id).hex(),
+            "span_id": f"{h.span_id:016x}",
+            "modality": Modality(h.modality).name if h.modality < len(Modality) else "other",
+        }
+        for name, _ in self._fields_[1:]:
+            if name.startswith("_"):
+                continue
+            value = getattr(self, name)
+            if isinstance(value, FlowKey):
+                value = value.as_dict()
+            elif isinstance(value, C.Array):
+                value = list(value)
+            out[name] = value
+        return out
+
+
+class GpuLaunch(_Event):
+    _fields_ = [
+        ("hdr", Header),
+        ("func", C.c_uint64),
+        ("stream", C.c_uint64),
+        ("duration_ns", C.c_uint64),
+        ("grid", C.c_uint32 * 3),
+        ("block", C.c_uint32 * 3),
+        ("shared_mem", C.c_uint32),
+        ("api", C.c_uint8),
+        ("entry", C.c_uint8),
+        ("_pad", C.c_uint8 * 2),
+    ]
+
+
+class GpuSync(_Event):
+    _fields_ = [
+        ("hdr", Header),
+        ("stream", C.c_uint64),
+        ("duration_ns", C.c_uint64),
+        ("api", C.c_uint8),
+        ("entry", C.c_uint8),
+        ("_pad", C.c_uint8 * 6),
+    ]
+
+
+class SandboxViolation(_Event):
+    _fields_ = [
+        ("hdr", Header),
+        ("addr", C.c_uint64),
+        ("len", C.c_uint64),
+        ("pool_max_bytes", C.c_uint64),
+        ("prot", C.c_uint32),
+        ("flags", C.c_uint32),
+        ("pool_id", C.c_uint32),
+        ("fd", C.c_int32),
+        ("rule", C.c_uint8),
+        ("action", C.c_uint8),
+        ("_pad", C.c_uint8 * 6),
+    ]
+
+
+class HttpRequest(_Event):
+    _fields_ = [
+        ("hdr", Header),
+        ("flow", FlowKey),
+        ("ifindex", C.c_uint32),
+        ("path_hash", C.c_uint32),
+        ("method", C.c_uint8),
+        ("direction", C.c_uint8),
+        ("trace_flags", C.c_uint8),
+        ("_pad", C.c_uint8 * 5),
+    ]
+
+    HAS_TRACEPARENT = 1
+
+    @property
+    def has_traceparent(self) -> bool:
+        return bool(self.hdr.flags & self.HAS_TRACEPARENT)
+
+
+class FlowSeen(_Event):
+    _fields_ = [
+        ("hdr", Header),
+        ("flow", FlowKey),
+        ("ifindex", C.c_uint32),
+        ("proto_class", C.c_uint8),
+        ("direction", C.c_uint8),
+        ("_pad", C.c_uint8 * 2),
+    ]
+
+
+RECORDS: dict[int, type[_Event]] = {
+    Kind.GPU_LAUNCH: GpuLaunch,
+    Kind.GPU_SYNC: GpuSync,
+    Kind.SANDBOX: SandboxViolation,
+    Kind.HTTP: HttpRequest,
+    Kind.FLOW: FlowSeen,
+}
+_KIND_OFFSET = Header.kind.offset
+_HEADER_SIZE = C.sizeof(Header)
+
+
+class DecodeError(ValueError):
+    pass
+
+
+class MonotonicClock:
+    """Converts CLOCK_MONOTONIC (bpf_ktime_get_ns) to epoch ns. The offset is
+    re-read every `refresh_s` so that a stepped wall clock is followed."""
+
+    def __init__(self, refresh_s: float = 1.0):
+        self._refresh_ns = int(refresh_s * 1e9)
+        self._next = 0
+        self.offset_ns = 0
+        self.refresh()
+
+    def refresh(self) -> None:
+        # Bracket the wall-clock read by two monotonic reads to halve the error.
+        m0 = time.monotonic_ns()
+        wall = time.time_ns()
+        m1 = time.monotonic_ns()
+        self.offset_ns = wall - (m0 + m1) // 2
+        self._next = m1 + self._refresh_ns
+
+    def to_epoch(self, mono_ns: int) -> int:
+        if mono_ns > self._next:
+            self.refresh()
+        return mono_ns + self.offset_ns
+
+
+def decode(raw: bytes, clock: MonotonicClock) -> _Event:
+    """One ring-buffer record → its struct, with epoch_ns set."""
+    if len(raw) < _HEADER_SIZE:
+        raise DecodeError(f"record of {len(raw)} bytes is shorter than the header")
+    kind = int.from_bytes(raw[_KIND_OFFSET:_KIND_OFFSET + 2], "little")
+    cls = RECORDS.get(kind)
+    if cls is None:
+        raise DecodeError(f"unknown record kind {kind}")
+    if len(raw) < C.sizeof(cls):
+        raise DecodeError(f"{cls.__name__} record of {len(raw)} bytes, expected {C.sizeof(cls)}")
+    ev = cls.from_buffer_copy(raw)
+    ev.epoch_ns = clock.to_epoch(ev.hdr.ts_ns)
+    return ev

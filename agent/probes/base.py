@@ -1,0 +1,165 @@
+"""Base of every probe loader: compile a bpf/*.bpf.c with its -D flags, attach,
+drain its ring buffer into the decoder, report attached-or-why, detach."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from agent import events
+from agent.config import Config
+
+log = logging.getLogger(__name__)
+
+BPF_DIR = Path(__file__).resolve().parent.parent.parent / "bpf"
+_LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.-]+\.h)"\s*$', re.M)
+
+EventSink = Callable[[events._Event], None]
+
+
+class ProbeError(Exception):
+    """A probe could not load or attach; the text says why."""
+
+
+def expand_source(path: Path) -> str:
+    """The probe's C with our own headers (`#include "x.h"`) inlined.
+    BCC rewrites map calls only in the main file, so shared helpers that use
+    maps must be part of it; #line keeps compiler messages pointing at the
+    real files."""
+    def inline(m: re.Match) -> str:
+        header = path.parent / m.group(1)
+        line = path.read_text()[: m.start()].count("\n") + 2
+        return (f'#line 1 "{header.name}"\n{header.read_text()}\n'
+                f'#line {line} "{path.name}"')
+    return _LOCAL_INCLUDE.sub(inline, path.read_text())
+
+
+@dataclass
+class ProbeStatus:
+    name: str
+    attached: bool = False
+    reason: str = ""
+    attachments: list[str] = field(default_factory=list)
+    failed_attachments: list[str] = field(default_factory=list)
+
+
+class Probe:
+    """One kernel program: bpf/<name>.bpf.c and the code that drives it."""
+
+    name = ""
+
+    def __init__(self, cfg: Config, sink: EventSink | None = None,
+                 clock: events.MonotonicClock | None = None):
+        self.cfg = cfg
+        self.sink = sink
+        self.clock = clock or events.MonotonicClock()
+        self.bpf = None
+        self.status = ProbeStatus(self.name)
+        self.events_read = 0
+        self.decode_errors = 0
+        self._lock = threading.Lock()
+
+    # -- what subclasses provide -------------------------------------------------
+    @property
+    def source_path(self) -> Path:
+        return BPF_DIR / f"{self.name}.bpf.c"
+
+    def cflags(self) -> list[str]:
+        """-D flags that switch this probe's behaviour."""
+        return [f"-DSPANLET_RINGBUF_PAGES={self.ringbuf_pages()}"]
+
+    def ringbuf_pages(self) -> int:
+        return self.cfg.ringbuf_pages
+
+    def _attach(self) -> None:
+        """Attach the compiled programs; raise ProbeError if none could be."""
+        raise NotImplementedError
+
+    def _detach(self) -> None:
+        """Undo what BCC's cleanup does not (TC filters, for example)."""
+
+    def refresh(self) -> None:
+        """Periodic work (new processes, new interfaces); called by the daemon."""
+
+    # -- shared machinery --------------------------------------------------------
+    def source_text(self) -> str:
+        return expand_source(self.source_path)
+
+    def compile(self, shared_span_ctx: bool = False) -> None:
+        from bcc import BPF  # imported late: unit tiers run without BCC
+
+        flags = self.cflags()
+        if shared_span_ctx:
+            flags.append("-DSPANLET_SPAN_CTX_SHARED")
+        try:
+            self.bpf = BPF(text=self.source_text(), cflags=flags)
+        except Exception as e:  # BCC raises bare Exception with the reason
+            raise ProbeError(f"compile/load of {self.source_path.name} failed: {e}") from None
+
+    def start(self, shared_span_ctx: bool = False) -> ProbeStatus:
+        """Compile, attach and open the ring buffer; never raises."""
+        try:
+            self.compile(shared_span_ctx)
+            self._attach()
+            self.bpf["events"].open_ring_buffer(self._on_record)
+            self.status.attached = True
+            self.status.reason = ""
+        except ProbeError as e:
+            self.status.attached = False
+            self.status.reason = str(e)
+            self.stop()
+        return self.status
+
+    def _on_record(self, _ctx, data, size) -> int:
+        raw = ctypes.string_at(data, size)
+        try:
+            ev = events.decode(raw, self.clock)
+        except events.DecodeError:
+            self.decode_errors += 1
+            return 0
+        self.events_read += 1
+        if self.sink is not None:
+            self.sink(ev)
+        return 0
+
+    def poll(self, timeout_ms: int = 100) -> None:
+        if self.bpf is not None and self.status.attached:
+            self.bpf.ring_buffer_poll(timeout_ms)
+
+    def drain(self) -> None:
+        if self.bpf is not None and self.status.attached:
+            self.bpf.ring_buffer_consume()
+
+    def events_dropped(self) -> int:
+        if self.bpf is None:
+            return 0
+        return percpu_sum(self.bpf["spanlet_events_dropped_total"], 0)
+
+    def stop(self) -> None:
+        """Detach everything this probe attached; safe to call twice."""
+        with self._lock:
+            try:
+                self._detach()
+            except Exception as e:  # keep detaching the rest
+                log.warning("%s: detach: %s", self.name, e)
+            if self.bpf is not None:
+                try:
+                    self.bpf.cleanup()
+                except Exception as e:
+                    log.warning("%s: cleanup: %s", self.name, e)
+                self.bpf = None
+            self.status.attached = False
+
+
+def percpu_sum(table, key) -> int:
+    """Sum of a per-CPU counter at `key` (0 when the key is absent)."""
+    try:
+        values = table[table.Key(key)] if not isinstance(key, ctypes.Structure) else table[key]
+    except KeyError:
+        return 0
+    return sum(int(getattr(v, "value", v)) for v in values)

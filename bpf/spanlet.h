@@ -1,0 +1,213 @@
+/* spanlet.h: the structs that cross from spanlet's kernel programs into the
+ * agent (mirrored once, in agent/events.py), and the helpers every program
+ * uses to stamp and emit them. UAPI types and BPF helpers only. */
+#ifndef SPANLET_H
+#define SPANLET_H
+
+#include <uapi/linux/bpf.h>
+
+/* Record kinds (agent/events.py: Kind). */
+#define SPANLET_KIND_GPU_LAUNCH 1
+#define SPANLET_KIND_GPU_SYNC 2
+#define SPANLET_KIND_SANDBOX 3
+#define SPANLET_KIND_HTTP 4
+#define SPANLET_KIND_FLOW 5
+
+/* Modalities (agent/events.py: Modality). */
+#define SPANLET_MOD_OTHER 0
+#define SPANLET_MOD_TEXT 1
+#define SPANLET_MOD_IMAGE 2
+#define SPANLET_MOD_AUDIO 3
+#define SPANLET_MOD_VIDEO 4
+#define SPANLET_N_MODALITIES 5
+
+#ifndef SPANLET_SPAN_CTX_MAX
+#define SPANLET_SPAN_CTX_MAX 65536
+#endif
+#ifndef SPANLET_RINGBUF_PAGES
+#define SPANLET_RINGBUF_PAGES 256
+#endif
+
+/* Header of every ring-buffer record. ts_ns is CLOCK_MONOTONIC. */
+struct spanlet_hdr {
+    __u64 ts_ns;
+    __u32 pid;
+    __u32 tid;
+    __u64 cgroup_id;
+    __u8 trace_id[16];
+    __u64 span_id;
+    __u16 kind;
+    __u8 modality;
+    __u8 flags;
+    __u32 _pad;
+};
+
+/* What the span-context marker uprobe stores per thread id. */
+struct span_ctx_val {
+    __u8 trace_id[16];
+    __u64 span_id;
+    __u8 modality;
+    __u8 _pad[7];
+};
+
+/* GPU APIs and entry points. */
+#define SPANLET_API_DRIVER 1
+#define SPANLET_API_RUNTIME 2
+#define SPANLET_ENTRY_CU_LAUNCH_KERNEL 1
+#define SPANLET_ENTRY_CU_LAUNCH_KERNEL_EX 2
+#define SPANLET_ENTRY_CUDA_LAUNCH_KERNEL 3
+#define SPANLET_ENTRY_CU_STREAM_SYNC 4
+#define SPANLET_ENTRY_CUDA_STREAM_SYNC 5
+#define SPANLET_ENTRY_CUDA_DEVICE_SYNC 6
+
+struct gpu_launch_event {
+    struct spanlet_hdr hdr;
+    __u64 func;
+    __u64 stream;
+    __u64 duration_ns;
+    __u32 grid[3];
+    __u32 block[3];
+    __u32 shared_mem;
+    __u8 api;
+    __u8 entry;
+    __u8 _pad[2];
+};
+
+struct gpu_sync_event {
+    struct spanlet_hdr hdr;
+    __u64 stream;
+    __u64 duration_ns;
+    __u8 api;
+    __u8 entry;
+    __u8 _pad[6];
+};
+
+/* Sandbox rules and actions. */
+#define SPANLET_RULE_UNAUTHORIZED 1
+#define SPANLET_RULE_WRITE_ON_READONLY 2
+#define SPANLET_RULE_EXEC 3
+#define SPANLET_RULE_OVERSIZE 4
+#define SPANLET_ACTION_AUDIT 1
+#define SPANLET_ACTION_KILL 2
+
+struct sandbox_event {
+    struct spanlet_hdr hdr;
+    __u64 addr;
+    __u64 len;
+    __u64 pool_max_bytes;
+    __u32 prot;
+    __u32 flags;
+    __u32 pool_id;
+    __s32 fd;
+    __u8 rule;
+    __u8 action;
+    __u8 _pad[6];
+};
+
+/* Protocol classes of the TC classifier. */
+#define SPANLET_PROTO_UNKNOWN 0
+#define SPANLET_PROTO_HTTP1 1
+#define SPANLET_PROTO_HTTP2 2
+#define SPANLET_PROTO_WEBSOCKET 3
+#define SPANLET_PROTO_RTP 4
+#define SPANLET_PROTO_TCP 5
+#define SPANLET_PROTO_UDP 6
+#define SPANLET_N_PROTOS 7
+
+#define SPANLET_DIR_INGRESS 0
+#define SPANLET_DIR_EGRESS 1
+
+/* A flow as the classifier keys it: addresses in network byte order (IPv4
+ * in the first 4 bytes), ports in host byte order. */
+struct flow_key {
+    __u8 saddr[16];
+    __u8 daddr[16];
+    __u16 sport;
+    __u16 dport;
+    __u8 l4proto;
+    __u8 family;
+    __u8 _pad[2];
+};
+
+/* HTTP/1.x request seen on the wire. hdr.trace_id/hdr.span_id hold the
+ * traceparent's trace id and parent id when flags & SPANLET_HTTP_TRACEPARENT. */
+#define SPANLET_HTTP_TRACEPARENT 1
+struct http_event {
+    struct spanlet_hdr hdr;
+    struct flow_key flow;
+    __u32 ifindex;
+    __u32 path_hash;
+    __u8 method;
+    __u8 direction;
+    __u8 trace_flags;
+    __u8 _pad[5];
+};
+
+/* A flow classified for the first time. */
+struct flow_event {
+    struct spanlet_hdr hdr;
+    struct flow_key flow;
+    __u32 ifindex;
+    __u8 proto_class;
+    __u8 direction;
+    __u8 _pad[2];
+};
+
+/* The per-thread span context is owned by span_ctx.bpf.c (which defines it
+ * with SPANLET_SPAN_CTX_OWNER) and shared with every other program loaded by
+ * the same agent; a program compiled alone gets a private, empty copy. */
+#if defined(SPANLET_SPAN_CTX_OWNER)
+BPF_TABLE_SHARED("hash", __u32, struct span_ctx_val, span_ctx, SPANLET_SPAN_CTX_MAX);
+#elif defined(SPANLET_SPAN_CTX_SHARED)
+BPF_TABLE("extern", __u32, struct span_ctx_val, span_ctx, SPANLET_SPAN_CTX_MAX);
+#else
+BPF_HASH(span_ctx, __u32, struct span_ctx_val, 1);
+#endif
+
+/* Each program has its own ring buffer and a count of records it could not
+ * reserve there (read by the agent as events dropped). */
+BPF_RINGBUF_OUTPUT(events, SPANLET_RINGBUF_PAGES);
+BPF_PERCPU_ARRAY(spanlet_events_dropped_total, __u64, 1);
+
+static __always_inline void spanlet_count_drop(void)
+{
+    int zero = 0;
+    __u64 *n = spanlet_events_dropped_total.lookup(&zero);
+    if (n)
+        *n += 1;
+}
+
+/* Fill the header for the current task: ids, cgroup, and the span context
+ * of the calling thread when the marker has set one. */
+static __always_inline void spanlet_fill_task_hdr(struct spanlet_hdr *h, __u16 kind)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tid = (__u32)pid_tgid;
+    h->ts_ns = bpf_ktime_get_ns();
+    h->pid = pid_tgid >> 32;
+    h->tid = tid;
+    h->cgroup_id = bpf_get_current_cgroup_id();
+    h->kind = kind;
+    h->flags = 0;
+    h->_pad = 0;
+    struct span_ctx_val *c = span_ctx.lookup(&tid);
+    if (c) {
+        __builtin_memcpy(h->trace_id, c->trace_id, 16);
+        h->span_id = c->span_id;
+        h->modality = c->modality;
+    } else {
+        __builtin_memset(h->trace_id, 0, 16);
+        h->span_id = 0;
+        h->modality = SPANLET_MOD_OTHER;
+    }
+}
+
+/* Span-context modality of the calling thread (OTHER when none). */
+static __always_inline __u8 spanlet_current_modality(void)
+{
+    __u32 tid = (__u32)bpf_get_current_pid_tgid();
+    struct span_ctx_val *c = span_ctx.lookup(&tid);
+    return c ? c->modality : SPANLET_MOD_OTHER;
+}
+
+#endif

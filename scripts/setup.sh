@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Prepares a Debian machine to build, run and test spanlet: Debian packages,
+# kernel headers for BCC, tracefs/bpffs mounts, and a Python virtual
+# environment in .venv. Safe to run any number of times.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+venv="${SPANLET_VENV:-$here/.venv}"
+step() { printf '\n==> %s\n' "$*"; }
+have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+
+if [ "$(id -u)" != 0 ]; then
+  echo "setup: must run as root (it installs packages and mounts tracefs/bpffs)" >&2
+  exit 2
+fi
+
+debs=(python3-bpfcc bpftool linux-headers-cloud-amd64 iproute2 gcc make libc6-dev
+      prometheus python3-venv)
+missing=()
+for p in "${debs[@]}"; do have_pkg "$p" || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  step "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  step "Debian packages present"
+fi
+# Debian starts its prometheus service on install; spanlet's tests run their
+# own server on loopback, so the packaged one is left as the admin wants it.
+
+step "kernel headers for $(uname -r)"
+moddir="/lib/modules/$(uname -r)"
+if [ -e "$moddir/build/include" ]; then
+  echo "   $moddir/build already present: $(readlink -f "$moddir/build")"
+else
+  arch_hdr=$(ls -d /usr/src/linux-headers-*-cloud-amd64 2>/dev/null | sort -V | tail -n 1 || true)
+  [ -n "$arch_hdr" ] || arch_hdr=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n 1 || true)
+  if [ -z "$arch_hdr" ]; then
+    echo "setup: no linux-headers-*-amd64 folder under /usr/src" >&2
+    exit 1
+  fi
+  common_hdr="${arch_hdr%-cloud-amd64}"; common_hdr="${common_hdr%-amd64}-common"
+  mkdir -p "$moddir"
+  ln -sfn "$arch_hdr" "$moddir/build"
+  ln -sfn "$common_hdr" "$moddir/source"
+  echo "   build -> $arch_hdr"
+  echo "   source -> $common_hdr"
+fi
+
+step "mounts"
+if ! mountpoint -q /sys/kernel/tracing; then
+  mount -t tracefs tracefs /sys/kernel/tracing && echo "   mounted tracefs on /sys/kernel/tracing"
+else
+  echo "   tracefs already mounted"
+fi
+if ! mountpoint -q /sys/fs/bpf; then
+  mount -t bpf bpf /sys/fs/bpf && echo "   mounted bpffs on /sys/fs/bpf"
+else
+  echo "   bpffs already mounted"
+fi
+
+step "Python virtual environment in $venv"
+py="${SPANLET_PYTHON:-python3}"
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+# BCC's Python module ships for Debian's interpreter only; it is pure Python
+# over libbcc.so, so the venv sees it through a folder holding only that link.
+bccdir="$venv/bcc-site"
+mkdir -p "$bccdir"
+ln -sfn /usr/lib/python3/dist-packages/bcc "$bccdir/bcc"
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$bccdir" > "$site/spanlet-bcc.pth"
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q -e "$here[test]"
+"$venv/bin/python" -c 'import bcc, pyroute2, yaml, pydantic; print("   python modules import: bcc, pyroute2, yaml, pydantic")'
+
+echo
+echo "setup done: run the agent with 'make run', the tests with 'make test'"
