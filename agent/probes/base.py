@@ -90,14 +90,18 @@ class Probe:
     def source_text(self) -> str:
         return expand_source(self.source_path)
 
-    def compile(self, shared_span_ctx: bool = False) -> None:
-        from bcc import BPF  # imported late: unit tiers run without BCC
-
+    def compile_flags(self, shared_span_ctx: bool) -> list[str]:
+        """Everything passed to the compiler besides the text."""
         flags = self.cflags()
         if shared_span_ctx:
             flags.append("-DSPANLET_SPAN_CTX_SHARED")
+        return flags
+
+    def compile(self, shared_span_ctx: bool = False) -> None:
+        from bcc import BPF  # imported late: unit tiers run without BCC
+
         try:
-            self.bpf = BPF(text=self.source_text(), cflags=flags)
+            self.bpf = BPF(text=self.source_text(), cflags=self.compile_flags(shared_span_ctx))
         except Exception as e:  # BCC raises bare Exception with the reason
             raise ProbeError(f"compile/load of {self.source_path.name} failed: {e}") from None
 

@@ -1,0 +1,81 @@
+"""The `spanlet` command line: `spanlet run` starts the agent."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from agent import config as config_mod
+from agent import kernel
+
+EXIT_OK = 0
+EXIT_START_REFUSED = 2  # bad config, not root, missing headers or mounts
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spanlet", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the agent on this node")
+    run.add_argument("--config", metavar="FILE",
+                     help="YAML config file (default: $SPANLET_CONFIG, else built-in defaults)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override one config key, e.g. --set sandbox.mode=enforce (repeatable)")
+    run.add_argument("--dump-bpf", action="store_true",
+                     help="print the exact C compiled for each enabled probe, with its flags, and exit")
+    run.add_argument("--print-events", action="store_true",
+                     help="print every decoded kernel event as one JSON line on stdout")
+    return p
+
+
+def _dump_bpf(cfg: config_mod.Config) -> None:
+    from agent.daemon import probe_classes
+    for i, cls in enumerate(probe_classes(cfg)):
+        probe = cls(cfg)
+        flags = " ".join(probe.compile_flags(shared_span_ctx=i > 0))
+        print(f"/* ==== probe {probe.name}: {probe.source_path.name}  flags: {flags} ==== */")
+        print(probe.source_text())
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_mod.load(args.config, overrides=args.overrides)
+    except config_mod.ConfigError as e:
+        print(f"spanlet: {e}", file=sys.stderr)
+        return EXIT_START_REFUSED
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.dump_bpf:
+        _dump_bpf(cfg)
+        return EXIT_OK
+    from agent.daemon import Daemon
+
+    sink = None
+    if args.print_events:
+        def sink(ev):
+            print(json.dumps(ev.as_dict()), flush=True)
+    daemon = Daemon(cfg, sink=sink)
+    try:
+        daemon.check_node()
+    except kernel.EnvironmentProblem as e:
+        print(f"spanlet: cannot start: {e}", file=sys.stderr)
+        return EXIT_START_REFUSED
+    try:
+        daemon.start()
+        print("spanlet: running; SIGTERM or Ctrl-C stops it", file=sys.stderr, flush=True)
+        daemon.run_until_signal()
+    finally:
+        daemon.stop()
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args)
+    return EXIT_START_REFUSED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

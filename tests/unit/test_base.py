@@ -1,0 +1,19 @@
+"""Probe base: our headers are inlined so BCC rewrites their map calls."""
+
+from agent.probes.base import BPF_DIR, expand_source
+
+
+def test_expand_source_inlines_local_headers_with_line_markers(tmp_path):
+    (tmp_path / "x.h").write_text("int from_header;\n")
+    src = tmp_path / "p.bpf.c"
+    src.write_text("/* p */\n#include \"x.h\"\n#include <uapi/linux/bpf.h>\nint after;\n")
+    out = expand_source(src)
+    assert '#line 1 "x.h"\nint from_header;' in out
+    assert '#line 3 "p.bpf.c"\n#include <uapi/linux/bpf.h>' in out   # system includes stay
+    assert '#include "x.h"' not in out
+
+
+def test_every_probe_source_includes_the_shared_header():
+    for src in BPF_DIR.glob("*.bpf.c"):
+        text = expand_source(src)
+        assert "struct spanlet_hdr {" in text, src.name
