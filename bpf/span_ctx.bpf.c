@@ -1,5 +1,46 @@
 /* span_ctx.bpf.c: owner of the per-thread span context map (tid → trace id,
- * span id, modality) that every process-context probe stamps its events from.
- * Loaded first; the other programs reach the map as an extern table. */
+ * span id, modality). A uprobe on the client's spanlet_mark() fills it on
+ * every span start and end; the other process-context programs read it
+ * through the shared table to stamp their events. Loaded first. */
 #define SPANLET_SPAN_CTX_OWNER 1
 #include "spanlet.h"
+
+#include <uapi/linux/ptrace.h>
+
+BPF_PERCPU_ARRAY(spanlet_span_marks_total, __u64, 1);
+
+/* void spanlet_mark(u64 trace_hi, u64 trace_lo, u64 span_id, u32 modality)
+ * (native/spanlet_marker.c). span_id 0: the thread left its last span. */
+int span_ctx_mark(struct pt_regs *ctx)
+{
+    __u32 tid = (__u32)bpf_get_current_pid_tgid();
+    __u64 span_id = PT_REGS_PARM3(ctx);
+    int zero = 0;
+    __u64 *marks = spanlet_span_marks_total.lookup(&zero);
+    if (marks)
+        *marks += 1;
+    if (span_id == 0) {
+        span_ctx.delete(&tid);
+        return 0;
+    }
+    struct span_ctx_val v = {};
+    /* trace id bytes in W3C order: the high half first, big-endian */
+    __u64 hi = __builtin_bswap64((__u64)PT_REGS_PARM1(ctx));
+    __u64 lo = __builtin_bswap64((__u64)PT_REGS_PARM2(ctx));
+    __builtin_memcpy(v.trace_id, &hi, 8);
+    __builtin_memcpy(v.trace_id + 8, &lo, 8);
+    v.span_id = span_id;
+    __u32 modality = (__u32)PT_REGS_PARM4(ctx);
+    v.modality = modality < SPANLET_N_MODALITIES ? modality : SPANLET_MOD_OTHER;
+    span_ctx.update(&tid, &v);
+    return 0;
+}
+
+/* A thread that exits inside a span must not lend its context to the next
+ * thread that gets its id. */
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    __u32 tid = (__u32)bpf_get_current_pid_tgid();
+    span_ctx.delete(&tid);
+    return 0;
+}

@@ -157,7 +157,7 @@ struct flow_event {
  * with SPANLET_SPAN_CTX_OWNER) and shared with every other program loaded by
  * the same agent; a program compiled alone gets a private, empty copy. */
 #if defined(SPANLET_SPAN_CTX_OWNER)
-BPF_TABLE_SHARED("hash", __u32, struct span_ctx_val, span_ctx, SPANLET_SPAN_CTX_MAX);
+BPF_TABLE_SHARED("lru_hash", __u32, struct span_ctx_val, span_ctx, SPANLET_SPAN_CTX_MAX);
 #elif defined(SPANLET_SPAN_CTX_SHARED)
 BPF_TABLE("extern", __u32, struct span_ctx_val, span_ctx, SPANLET_SPAN_CTX_MAX);
 #else

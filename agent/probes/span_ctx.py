@@ -1,23 +1,58 @@
 """Loader of bpf/span_ctx.bpf.c: owns the span_ctx map that the other
-process-context probes read to stamp events with the calling thread's span."""
+process-context probes read, and attaches the marker uprobe to every copy of
+the client's libspanlet_marker.so that discovery finds (containers included)."""
 
 from __future__ import annotations
 
+import logging
+
 from agent import events
-from agent.probes.base import Probe
+from agent.discovery import LibraryFinder, MappedLibrary
+from agent.probes.base import EventSink, Probe, percpu_sum
+
+log = logging.getLogger(__name__)
+
+MARKER_LIBRARY = "libspanlet_marker.so"
+MARKER_SYMBOL = "spanlet_mark"
 
 
 class SpanCtxProbe(Probe):
     name = "span_ctx"
 
+    def __init__(self, cfg, sink: EventSink | None = None,
+                 clock: events.MonotonicClock | None = None, proc: str = "/proc"):
+        super().__init__(cfg, sink, clock)
+        self.finder = LibraryFinder([MARKER_LIBRARY], proc=proc,
+                                    full_rescan_s=cfg.discovery.full_rescan_s)
+        self.libraries: list[MappedLibrary] = []
+
     def ringbuf_pages(self) -> int:
-        return 1  # no records of its own yet
+        return 1  # no records of its own
 
     def _attach(self) -> None:
-        """Nothing to attach yet: the map alone is what the others need."""
+        # The exit tracepoint is attached by BCC at load; markers come from discovery.
+        self.refresh()
+
+    def refresh(self) -> None:
+        for lib in self.finder.refresh():
+            label = f"{MARKER_SYMBOL}@{lib.path} (inode {lib.inode}, pid {lib.pid})"
+            try:
+                self.bpf.attach_uprobe(name=lib.open_path, sym=MARKER_SYMBOL,
+                                       fn_name="span_ctx_mark")
+            except Exception as e:  # BCC raises bare Exception
+                self.status.failed_attachments.append(f"{label}: {e}")
+                log.warning("span_ctx: cannot attach %s: %s", label, e)
+                continue
+            self.libraries.append(lib)
+            self.status.attachments.append(label)
+            log.info("span_ctx: attached %s", label)
+
+    def marks(self) -> int:
+        """Marker calls seen (span starts and ends of instrumented processes)."""
+        return percpu_sum(self.bpf["spanlet_span_marks_total"], 0) if self.bpf else 0
 
     def set(self, tid: int, trace_id: bytes, span_id: int, modality: events.Modality) -> None:
-        """Write one thread's context (the marker uprobe does this in the kernel)."""
+        """Write one thread's context as the marker uprobe would (tests, tools)."""
         table = self.bpf["span_ctx"]
         val = table.Leaf()
         for i, b in enumerate(trace_id[:16]):
@@ -25,6 +60,14 @@ class SpanCtxProbe(Probe):
         val.span_id = span_id
         val.modality = int(modality)
         table[table.Key(tid)] = val
+
+    def get(self, tid: int) -> tuple[bytes, int, events.Modality] | None:
+        table = self.bpf["span_ctx"]
+        try:
+            v = table[table.Key(tid)]
+        except KeyError:
+            return None
+        return bytes(v.trace_id), v.span_id, events.Modality(v.modality)
 
     def clear(self, tid: int) -> None:
         table = self.bpf["span_ctx"]

@@ -1,0 +1,258 @@
+"""The span join: kernel events that carry a span id wait in a bounded buffer
+until the OTLP span with that id arrives; the span then gets `kernel.*`
+attributes and span events. Events that come after their span was passed on
+are emitted later as their own record (a child span with the same trace id)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from agent import events
+from agent.config import JoinConfig
+
+log = logging.getLogger(__name__)
+
+LATE_SPAN_NAME = "spanlet.kernel.late_events"
+
+# The kernel facts a span gets, as (attribute, Facts field).
+FACT_ATTRIBUTES = (
+    ("kernel.gpu.launches", "launches"),
+    ("kernel.gpu.launch_ns", "launch_ns"),
+    ("kernel.gpu.sync_wait_ns", "sync_wait_ns"),
+    ("kernel.net.rx_bytes", "rx_bytes"),
+    ("kernel.net.tx_bytes", "tx_bytes"),
+    ("kernel.sandbox.violations", "violations"),
+)
+
+
+@dataclass
+class Facts:
+    """What the kernel did for one span."""
+
+    trace_id: bytes
+    first_ns: int
+    launches: int = 0
+    launch_ns: int = 0
+    sync_wait_ns: int = 0
+    rx_bytes: int = 0
+    tx_bytes: int = 0
+    violations: int = 0
+    count: int = 0                                   # events folded in
+    samples: list = field(default_factory=list)      # individual events kept, capped
+    samples_capped: int = 0
+
+    def add(self, ev: events._Event, cap: int) -> None:
+        kind = ev.hdr.kind
+        if kind == events.Kind.GPU_LAUNCH:
+            self.launches += 1
+            self.launch_ns += ev.duration_ns
+        elif kind == events.Kind.GPU_SYNC:
+            self.sync_wait_ns += ev.duration_ns
+        elif kind == events.Kind.SANDBOX:
+            self.violations += 1
+        self.count += 1
+        if len(self.samples) < cap:
+            self.samples.append(ev)
+        else:
+            self.samples_capped += 1
+
+    def merge(self, other: "Facts", cap: int) -> None:
+        for _, name in FACT_ATTRIBUTES:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.count += other.count
+        room = max(0, cap - len(self.samples))
+        self.samples.extend(other.samples[:room])
+        self.samples_capped += other.samples_capped + max(0, len(other.samples) - room)
+
+
+@dataclass
+class JoinStats:
+    events_in: int = 0            # events that carried a span id
+    events_joined: int = 0        # found their span (on time or late)
+    events_evicted: int = 0       # their span never came (TTL or size bound)
+    spans_in: int = 0
+    spans_joined: int = 0         # got at least one kernel event
+    late_records: int = 0
+    span_events_capped: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _kv_int(key: str, value: int) -> KeyValue:
+    return KeyValue(key=key, value=AnyValue(int_value=int(value)))
+
+
+def _event_attributes(ev: events._Event) -> list[KeyValue]:
+    kind = ev.hdr.kind
+    out = [_kv_int("pid", ev.hdr.pid), _kv_int("tid", ev.hdr.tid)]
+    if kind in (events.Kind.GPU_LAUNCH, events.Kind.GPU_SYNC):
+        out.append(KeyValue(key="entry", value=AnyValue(string_value=events.Entry(ev.entry).name)))
+        out.append(_kv_int("duration_ns", ev.duration_ns))
+        if kind == events.Kind.GPU_LAUNCH:
+            out.append(KeyValue(key="grid", value=AnyValue(string_value="x".join(map(str, ev.grid)))))
+            out.append(KeyValue(key="block", value=AnyValue(string_value="x".join(map(str, ev.block)))))
+            out.append(_kv_int("shared_mem", ev.shared_mem))
+    elif kind == events.Kind.SANDBOX:
+        out.append(KeyValue(key="rule", value=AnyValue(string_value=events.Rule(ev.rule).name)))
+        out.append(KeyValue(key="action", value=AnyValue(string_value=events.Action(ev.action).name)))
+        out.append(_kv_int("pool_id", ev.pool_id))
+        out.append(_kv_int("len", ev.len))
+    return out
+
+
+_EVENT_NAMES = {
+    events.Kind.GPU_LAUNCH: "kernel.gpu.launch",
+    events.Kind.GPU_SYNC: "kernel.gpu.sync_wait",
+    events.Kind.SANDBOX: "kernel.sandbox.violation",
+}
+
+
+def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
+    """Add the facts to a span proto: attributes (summed with any already
+    there from an earlier join) and the kept events as span events."""
+    existing = {kv.key: kv for kv in span.attributes}
+    for attr, name in FACT_ATTRIBUTES:
+        value = getattr(facts, name)
+        if attr in existing:
+            existing[attr].value.int_value += value
+        else:
+            span.attributes.append(_kv_int(attr, value))
+    for ev in facts.samples:
+        span.events.append(trace_pb2.Span.Event(
+            time_unix_nano=ev.epoch_ns, name=_EVENT_NAMES.get(ev.hdr.kind, "kernel.event"),
+            attributes=_event_attributes(ev)))
+    if facts.samples_capped:
+        span.dropped_events_count += facts.samples_capped
+
+
+class SpanJoin:
+    """Thread-safe: reader threads add events, receiver threads join spans."""
+
+    def __init__(self, cfg: JoinConfig, on_late: Callable[[list[trace_pb2.ResourceSpans]], None]
+                 | None = None, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.on_late = on_late
+        self.clock = clock
+        self.stats = JoinStats()
+        self._lock = threading.Lock()
+        self._pending: OrderedDict[int, tuple[float, Facts]] = OrderedDict()
+        self._buffered = 0
+        # span id → trace id of spans already passed on, for late events.
+        self._done: OrderedDict[int, bytes] = OrderedDict()
+        self._late: dict[int, Facts] = {}
+
+    # -- kernel side -------------------------------------------------------------
+    def add_event(self, ev: events._Event) -> None:
+        span_id = ev.hdr.span_id
+        if not span_id or ev.hdr.kind not in _EVENT_NAMES:
+            return
+        trace_id = bytes(ev.hdr.trace_id)
+        with self._lock:
+            self.stats.events_in += 1
+            done_trace = self._done.get(span_id)
+            if done_trace == trace_id:
+                late = self._late.get(span_id)
+                if late is None:
+                    late = self._late[span_id] = Facts(trace_id, ev.epoch_ns)
+                late.add(ev, self.cfg.max_span_events)
+                self.stats.events_joined += 1
+                return
+            entry = self._pending.get(span_id)
+            if entry is None or entry[1].trace_id != trace_id:
+                entry = (self.clock(), Facts(trace_id, ev.epoch_ns))
+                self._pending[span_id] = entry
+            entry[1].add(ev, self.cfg.max_span_events)
+            self._buffered += 1
+            self._evict_locked()
+
+    def _evict_locked(self) -> None:
+        deadline = self.clock() - self.cfg.ttl_s
+        while self._pending:
+            span_id, (born, facts) = next(iter(self._pending.items()))
+            if self._buffered <= self.cfg.buffer_events and born >= deadline:
+                break
+            del self._pending[span_id]
+            self._buffered -= facts.count
+            self.stats.events_evicted += facts.count
+
+    def pending_events(self) -> int:
+        with self._lock:
+            return self._buffered
+
+    # -- span side ---------------------------------------------------------------
+    def join(self, resource_spans: Iterable[trace_pb2.ResourceSpans]) -> int:
+        """Enrich the spans in place; returns how many got kernel facts."""
+        joined = 0
+        with self._lock:
+            for rs in resource_spans:
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        joined += self._join_span_locked(span)
+            self._evict_locked()
+        return joined
+
+    def _join_span_locked(self, span: trace_pb2.Span) -> int:
+        span_id = int.from_bytes(span.span_id, "big")
+        self.stats.spans_in += 1
+        self._done[span_id] = bytes(span.trace_id)
+        if len(self._done) > self.cfg.buffer_events:
+            self._done.popitem(last=False)
+        entry = self._pending.get(span_id)
+        if entry is None or entry[1].trace_id != bytes(span.trace_id):
+            return 0
+        del self._pending[span_id]
+        facts = entry[1]
+        self._buffered -= facts.count
+        apply_facts(span, facts)
+        self.stats.events_joined += facts.count
+        self.stats.spans_joined += 1
+        self.stats.span_events_capped += facts.samples_capped
+        return 1
+
+    def flush_late(self) -> int:
+        """Emit the events that arrived after their span as child spans."""
+        with self._lock:
+            late, self._late = self._late, {}
+            self._evict_locked()
+        if not late:
+            return 0
+        spans = []
+        for span_id, facts in late.items():
+            span = trace_pb2.Span(
+                trace_id=facts.trace_id, parent_span_id=span_id.to_bytes(8, "big"),
+                span_id=_late_span_id(span_id, facts.first_ns), name=LATE_SPAN_NAME,
+                kind=trace_pb2.Span.SPAN_KIND_INTERNAL,
+                start_time_unix_nano=facts.first_ns,
+                end_time_unix_nano=max([facts.first_ns] + [e.epoch_ns for e in facts.samples]))
+            apply_facts(span, facts)
+            spans.append(span)
+        record = trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=spans)])
+        record.scope_spans[0].scope.name = "spanlet"
+        with self._lock:
+            self.stats.late_records += len(spans)
+        if self.on_late is not None:
+            self.on_late([record])
+        return len(spans)
+
+    def coverage(self) -> tuple[float | None, float | None]:
+        """(share of spans joined to a kernel event, share of events that found their span)."""
+        s = self.stats
+        spans = s.spans_joined / s.spans_in if s.spans_in else None
+        settled = s.events_joined + s.events_evicted
+        evs = s.events_joined / settled if settled else None
+        return spans, evs
+
+
+def _late_span_id(span_id: int, first_ns: int) -> bytes:
+    """A stable id for the late record of a span (so a retried insert dedups)."""
+    mixed = (span_id * 0x9E3779B97F4A7C15 + first_ns) & 0xFFFFFFFFFFFFFFFF
+    return (mixed or 1).to_bytes(8, "big")

@@ -1,0 +1,107 @@
+"""The span join: facts per span, bounded buffer, late events, coverage."""
+
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from agent import events
+from agent.config import JoinConfig
+from agent.join import LATE_SPAN_NAME, SpanJoin
+
+TRACE = bytes(range(1, 17))
+
+
+def launch(span_id, duration_ns=1000, trace=TRACE, ts=1):
+    ev = events.GpuLaunch()
+    ev.hdr.kind = events.Kind.GPU_LAUNCH
+    ev.hdr.span_id = span_id
+    ev.hdr.trace_id[:] = list(trace)
+    ev.duration_ns = duration_ns
+    ev.entry = events.Entry.cuLaunchKernel
+    ev.grid[:] = [2, 1, 1]
+    ev.epoch_ns = ts
+    return ev
+
+
+def sync(span_id, duration_ns):
+    ev = events.GpuSync()
+    ev.hdr.kind = events.Kind.GPU_SYNC
+    ev.hdr.span_id = span_id
+    ev.hdr.trace_id[:] = list(TRACE)
+    ev.duration_ns = duration_ns
+    ev.entry = events.Entry.cudaDeviceSynchronize
+    return ev
+
+
+def request(*span_ids, trace=TRACE):
+    spans = [trace_pb2.Span(trace_id=trace, span_id=s.to_bytes(8, "big"), name=f"s{s}")
+             for s in span_ids]
+    return [trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=spans)])]
+
+
+def attrs(span):
+    return {kv.key: kv.value.int_value for kv in span.attributes}
+
+
+def test_each_span_gets_exactly_its_own_facts():
+    j = SpanJoin(JoinConfig(max_span_events=2))
+    for _ in range(3):
+        j.add_event(launch(7, 100))
+    j.add_event(sync(7, 5000))
+    j.add_event(launch(8, 10))
+    rs = request(7, 8, 9)
+    assert j.join(rs) == 2
+    s7, s8, s9 = rs[0].scope_spans[0].spans
+    assert attrs(s7)["kernel.gpu.launches"] == 3
+    assert attrs(s7)["kernel.gpu.launch_ns"] == 300
+    assert attrs(s7)["kernel.gpu.sync_wait_ns"] == 5000
+    assert len(s7.events) == 2 and s7.dropped_events_count == 2   # capped at 2
+    assert s7.events[0].name == "kernel.gpu.launch"
+    assert attrs(s8)["kernel.gpu.launches"] == 1
+    assert attrs(s9) == {}
+    assert j.coverage() == (2 / 3, 1.0)
+    assert j.pending_events() == 0
+
+
+def test_other_trace_with_same_span_id_does_not_join():
+    j = SpanJoin(JoinConfig())
+    j.add_event(launch(7, trace=b"\x09" * 16))
+    assert j.join(request(7)) == 0
+
+
+def test_buffer_is_bounded_and_evictions_counted():
+    j = SpanJoin(JoinConfig(buffer_events=100))
+    for span in range(1, 1001):
+        j.add_event(launch(span))
+    assert j.pending_events() == 100
+    assert j.stats.events_evicted == 900
+    assert j.join(request(1000)) == 1      # the newest are kept
+    assert j.join(request(1)) == 0
+
+
+def test_ttl_evicts_old_events():
+    now = [0.0]
+    j = SpanJoin(JoinConfig(ttl_s=5), clock=lambda: now[0])
+    j.add_event(launch(1))
+    now[0] = 6.0
+    j.add_event(launch(2))
+    assert j.stats.events_evicted == 1
+    assert j.join(request(1)) == 0 and j.join(request(2)) == 1
+
+
+def test_late_events_become_their_own_record():
+    out = []
+    j = SpanJoin(JoinConfig(), on_late=out.extend)
+    j.join(request(7))
+    j.add_event(launch(7, 40, ts=123))
+    j.add_event(launch(7, 2, ts=130))
+    assert j.flush_late() == 1
+    (late,) = out[0].scope_spans[0].spans
+    assert late.name == LATE_SPAN_NAME
+    assert late.trace_id == TRACE and late.parent_span_id == (7).to_bytes(8, "big")
+    assert attrs(late)["kernel.gpu.launches"] == 2 and attrs(late)["kernel.gpu.launch_ns"] == 42
+    assert j.flush_late() == 0
+
+
+def test_events_without_span_are_not_buffered():
+    j = SpanJoin(JoinConfig())
+    j.add_event(launch(0))
+    assert j.pending_events() == 0 and j.stats.events_in == 0
