@@ -1,0 +1,103 @@
+"""cgroup v2 ids as the kernel reports them (bpf_get_current_cgroup_id) →
+cgroup paths → container id and pod UID, for the cgroupfs and systemd
+drivers with containerd, CRI-O and Docker naming."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_HEX64 = r"[0-9a-f]{64}"
+_UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
+
+# Container leaf of a cgroup path, most specific first.
+_CONTAINER = [
+    ("containerd", re.compile(rf"(?:^|/)cri-containerd-({_HEX64})\.scope$")),
+    ("cri-o", re.compile(rf"(?:^|/)crio-(?:conmon-)?({_HEX64})\.scope$")),
+    ("cri-o", re.compile(rf"(?:^|/)crio-({_HEX64})$")),
+    ("docker", re.compile(rf"(?:^|/)docker-({_HEX64})\.scope$")),
+    ("docker", re.compile(rf"^/docker/({_HEX64})$")),
+    # cgroupfs driver under kubepods: the bare id (containerd, or docker via cri-dockerd)
+    ("containerd", re.compile(rf"/pod{_UID}/({_HEX64})$")),
+]
+_POD = re.compile(rf"(?:/kubepods[^/]*-pod|/pod)({_UID})(?:\.slice)?(?:/|$)")
+
+
+@dataclass(frozen=True)
+class Container:
+    runtime: str = ""
+    container_id: str = ""
+    pod_uid: str = ""
+
+
+def parse_cgroup_path(path: str) -> Container:
+    """Container and pod of a cgroup v2 path (relative to the cgroup2 root);
+    empty fields where the path names none (a host service, say)."""
+    path = "/" + path.strip("/")
+    runtime = cid = ""
+    for name, pattern in _CONTAINER:
+        m = pattern.search(path)
+        if m:
+            runtime, cid = name, m.group(1)
+            break
+    m = _POD.search(path)
+    pod_uid = m.group(1).replace("_", "-") if m else ""
+    return Container(runtime, cid, pod_uid)
+
+
+def cgroup2_root(mountinfo_path: str = "/proc/self/mountinfo") -> Path | None:
+    """Mount point of the cgroup v2 hierarchy, or None."""
+    try:
+        text = Path(mountinfo_path).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        if sep and right.split(" ", 1)[0] == "cgroup2":
+            mnt = left.split(" ")[4]
+            return Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), mnt))
+    return None
+
+
+def cgroup_id(path: str | os.PathLike) -> int:
+    """The id the kernel gives a cgroup v2 directory: its inode number."""
+    return os.stat(path).st_ino
+
+
+class CgroupIndex:
+    """cgroup id → path relative to the cgroup2 root. Built by walking the
+    hierarchy; an unknown id triggers a rescan at most every `rescan_s`."""
+
+    def __init__(self, root: Path | None = None, rescan_s: float = 2.0):
+        self.root = root if root is not None else cgroup2_root()
+        self.rescan_s = rescan_s
+        self._paths: dict[int, str] = {}
+        self._scanned_at = float("-inf")
+        self._lock = threading.Lock()
+
+    def _scan(self) -> None:
+        paths: dict[int, str] = {}
+        if self.root is not None:
+            for dirpath, _dirs, _files in os.walk(self.root):
+                try:
+                    paths[os.stat(dirpath).st_ino] = "/" + os.path.relpath(dirpath, self.root).lstrip(".")
+                except OSError:
+                    continue
+        self._paths = paths
+        self._scanned_at = time.monotonic()
+
+    def path(self, cid: int) -> str | None:
+        with self._lock:
+            p = self._paths.get(cid)
+            if p is None and time.monotonic() - self._scanned_at >= self.rescan_s:
+                self._scan()
+                p = self._paths.get(cid)
+            return p
+
+    def container(self, cid: int) -> Container:
+        p = self.path(cid)
+        return parse_cgroup_path(p) if p else Container()
