@@ -49,18 +49,71 @@ def parse_cgroup_path(path: str) -> Container:
     return Container(runtime, cid, pod_uid)
 
 
+class CgroupError(Exception):
+    """A cgroup named in the config does not exist, or there is no cgroup v2."""
+
+
+# -- cgroup paths of the config ----------------------------------------------------------------------
+def _unescape_mountinfo(field_: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field_)
+
+
+def cgroup2_mount(mountinfo: str) -> str:
+    """Mount point of the cgroup v2 hierarchy from /proc/self/mountinfo text."""
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields = left.split()
+        if right.split()[:1] == ["cgroup2"] and len(fields) >= 5:
+            return _unescape_mountinfo(fields[4])
+    raise CgroupError("no cgroup2 file system is mounted (/proc/self/mountinfo); "
+                     "grants by cgroup need cgroup v2")
+
+
+class CgroupResolver:
+    """cgroup v2 paths of the config → cgroup ids (the directory's inode
+    number, which is what bpf_get_current_cgroup_id returns)."""
+
+    def __init__(self, mount: str | None = None):
+        self._mount = mount
+
+    @property
+    def mount(self) -> str:
+        if self._mount is None:
+            self._mount = cgroup2_mount(Path("/proc/self/mountinfo").read_text())
+        return self._mount
+
+    def directory(self, path: str) -> Path:
+        """Absolute paths inside the mount are used as they are; other absolute
+        paths are cgroup paths as /proc/<pid>/cgroup shows them; relative
+        paths are relative to the mount."""
+        mount = Path(self.mount)
+        p = Path(path)
+        if p.is_absolute() and (p == mount or mount in p.parents):
+            return p
+        return mount / path.lstrip("/")
+
+    def id(self, path: str) -> int:
+        d = self.directory(path)
+        try:
+            st = os.stat(d)
+        except FileNotFoundError:
+            raise CgroupError(f"cgroup {path!r} does not exist ({d})") from None
+        except OSError as e:
+            raise CgroupError(f"cgroup {path!r}: {d}: {e.strerror}") from None
+        if not os.path.isfile(d / "cgroup.procs"):
+            raise CgroupError(f"cgroup {path!r}: {d} is not a cgroup v2 directory")
+        return st.st_ino
+
+
 def cgroup2_root(mountinfo_path: str = "/proc/self/mountinfo") -> Path | None:
     """Mount point of the cgroup v2 hierarchy, or None."""
     try:
-        text = Path(mountinfo_path).read_text()
-    except OSError:
+        return Path(cgroup2_mount(Path(mountinfo_path).read_text()))
+    except (OSError, CgroupError):
         return None
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        if sep and right.split(" ", 1)[0] == "cgroup2":
-            mnt = left.split(" ")[4]
-            return Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), mnt))
-    return None
 
 
 def cgroup_id(path: str | os.PathLike) -> int:

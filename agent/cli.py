@@ -31,8 +31,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _dump_bpf(cfg: config_mod.Config) -> None:
     from agent.daemon import probe_classes
+    from agent.probes import base
+    owner = None
     for i, cls in enumerate(probe_classes(cfg)):
         probe = cls(cfg)
+        if owner is None:
+            owner = probe
+            base.publish_span_ctx_pin(owner.pin)  # the path it will pin at
         flags = " ".join(probe.compile_flags(shared_span_ctx=i > 0))
         print(f"/* ==== probe {probe.name}: {probe.source_path.name}  flags: {flags} ==== */")
         print(probe.source_text())

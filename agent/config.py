@@ -71,6 +71,11 @@ class TcConfig(_Section):
     # Bytes of a request's first packet searched for HTTP headers.
     http_scan_bytes: int = Field(default=512, ge=64, le=1024)
     filter_priority: int = Field(default=0x5370, ge=1, le=0xFFFF)
+    # A flow whose counters have not moved for this long is deleted from the
+    # kernel maps (its counts stay in the totals).
+    flow_idle_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
+    # Window of the Jitter Sensitivity Score (late / media packets).
+    jss_window_s: float = Field(default=10.0, gt=0, le=3600)
 
     @field_validator("port_modality")
     @classmethod
@@ -99,6 +104,9 @@ class SandboxGrant(_Section):
     def _names_someone(self) -> "SandboxGrant":
         if not self.pids and not self.cgroups:
             raise ValueError("a grant needs at least one of 'pids' or 'cgroups'")
+        for pid in self.pids:
+            if pid <= 0:
+                raise ValueError(f"pid {pid} is not a process id (> 0)")
         return self
 
 
@@ -120,6 +128,10 @@ class SandboxConfig(_Section):
         for p in self.prefixes:
             if not p.startswith("/") or len(p.encode()) > 120:
                 raise ValueError(f"prefix {p!r} must be an absolute path of at most 120 bytes")
+        for path in self.prefixes + [pool.path for pool in self.pools]:
+            # The sandbox matches path strings; it does not resolve '..'.
+            if "/../" in path + "/":
+                raise ValueError(f"path {path!r} contains '..'")
         for pool in self.pools:
             if not any(pool.path.startswith(p) for p in self.prefixes):
                 raise ValueError(f"pool {pool.path!r} is not under any of the prefixes {self.prefixes}")
@@ -141,7 +153,41 @@ class GpuConfig(_Section):
 
 
 class DiscoveryConfig(_Section):
+    # How often the agent looks for new processes and libraries.
     interval_s: float = Field(default=1.0, gt=0, le=60)
+    # A process already scanned is re-read when its mapped size (vsize)
+    # changes, and in any case after this many seconds.
+    full_rescan_s: float = Field(default=30.0, gt=0, le=3600)
+    # A library no process has mapped for this long is detached (its uprobes
+    # freed); a process mapping it within that time is traced from its start.
+    unmapped_grace_s: float = Field(default=600.0, ge=0, le=86_400)
+
+
+class OtlpConfig(_Section):
+    # The receiver serving processes export their spans to. The DaemonSet sets
+    # the node's address; the default keeps a single machine private.
+    receiver_address: str = "127.0.0.1"
+    grpc_port: int = Field(default=4317, ge=0, le=65535)
+    http_port: int = Field(default=4318, ge=0, le=65535)
+    max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    # Upstream export of enriched spans; empty endpoint (and no
+    # OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT) means no export, not an error.
+    upstream_endpoint: str = ""
+    upstream_protocol: Literal["", "grpc", "http/protobuf"] = ""
+    upstream_headers: dict[str, str] = {}
+    upstream_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    queue_size: int = Field(default=8192, ge=1, le=10_000_000)
+    batch_size: int = Field(default=512, ge=1, le=100_000)
+    batch_interval_s: float = Field(default=1.0, gt=0, le=60)
+    max_retry_s: float = Field(default=60.0, ge=0, le=3600)
+
+
+class JoinConfig(_Section):
+    # Kernel events wait here for their span; bounded in count and age.
+    buffer_events: int = Field(default=100_000, ge=100, le=10_000_000)
+    ttl_s: float = Field(default=30.0, gt=0, le=3600)
+    # Individual kernel events added to a span as span events, at most.
+    max_span_events: int = Field(default=32, ge=0, le=10_000)
 
 
 class Config(_Section):
@@ -156,6 +202,8 @@ class Config(_Section):
     sandbox: SandboxConfig = SandboxConfig()
     gpu: GpuConfig = GpuConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    otlp: OtlpConfig = OtlpConfig()
+    join: JoinConfig = JoinConfig()
 
     @field_validator("ringbuf_pages")
     @classmethod

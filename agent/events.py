@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes as C
 import enum
 import ipaddress
+import struct
 import time
 
 
@@ -231,6 +232,11 @@ RECORDS: dict[int, type[_Event]] = {
 }
 _KIND_OFFSET = Header.kind.offset
 _HEADER_SIZE = C.sizeof(Header)
+_SIZES = {kind: C.sizeof(cls) for kind, cls in RECORDS.items()}
+
+
+_KIND = struct.Struct("<H")
+_TS = struct.Struct("<Q")
 
 
 class DecodeError(ValueError):
@@ -261,16 +267,24 @@ class MonotonicClock:
         return mono_ns + self.offset_ns
 
 
-def decode(raw: bytes, clock: MonotonicClock) -> _Event:
-    """One ring-buffer record → its struct, with epoch_ns set."""
-    if len(raw) < _HEADER_SIZE:
-        raise DecodeError(f"record of {len(raw)} bytes is shorter than the header")
-    kind = int.from_bytes(raw[_KIND_OFFSET:_KIND_OFFSET + 2], "little")
+def decode_from(buf, offset: int, size: int, clock: MonotonicClock) -> _Event:
+    """The record of `size` bytes at `offset` in `buf` → a copy of its struct,
+    with epoch_ns set. This is the ring-buffer reader's hot path."""
+    if size < _HEADER_SIZE:
+        raise DecodeError(f"record of {size} bytes is shorter than the header")
+    kind = _KIND.unpack_from(buf, offset + _KIND_OFFSET)[0]
     cls = RECORDS.get(kind)
     if cls is None:
         raise DecodeError(f"unknown record kind {kind}")
-    if len(raw) < C.sizeof(cls):
-        raise DecodeError(f"{cls.__name__} record of {len(raw)} bytes, expected {C.sizeof(cls)}")
-    ev = cls.from_buffer_copy(raw)
-    ev.epoch_ns = clock.to_epoch(ev.hdr.ts_ns)
+    if size < _SIZES[kind]:
+        raise DecodeError(f"{cls.__name__} record of {size} bytes, expected {_SIZES[kind]}")
+    ev = cls.from_buffer_copy(buf, offset)
+    # ts_ns is the first field; reading it from the buffer skips a ctypes
+    # attribute walk (a third of the decode time).
+    ev.epoch_ns = clock.to_epoch(_TS.unpack_from(buf, offset)[0])
     return ev
+
+
+def decode(raw: bytes, clock: MonotonicClock) -> _Event:
+    """One record held in a bytes object → its struct."""
+    return decode_from(raw, 0, len(raw), clock)

@@ -1,8 +1,7 @@
 /* span_ctx.bpf.c: owner of the per-thread span context map (tid → trace id,
  * span id, modality). A uprobe on the client's spanlet_mark() fills it on
- * every span start and end; the other process-context programs read it
- * through the shared table to stamp their events. Loaded first. */
-#define SPANLET_SPAN_CTX_OWNER 1
+ * every span start and end; the other process-context programs open the
+ * same map where this one pinned it. Loaded first. */
 #include "spanlet.h"
 
 #include <uapi/linux/ptrace.h>

@@ -153,15 +153,17 @@ struct flow_event {
     __u8 _pad[2];
 };
 
-/* The per-thread span context is owned by span_ctx.bpf.c (which defines it
- * with SPANLET_SPAN_CTX_OWNER) and shared with every other program loaded by
- * the same agent; a program compiled alone gets a private, empty copy. */
-#if defined(SPANLET_SPAN_CTX_OWNER)
-BPF_TABLE_SHARED("lru_hash", __u32, struct span_ctx_val, span_ctx, SPANLET_SPAN_CTX_MAX);
-#elif defined(SPANLET_SPAN_CTX_SHARED)
-BPF_TABLE("extern", __u32, struct span_ctx_val, span_ctx, SPANLET_SPAN_CTX_MAX);
+/* The per-thread span context map is created by span_ctx.bpf.c and pinned
+ * at SPANLET_SPAN_CTX_PIN (a path unique to one agent, removed at its stop);
+ * every other program of that agent opens the same map there. A program
+ * compiled without the flag gets a private, empty copy. (BCC's own shared
+ * tables are not used: its process-wide registry keeps a table's fd after
+ * the table is gone, and a reused fd number then names another map.) */
+#ifdef SPANLET_SPAN_CTX_PIN
+BPF_TABLE_PINNED("lru_hash", __u32, struct span_ctx_val, span_ctx, SPANLET_SPAN_CTX_MAX,
+                 SPANLET_SPAN_CTX_PIN);
 #else
-BPF_HASH(span_ctx, __u32, struct span_ctx_val, 1);
+BPF_TABLE("lru_hash", __u32, struct span_ctx_val, span_ctx, 1);
 #endif
 
 /* Each program has its own ring buffer and a count of records it could not

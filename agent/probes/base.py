@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import re
 import threading
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Callable
 
 from agent import events
 from agent.config import Config
+from agent.ringbuf import RingBufferReader
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +22,20 @@ BPF_DIR = Path(__file__).resolve().parent.parent.parent / "bpf"
 _LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.-]+\.h)"\s*$', re.M)
 
 EventSink = Callable[[events._Event], None]
+
+
+SPAN_CTX_PIN_ROOT = Path("/sys/fs/bpf/spanlet")
+_span_ctx_pin: str | None = None
+
+
+def span_ctx_pin() -> str | None:
+    """Where the running span_ctx probe pinned the span context map."""
+    return _span_ctx_pin
+
+
+def publish_span_ctx_pin(path: str | None) -> None:
+    global _span_ctx_pin
+    _span_ctx_pin = path
 
 
 class ProbeError(Exception):
@@ -62,6 +78,7 @@ class Probe:
         self.status = ProbeStatus(self.name)
         self.events_read = 0
         self.decode_errors = 0
+        self._ring: RingBufferReader | None = None
         self._lock = threading.Lock()
 
     # -- what subclasses provide -------------------------------------------------
@@ -94,23 +111,30 @@ class Probe:
         """Everything passed to the compiler besides the text."""
         flags = self.cflags()
         if shared_span_ctx:
-            flags.append("-DSPANLET_SPAN_CTX_SHARED")
+            pin = span_ctx_pin()
+            if pin is None:
+                raise ProbeError("no span context map is pinned: start the span_ctx probe first")
+            flags.append(f'-DSPANLET_SPAN_CTX_PIN="{pin}"')
         return flags
 
     def compile(self, shared_span_ctx: bool = False) -> None:
         from bcc import BPF  # imported late: unit tiers run without BCC
 
+        flags = self.compile_flags(shared_span_ctx)
         try:
-            self.bpf = BPF(text=self.source_text(), cflags=self.compile_flags(shared_span_ctx))
+            self.bpf = BPF(text=self.source_text(), cflags=flags)
         except Exception as e:  # BCC raises bare Exception with the reason
             raise ProbeError(f"compile/load of {self.source_path.name} failed: {e}") from None
 
     def start(self, shared_span_ctx: bool = False) -> ProbeStatus:
-        """Compile, attach and open the ring buffer; never raises."""
+        """Compile, attach and open the ring buffer; never raises. With
+        shared_span_ctx the program reads the span context map of the
+        span_ctx probe started before it (else a private, empty one)."""
         try:
             self.compile(shared_span_ctx)
             self._attach()
-            self.bpf["events"].open_ring_buffer(self._on_record)
+            ring = self.bpf["events"]
+            self._ring = RingBufferReader(ring.map_fd, self.ringbuf_pages() * mmap.PAGESIZE)
             self.status.attached = True
             self.status.reason = ""
         except ProbeError as e:
@@ -119,25 +143,29 @@ class Probe:
             self.stop()
         return self.status
 
-    def _on_record(self, _ctx, data, size) -> int:
-        raw = ctypes.string_at(data, size)
+    def _on_record(self, buf, offset: int, size: int) -> None:
         try:
-            ev = events.decode(raw, self.clock)
+            ev = events.decode_from(buf, offset, size, self.clock)
         except events.DecodeError:
             self.decode_errors += 1
-            return 0
+            return
         self.events_read += 1
         if self.sink is not None:
             self.sink(ev)
-        return 0
 
-    def poll(self, timeout_ms: int = 100) -> None:
-        if self.bpf is not None and self.status.attached:
-            self.bpf.ring_buffer_poll(timeout_ms)
+    def poll(self, timeout_ms: int = 100) -> int:
+        """Wait up to `timeout_ms` for a wake-up, then decode every record that
+        is there (programs may wake the reader only once per batch, so a wait
+        that times out is followed by a read too). Returns records read."""
+        ring = self._ring
+        if ring is None:
+            return 0
+        if not ring.pending():
+            ring.wait(timeout_ms)
+        return ring.consume(self._on_record)
 
-    def drain(self) -> None:
-        if self.bpf is not None and self.status.attached:
-            self.bpf.ring_buffer_consume()
+    def drain(self) -> int:
+        return self._ring.consume(self._on_record) if self._ring is not None else 0
 
     def events_dropped(self) -> int:
         if self.bpf is None:
@@ -151,6 +179,9 @@ class Probe:
                 self._detach()
             except Exception as e:  # keep detaching the rest
                 log.warning("%s: detach: %s", self.name, e)
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
             if self.bpf is not None:
                 try:
                     self.bpf.cleanup()

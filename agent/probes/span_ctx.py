@@ -4,16 +4,36 @@ the client's libspanlet_marker.so that discovery finds (containers included)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
+import shutil
 
 from agent import events
 from agent.discovery import LibraryFinder, MappedLibrary
+from agent.probes import base
 from agent.probes.base import EventSink, Probe, percpu_sum
 
 log = logging.getLogger(__name__)
 
 MARKER_LIBRARY = "libspanlet_marker.so"
 MARKER_SYMBOL = "spanlet_mark"
+_instances = itertools.count()
+
+
+def remove_stale_pins(root=base.SPAN_CTX_PIN_ROOT) -> list[str]:
+    """Pin folders (<pid>-<n>) of agents that died without stopping."""
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for e in entries:
+        pid = e.name.split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(e.path, ignore_errors=True)
+            removed.append(e.path)
+    return removed
 
 
 class SpanCtxProbe(Probe):
@@ -25,6 +45,28 @@ class SpanCtxProbe(Probe):
         self.finder = LibraryFinder([MARKER_LIBRARY], proc=proc,
                                     full_rescan_s=cfg.discovery.full_rescan_s)
         self.libraries: list[MappedLibrary] = []
+        self.pin_dir = base.SPAN_CTX_PIN_ROOT / f"{os.getpid()}-{next(_instances)}"
+        self.pin = str(self.pin_dir / "span_ctx")
+
+    def compile_flags(self, shared_span_ctx: bool) -> list[str]:
+        # This probe creates the map (and pins it) for the others.
+        return self.cflags() + [f'-DSPANLET_SPAN_CTX_PIN="{self.pin}"']
+
+    def compile(self, shared_span_ctx: bool = False) -> None:
+        for path in remove_stale_pins():
+            log.info("span_ctx: removed the pins of a dead agent: %s", path)
+        self.pin_dir.mkdir(parents=True, exist_ok=True)
+        super().compile(shared_span_ctx)
+        base.publish_span_ctx_pin(self.pin)
+
+    def _detach(self) -> None:
+        if base.span_ctx_pin() == self.pin:
+            base.publish_span_ctx_pin(None)
+        shutil.rmtree(self.pin_dir, ignore_errors=True)
+        try:
+            self.pin_dir.parent.rmdir()  # only when no other agent uses it
+        except OSError:
+            pass
 
     def ringbuf_pages(self) -> int:
         return 1  # no records of its own

@@ -1,0 +1,370 @@
+/* mmap_sandbox.bpf.c: the tensor-pool sandbox. Remembers which fds name a
+ * pool file (openat, and open/openat2 where they exist), checks every mmap of
+ * such an fd against the policy the agent pushed into the maps, and reports
+ * (audit) or kills (enforce) offenders.
+ *
+ * Syscall tracepoints only (no kprobes/LSM on the target kernels), so the
+ * sandbox sees what a process *asked* for, by path string and fd number.
+ * Known limits, left to later hardening:
+ *  - a pool is recognised by the path string given to the open call. Paths
+ *    are normalised for repeated '/' and '.' components only; paths relative
+ *    to a dirfd or the cwd, symlinks and '..' are not resolved, so a pool
+ *    reached that way is not seen;
+ *  - fds that reach a process without an open call (fork inheritance, dup*,
+ *    fcntl F_DUPFD, SCM_RIGHTS) are not tracked; fds dropped without close(2)
+ *    (close_range, exec closing O_CLOEXEC fds, dup2 over them, process exit)
+ *    are forgotten by the agent's periodic sweep, not here;
+ *  - only mmap(2) is checked: mprotect(2) or mremap(2) on a pool mapping
+ *    afterwards are not, and 32-bit compat syscalls are not traced at all;
+ *  - in enforce mode the mmap itself completes; SIGKILL is delivered before
+ *    the offender returns to user space, so it never touches the mapping.
+ * Unrelated processes pay one failed hash lookup per mmap of a file, a path
+ * read and one LPM lookup per open (plus a failed hash lookup at its exit)
+ * and one failed hash lookup per close. */
+#include <uapi/linux/mman.h>
+#include "spanlet.h"
+
+/* -D switches (agent/probes/sandbox.py: SandboxProbe.cflags). */
+#ifndef SANDBOX_MAX_POOL_FDS
+#define SANDBOX_MAX_POOL_FDS 65536
+#endif
+#ifndef SANDBOX_MAX_PREFIX_ENTRIES
+#define SANDBOX_MAX_PREFIX_ENTRIES 1024
+#endif
+#ifndef SANDBOX_MAX_POOLS
+#define SANDBOX_MAX_POOLS 4096
+#endif
+#ifndef SANDBOX_MAX_GRANTS
+#define SANDBOX_MAX_GRANTS 65536
+#endif
+/* Deepest cgroup level whose grant still covers a process below it. */
+#ifndef SANDBOX_CGROUP_DEPTH
+#define SANDBOX_CGROUP_DEPTH 16
+#endif
+/* SANDBOX_ENFORCE: kill offenders instead of only reporting them. */
+
+#define SANDBOX_PATH_MAX 256 /* LPM_DATA_SIZE_MAX: longest LPM trie key */
+
+/* What a prefix entry of the trie is: a real prefix (whose unlisted files
+ * are pools without grants), or a directory above one ("/dev/", "/dev/shm/"),
+ * which says "this path may name a pool once '//' and '/./' are removed, if
+ * such a sequence follows right here": a path whose next byte is a name byte
+ * would have matched a longer entry if it led to a prefix. */
+#define SANDBOX_PREFIX_FULL 1
+#define SANDBOX_PREFIX_PARTIAL 2
+
+#define SANDBOX_GRANT_PID 1
+#define SANDBOX_GRANT_CGROUP 2
+#define SANDBOX_ACCESS_RO 1
+#define SANDBOX_ACCESS_RW 2
+
+struct sandbox_path {
+    char path[SANDBOX_PATH_MAX];
+};
+
+struct sandbox_lpm_key {
+    __u32 prefixlen; /* bits */
+    struct sandbox_path p;
+};
+
+struct sandbox_prefix {
+    __u32 kind;
+    __u32 unlisted_pool_id; /* pool id of a file under it that is no pool */
+    __u32 len;              /* bytes of the entry */
+};
+
+/* A pool as the open found it, carried to mmap through the fd. */
+struct sandbox_pool_ref {
+    __u32 pool_id;
+    __u32 _pad;
+    __u64 max_bytes;
+};
+
+struct sandbox_fd_key {
+    __u32 tgid;
+    __s32 fd;
+};
+
+struct sandbox_grant_key {
+    __u32 pool_id;
+    __u32 kind; /* SANDBOX_GRANT_PID or SANDBOX_GRANT_CGROUP */
+    __u64 id;   /* tgid or cgroup id */
+};
+
+struct sandbox_violation_key {
+    __u64 cgroup_id;
+    __u8 rule;
+    __u8 action;
+    __u8 _pad[6];
+};
+
+/* Per-CPU scratch of the open calls: the path as read, the normalised path, and the
+ * normaliser's cursor. The cursor lives in map memory and is read with
+ * volatile loads so that the verifier sees it as unknown and prunes the
+ * loop's states; kept in registers, every byte forks the states in two. */
+struct sandbox_scratch {
+    struct sandbox_lpm_key raw;
+    struct sandbox_lpm_key norm;
+    __u32 out;
+    __u8 prev;
+    __u8 _pad[3];
+};
+
+BPF_LPM_TRIE(sandbox_prefixes, struct sandbox_lpm_key, struct sandbox_prefix, SANDBOX_MAX_PREFIX_ENTRIES);
+BPF_HASH(sandbox_pools, struct sandbox_path, struct sandbox_pool_ref, SANDBOX_MAX_POOLS);
+BPF_HASH(sandbox_grants, struct sandbox_grant_key, __u8, SANDBOX_MAX_GRANTS);
+BPF_HASH(sandbox_pool_fds, struct sandbox_fd_key, struct sandbox_pool_ref, SANDBOX_MAX_POOL_FDS);
+/* Pool opens between entry and exit of the open call, by thread. */
+BPF_HASH(sandbox_pending_opens, __u64, struct sandbox_pool_ref, 16384);
+BPF_PERCPU_ARRAY(sandbox_scratch_buf, struct sandbox_scratch, 1);
+/* Metric 5, keyed by the offender's cgroup, rule and action. */
+BPF_PERCPU_HASH(spanlet_sandbox_violations_total, struct sandbox_violation_key, __u64, 16384);
+/* Pool fds that could not be remembered because sandbox_pool_fds was full. */
+BPF_PERCPU_ARRAY(spanlet_sandbox_untracked_fds_total, __u64, 1);
+
+/* Copy s->raw into s->norm without repeated '/' and without '.' components
+ * (agent/probes/sandbox.py: normalise_path is the same rule in Python). */
+static __always_inline void sandbox_normalise(struct sandbox_scratch *s, __u32 len)
+{
+    __builtin_memset(&s->norm.p, 0, sizeof(s->norm.p));
+    s->out = 0;
+    s->prev = 0;
+    for (__u32 i = 0; i < SANDBOX_PATH_MAX - 1; i++) {
+        if (i >= len)
+            break;
+        char c = s->raw.p.path[i];
+        __u8 prev = *(volatile __u8 *)&s->prev;
+        if (c == '/' && prev == '/')
+            continue;
+        if (c == '.' && prev == '/') {
+            char next = i + 1 < len ? s->raw.p.path[(i + 1) & (SANDBOX_PATH_MAX - 1)] : 0;
+            if (next == '/' || next == 0)
+                continue; /* the '/' that follows collapses into the last one */
+        }
+        __u32 o = *(volatile __u32 *)&s->out;
+        s->norm.p.path[o & (SANDBOX_PATH_MAX - 1)] = c;
+        s->out = o + 1;
+        s->prev = c;
+    }
+    s->norm.prefixlen = (s->out & (SANDBOX_PATH_MAX - 1)) * 8;
+}
+
+/* Entry of an open: is this path a pool? Most paths leave at the first lookup. */
+static __always_inline int sandbox_open_enter(const char *filename)
+{
+    int zero = 0;
+    struct sandbox_scratch *s = sandbox_scratch_buf.lookup(&zero);
+    if (!s)
+        return 0;
+    long n = bpf_probe_read_user_str(s->raw.p.path, sizeof(s->raw.p.path), filename);
+    if (n <= 1)
+        return 0;
+    __u32 len = (__u32)(n - 1) & (SANDBOX_PATH_MAX - 1);
+    s->raw.prefixlen = len * 8;
+    struct sandbox_prefix *m = sandbox_prefixes.lookup(&s->raw);
+    if (!m || m->kind == SANDBOX_PREFIX_PARTIAL) {
+        /* Only '/' or '.' right after the deepest directory matched (the root
+         * when none) can lead to a prefix that the raw path does not show. */
+        __u32 at = m ? m->len : 1;
+        char c = s->raw.p.path[at & (SANDBOX_PATH_MAX - 1)];
+        if (s->raw.p.path[0] != '/' || at >= len || (c != '/' && c != '.'))
+            return 0;
+    }
+    sandbox_normalise(s, len);
+    m = sandbox_prefixes.lookup(&s->norm);
+    if (!m || m->kind != SANDBOX_PREFIX_FULL)
+        return 0;
+    struct sandbox_pool_ref ref = {};
+    struct sandbox_pool_ref *pool = sandbox_pools.lookup(&s->norm.p);
+    if (pool) {
+        ref = *pool;
+    } else {
+        ref.pool_id = m->unlisted_pool_id;
+        ref.max_bytes = 0;
+    }
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    sandbox_pending_opens.update(&pid_tgid, &ref);
+    return 0;
+}
+
+/* A delete takes the bucket lock even for an absent key; the lookup does not,
+ * and nearly every fd is absent. */
+static __always_inline void sandbox_forget_fd(struct sandbox_fd_key *key)
+{
+    if (sandbox_pool_fds.lookup(key))
+        sandbox_pool_fds.delete(key);
+}
+
+/* Exit of an open: the fd of a pool open; any other new fd number forgets a
+ * stale pool entry it may have reused (e.g. after an exec closed O_CLOEXEC fds). */
+static __always_inline int sandbox_open_exit(long ret)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    struct sandbox_fd_key key = {.tgid = pid_tgid >> 32, .fd = (__s32)ret};
+    struct sandbox_pool_ref *ref = sandbox_pending_opens.lookup(&pid_tgid);
+    if (!ref) {
+        if (ret >= 0)
+            sandbox_forget_fd(&key);
+        return 0;
+    }
+    if (ret >= 0 && sandbox_pool_fds.update(&key, ref) != 0) {
+        int zero = 0;
+        __u64 *n = spanlet_sandbox_untracked_fds_total.lookup(&zero);
+        if (n)
+            *n += 1;
+    }
+    sandbox_pending_opens.delete(&pid_tgid);
+    return 0;
+}
+
+/* The programs, named sbx_* in `bpftool prog show`. openat is always there;
+ * open (not on arm64) and openat2 (5.6+) are compiled in where the agent found
+ * their tracepoints, so that a direct syscall cannot walk around openat. */
+int sbx_openat_in(struct tracepoint__syscalls__sys_enter_openat *args)
+{
+    return sandbox_open_enter(args->filename);
+}
+
+int sbx_openat_out(struct tracepoint__syscalls__sys_exit_openat *args)
+{
+    return sandbox_open_exit(args->ret);
+}
+
+#ifdef SANDBOX_TP_OPENAT2
+int sbx_openat2_in(struct tracepoint__syscalls__sys_enter_openat2 *args)
+{
+    return sandbox_open_enter(args->filename);
+}
+
+int sbx_openat2_out(struct tracepoint__syscalls__sys_exit_openat2 *args)
+{
+    return sandbox_open_exit(args->ret);
+}
+#endif
+
+#ifdef SANDBOX_TP_OPEN
+int sbx_open_in(struct tracepoint__syscalls__sys_enter_open *args)
+{
+    return sandbox_open_enter(args->filename);
+}
+
+int sbx_open_out(struct tracepoint__syscalls__sys_exit_open *args)
+{
+    return sandbox_open_exit(args->ret);
+}
+#endif
+
+int sbx_close(struct tracepoint__syscalls__sys_enter_close *args)
+{
+    struct sandbox_fd_key key = {
+        .tgid = bpf_get_current_pid_tgid() >> 32,
+        .fd = (__s32)args->fd,
+    };
+    sandbox_forget_fd(&key);
+    return 0;
+}
+
+static __always_inline __u8 sandbox_grant(__u32 pool_id, __u32 kind, __u64 id)
+{
+    struct sandbox_grant_key key = {.pool_id = pool_id, .kind = kind, .id = id};
+    __u8 *access = sandbox_grants.lookup(&key);
+    return access ? *access : 0;
+}
+
+/* The widest access any grant gives the current process: by its tgid, by its
+ * cgroup, or by any ancestor cgroup (a pod's grant covers its containers). */
+static __always_inline __u8 sandbox_access(__u32 pool_id, __u32 tgid)
+{
+    __u8 best = sandbox_grant(pool_id, SANDBOX_GRANT_PID, tgid);
+    for (int level = 0; level <= SANDBOX_CGROUP_DEPTH; level++) {
+        if (best == SANDBOX_ACCESS_RW)
+            break;
+        __u64 cg = bpf_get_current_ancestor_cgroup_id(level);
+        if (cg == 0)
+            break; /* past the current cgroup */
+        __u8 a = sandbox_grant(pool_id, SANDBOX_GRANT_CGROUP, cg);
+        if (a > best)
+            best = a;
+    }
+    return best;
+}
+
+/* The first rule broken, in this order (0: none):
+ *  unauthorized > write_on_readonly > exec > oversize.
+ * No grant makes every other question moot; a write through a read-only
+ * grant is the breach of the pool's contents, so it outranks the executable
+ * mapping, and size comes last because it only matters for a mapping that is
+ * otherwise allowed. A writable MAP_PRIVATE mapping is copy-on-write: its
+ * writes never reach the pool, so a read-only grant allows it. */
+static __always_inline __u8 sandbox_rule(__u8 access, __u64 prot, __u64 flags,
+                                         __u64 len, __u64 off, __u64 max_bytes)
+{
+    __u64 type = flags & MAP_TYPE;
+    int shared = type == MAP_SHARED || type == MAP_SHARED_VALIDATE;
+    if (access == 0)
+        return SPANLET_RULE_UNAUTHORIZED;
+    if (access == SANDBOX_ACCESS_RO && (prot & PROT_WRITE) && shared)
+        return SPANLET_RULE_WRITE_ON_READONLY;
+    if (prot & PROT_EXEC)
+        return SPANLET_RULE_EXEC;
+    if (max_bytes && (len > max_bytes || off > max_bytes - len))
+        return SPANLET_RULE_OVERSIZE;
+    return 0;
+}
+
+#ifdef SANDBOX_ENFORCE
+#define SANDBOX_ACTION SPANLET_ACTION_KILL
+#else
+#define SANDBOX_ACTION SPANLET_ACTION_AUDIT
+#endif
+
+int sbx_mmap(struct tracepoint__syscalls__sys_enter_mmap *args)
+{
+    __u64 flags = args->flags;
+    if (flags & MAP_ANONYMOUS)
+        return 0;
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    struct sandbox_fd_key key = {.tgid = pid_tgid >> 32, .fd = (__s32)args->fd};
+    struct sandbox_pool_ref *ref = sandbox_pool_fds.lookup(&key);
+    if (!ref)
+        return 0; /* not a pool: the only cost to everyone else */
+
+    __u32 pool_id = ref->pool_id;
+    __u64 max_bytes = ref->max_bytes;
+    __u64 prot = args->prot, len = args->len, off = args->off;
+    __u8 rule = sandbox_rule(sandbox_access(pool_id, key.tgid), prot, flags, len, off, max_bytes);
+    if (!rule)
+        return 0;
+
+#ifdef SANDBOX_ENFORCE
+    bpf_send_signal(9);
+#endif
+    struct sandbox_violation_key vk = {
+        .cgroup_id = bpf_get_current_cgroup_id(),
+        .rule = rule,
+        .action = SANDBOX_ACTION,
+    };
+    __u64 zero = 0;
+    __u64 *count = spanlet_sandbox_violations_total.lookup_or_try_init(&vk, &zero);
+    if (count)
+        *count += 1;
+
+    struct sandbox_event *ev = events.ringbuf_reserve(sizeof(*ev));
+    if (!ev) {
+        spanlet_count_drop();
+        return 0;
+    }
+    spanlet_fill_task_hdr(&ev->hdr, SPANLET_KIND_SANDBOX);
+    ev->addr = args->addr;
+    ev->len = len;
+    ev->pool_max_bytes = max_bytes;
+    ev->prot = (__u32)prot;
+    ev->flags = (__u32)flags;
+    ev->pool_id = pool_id;
+    ev->fd = key.fd;
+    ev->rule = rule;
+    ev->action = SANDBOX_ACTION;
+    __builtin_memset(ev->_pad, 0, sizeof(ev->_pad));
+    events.ringbuf_submit(ev, 0);
+    return 0;
+}

@@ -1,0 +1,157 @@
+"""Stand-in CUDA libraries for the GPU probe's tests and benches: builds them
+with gcc (C sources next to this file) and drives the workload program over
+its stdin/stdout protocol:
+
+    ready PID TID          printed at start
+    load DIR               dlopen DIR/libcuda.so.1 and DIR/libcudart.so.12 -> "loaded"
+    dlopen PATH            dlopen any library -> "opened"
+    cu|cuex|cuda N GX GY GZ BX BY BZ SHMEM STREAM    (script line) N launches
+    cusync|cudasync|devsync US                       (script line) one sync -> "sync API NS"
+    bench|benchrt N        (script line) N back-to-back launches -> "bench N NS"
+    paced N RATE           (script line) N launches at RATE/s -> "paced N NS"
+    go                     run the script collected so far -> its output, then "done"
+    exit
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DRIVER = "libcuda.so.1"
+RUNTIME = "libcudart.so.12"
+
+
+@dataclass(frozen=True)
+class StandIn:
+    lib_dir: Path      # DRIVER and RUNTIME
+    nocuda: Path       # a "libcuda.so.99" without any CUDA symbol
+    workload: Path
+
+    def copy_libs(self, dest: Path) -> Path:
+        """A second copy of the libraries (new inodes) in `dest`."""
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in (DRIVER, RUNTIME):
+            shutil.copy2(self.lib_dir / name, dest / name)
+        return dest
+
+
+def _gcc(*args: str | os.PathLike) -> None:
+    r = subprocess.run(["gcc", "-Wall", "-Werror", *map(str, args)], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"gcc {' '.join(map(str, args))}:\n{r.stderr}")
+
+
+def build(out: Path) -> StandIn:
+    """Compile everything into `out`. The driver is built at -O0 with
+    noinline entry points; the runtime at -O2 (cudaStreamSynchronize becomes
+    a tail jump to the driver) and linked against the driver, so that its
+    nested calls go through the PLT into the other library."""
+    lib = out / "lib"
+    lib.mkdir(parents=True, exist_ok=True)
+    _gcc("-shared", "-fPIC", "-O0", f"-Wl,-soname,{DRIVER}", "-o", lib / DRIVER, HERE / "cuda.c")
+    _gcc("-shared", "-fPIC", "-O2", "-fno-inline", f"-Wl,-soname,{RUNTIME}",
+         "-Wl,-rpath,$ORIGIN", "-o", lib / RUNTIME, HERE / "cudart.c", f"-L{lib}", f"-l:{DRIVER}")
+    nocuda = out / "nocuda" / "libcuda.so.99"
+    nocuda.parent.mkdir(exist_ok=True)
+    _gcc("-shared", "-fPIC", "-o", nocuda, HERE / "nocuda.c")
+    workload = out / "workload"
+    _gcc("-O2", "-o", workload, HERE / "workload.c", "-ldl")
+    return StandIn(lib, nocuda, workload)
+
+
+class WorkloadError(Exception):
+    pass
+
+
+class Workload:
+    """One running workload process. `argv_prefix` wraps it (unshare ...);
+    with no `exe`, the prefix alone is the command (it must exec the workload)."""
+
+    def __init__(self, exe: Path | None, argv_prefix: list[str] | None = None,
+                 timeout_s: float = 30.0):
+        self.timeout_s = timeout_s
+        argv = [*(argv_prefix or []), *([str(exe)] if exe else [])]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self._buf = b""
+        try:
+            _, pid, tid = self.expect("ready").split()
+        except Exception:
+            self.close()
+            raise
+        self.pid, self.tid = int(pid), int(tid)
+
+    def send(self, *lines: str) -> None:
+        self.proc.stdin.write("".join(f"{ln}\n" for ln in lines).encode())
+        self.proc.stdin.flush()
+
+    def readline(self) -> str:
+        deadline = time.monotonic() + self.timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise WorkloadError(f"workload {self.proc.pid}: no output in {self.timeout_s} s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None else ""
+                raise WorkloadError(f"workload {self.proc.pid} exited ({self.proc.poll()}): {err}")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode()
+
+    def expect(self, word: str) -> str:
+        """The next line that starts with `word`; an error line raises."""
+        lines = self.until(word)
+        return lines[-1]
+
+    def until(self, word: str) -> list[str]:
+        lines = []
+        while True:
+            line = self.readline()
+            if line.startswith("error"):
+                raise WorkloadError(f"workload {self.proc.pid}: {line}")
+            lines.append(line)
+            if line.split(" ", 1)[0] == word:
+                return lines
+
+    def load(self, lib_dir: Path | str) -> None:
+        self.send(f"load {lib_dir}")
+        self.expect("loaded")
+
+    def dlopen(self, path: Path | str) -> None:
+        self.send(f"dlopen {path}")
+        self.expect("opened")
+
+    def run(self, *script: str) -> list[str]:
+        """Run script lines; their output lines (without the final "done")."""
+        self.send(*script, "go")
+        return self.until("done")[:-1]
+
+    def close(self) -> None:
+        """End this process (and only it); safe to call twice."""
+        if self.proc.poll() is None:
+            try:
+                self.send("exit")
+                self.proc.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(5)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "Workload":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

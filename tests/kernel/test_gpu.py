@@ -1,0 +1,410 @@
+"""GPU launch probe against the real kernel: stand-in libcuda/libcudart built
+here with gcc, workload processes started by the test, exact counts, argument
+values, sync wait times, span stamping, discovery of later and containerised
+processes, and a clean detach."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent import config, events
+from agent.events import Api, Entry, Modality
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cuda_standin  # noqa: E402  (a folder of this test tier)
+
+pytestmark = pytest.mark.kernel
+
+DRIVER, RUNTIME = Api.driver, Api.runtime
+OTHER = Modality.other
+FUNC = 0xF00D  # the "kernel" the workload names in every launch
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory) -> cuda_standin.StandIn:
+    return cuda_standin.build(tmp_path_factory.mktemp("cuda_standin"))
+
+
+def cgroup2_root() -> Path:
+    """Where cgroup v2 is mounted (/sys/fs/cgroup, or .../unified on hybrid hosts)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[fields.index("-") + 1] == "cgroup2":
+            return Path(fields[4])
+    raise AssertionError("cgroup v2 is not mounted")
+
+
+@pytest.fixture
+def cgroup():
+    """A cgroup v2 group of this test's own, so that its counts (keyed by
+    cgroup id) are not mixed with those of any other process on the host that
+    maps a libcuda while the test runs. Removed at teardown."""
+    path = cgroup2_root() / f"spanlet-gpu-test-{os.getpid()}-{os.urandom(3).hex()}"
+    path.mkdir()
+    assert (path / "cgroup.procs").exists(), f"{path} is not a cgroup"
+    try:
+        yield path
+    finally:
+        for _ in range(50):  # the last process may still be on its way out
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+@pytest.fixture
+def spawn(cgroup):
+    """Start workload processes in the test's cgroup; each is ended (by its
+    own pid) at teardown."""
+    started: list[cuda_standin.Workload] = []
+
+    def start(exe: Path | None, argv_prefix: list[str] | None = None) -> cuda_standin.Workload:
+        w = cuda_standin.Workload(exe, argv_prefix)
+        started.append(w)
+        (cgroup / "cgroup.procs").write_text(str(w.pid))
+        return w
+
+    try:
+        yield start
+    finally:
+        for w in started:
+            w.close()
+
+
+@pytest.fixture
+def probes():
+    """Start probes (GPU ones with a config tweak); stopped at teardown, last first."""
+    from agent.probes.gpu import GpuProbe
+
+    started = []
+
+    def gpu(launch_events: str = "all", shared_span_ctx: bool = False,
+            unmapped_grace_s: float = 600.0, **kw) -> GpuProbe:
+        cfg = config.load(env={})
+        cfg.gpu.launch_events = launch_events
+        cfg.discovery.unmapped_grace_s = unmapped_grace_s
+        seen: list[events._Event] = []
+        p = GpuProbe(cfg, sink=seen.append, **kw)
+        p.seen = seen
+        started.append(p)
+        st = p.start(shared_span_ctx=shared_span_ctx)
+        assert st.attached, st.reason
+        return p
+
+    def span_ctx():
+        from agent.probes.span_ctx import SpanCtxProbe
+
+        p = SpanCtxProbe(config.load(env={}))
+        started.append(p)
+        assert p.start().attached, p.status.reason
+        return p
+
+    gpu.span_ctx = span_ctx
+    yield gpu
+    for p in reversed(started):
+        p.stop()
+
+
+def cgroup_id(pid: int) -> int:
+    """What bpf_get_current_cgroup_id() returns for that process (cgroup v2)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return os.stat(f"{cgroup2_root()}{line[3:]}").st_ino
+    raise AssertionError(f"pid {pid} has no cgroup v2 entry")
+
+
+def counts(table: dict, cg: int) -> dict:
+    """The entries of launches()/sync_wait() for one cgroup."""
+    return {k: v for k, v in table.items() if k[0] == cg}
+
+
+def mine(libs, folder: Path) -> list:
+    """The attached libraries under `folder` (other processes on the host may
+    map a libcuda of their own)."""
+    return [lib for lib in libs if lib.path.startswith(str(folder) + "/")]
+
+
+def read_events(probe, pid: int, n: int, timeout_s: float = 10.0) -> list[events._Event]:
+    """Poll until `n` records of `pid` arrived, then a little more to catch extras."""
+    deadline = time.monotonic() + timeout_s
+    of_pid = lambda: [e for e in probe.seen if e.hdr.pid == pid]  # noqa: E731
+    while len(of_pid()) < n and time.monotonic() < deadline:
+        probe.poll(50)
+    probe.poll(50)
+    probe.drain()
+    return of_pid()
+
+
+def launch_line(api: str, n: int, grid, block, shmem: int, stream: int) -> str:
+    return f"{api} {n} {' '.join(map(str, grid))} {' '.join(map(str, block))} {shmem} {stream:#x}"
+
+
+def launches(api: str, n: int) -> str:
+    """`n` launches through `api` (cu, cuex, cuda) with unit dims."""
+    return launch_line(api, n, (1, 1, 1), (1, 1, 1), 0, 0)
+
+
+# -- counts, arguments and sync times --------------------------------------------
+LAUNCHES = [  # (script api, count, grid, block, shared mem, stream, entry, api label)
+    ("cu", 3, (1, 2, 3), (32, 4, 2), 700, 0x11, Entry.cuLaunchKernel, DRIVER),
+    ("cuex", 5, (65535, 7, 1), (1024, 1, 1), 49152, 0x7F0012345678, Entry.cuLaunchKernelEx, DRIVER),
+    ("cuda", 7, (4096, 2, 9), (128, 2, 3), 1 << 16, 0x33, Entry.cudaLaunchKernel, RUNTIME),
+]
+SYNCS = [  # (script api, microseconds slept, entry, api label, stream recorded)
+    ("cusync", 60_000, Entry.cuStreamSynchronize, DRIVER, 60_000),
+    ("cudasync", 80_000, Entry.cudaStreamSynchronize, RUNTIME, 80_000),
+    ("devsync", 100_000, Entry.cudaDeviceSynchronize, RUNTIME, 0),
+]
+
+
+def test_exact_counts_arguments_and_sync_waits(standin, spawn, probes):
+    w = spawn(standin.workload)
+    w.load(standin.lib_dir)
+    gpu = probes("all")
+    libs = mine(gpu.libraries(), standin.lib_dir)
+    assert sorted(lib.library.name for lib in libs) == ["libcuda.so", "libcudart.so"]
+    assert all(lib.pid == w.pid and not lib.missing for lib in libs)
+
+    script = [launch_line(a, n, g, b, sm, st) for a, n, g, b, sm, st, _, _ in LAUNCHES]
+    out = w.run(*script, *(f"{a} {us}" for a, us, *_ in SYNCS))
+    measured = {line.split()[1]: int(line.split()[2]) for line in out if line.startswith("sync ")}
+    cg = cgroup_id(w.pid)
+    assert cg != cgroup_id(os.getpid())  # the test's own cgroup, keyed apart
+
+    # Nested runtime -> driver calls are counted once, under the runtime.
+    assert counts(gpu.launches(), cg) == {(cg, OTHER, DRIVER): 3 + 5, (cg, OTHER, RUNTIME): 7}
+
+    n_launch = sum(x[1] for x in LAUNCHES)
+    got = read_events(gpu, w.pid, n_launch + len(SYNCS))
+    launched = [e for e in got if e.kind == events.Kind.GPU_LAUNCH]
+    syncs = [e for e in got if e.kind == events.Kind.GPU_SYNC]
+    assert len(launched) == n_launch and len(syncs) == len(SYNCS)
+    launched.sort(key=lambda e: e.hdr.ts_ns)
+    expected = [x for x in LAUNCHES for _ in range(x[1])]
+    for e, (_, _, grid, block, shmem, stream, entry, api) in zip(launched, expected):
+        assert (e.entry, e.api) == (entry, api)
+        assert (list(e.grid), list(e.block), e.shared_mem, e.stream) == (list(grid), list(block),
+                                                                          shmem, stream)
+        assert e.func == FUNC
+        assert (e.hdr.pid, e.hdr.tid, e.hdr.cgroup_id) == (w.pid, w.tid, cg)
+        assert e.hdr.span_id == 0 and e.hdr.modality == OTHER
+        assert 0 < e.duration_ns < 1_000_000_000
+
+    # One record per outermost sync (cudaStreamSynchronize's tail jump into
+    # cuStreamSynchronize is not a second one), timed within 20 % of the
+    # sleep and never longer than the workload's own clock around the call.
+    syncs.sort(key=lambda e: e.hdr.ts_ns)
+    for e, (name, us, entry, api, stream) in zip(syncs, SYNCS):
+        assert (e.entry, e.api, e.stream) == (entry, api, stream)
+        assert us * 1000 <= e.duration_ns <= us * 1200, name
+        assert e.duration_ns <= measured[name]
+    cu, cuda, dev = (e.duration_ns for e in syncs)
+    assert counts(gpu.sync_wait(), cg) == {(cg, OTHER, DRIVER): (1, cu),
+                                           (cg, OTHER, RUNTIME): (2, cuda + dev)}
+    # log2 buckets of microseconds: a wait of d us is in bucket i when
+    # 2^(i-1) <= d < 2^i (16 for 60 ms, 17 for 80 and 100 ms).
+    def histogram(*ns):
+        out = [0] * 32
+        for d in ns:
+            out[min((d // 1000).bit_length(), 31)] += 1
+        return out
+    assert counts(gpu.sync_wait_buckets(), cg) == {(cg, OTHER, DRIVER): histogram(cu),
+                                                   (cg, OTHER, RUNTIME): histogram(cuda, dev)}
+    assert gpu.events_dropped() == 0 and gpu.decode_errors == 0
+
+
+# -- discovery: later processes, new copies, dlopen ---------------------------
+def test_processes_and_libraries_that_appear_after_attach(standin, spawn, probes, tmp_path):
+    before = spawn(standin.workload)
+    before.load(standin.lib_dir)
+    # Counts only: driver launches then have no return probe at all, and the
+    # runtime's nested driver call must still count once.
+    gpu = probes("none")
+    first = {lib.library.key for lib in mine(gpu.libraries(), standin.lib_dir)}
+    assert len(first) == 2
+
+    # Same inode, process started after attach: no refresh needed.
+    later = spawn(standin.workload)
+    later.load(standin.lib_dir)
+    later.run(launches("cu", 4), launches("cuda", 3))
+
+    # A second copy at a new path, dlopen'ed after the process was scanned.
+    copy_dir = standin.copy_libs(tmp_path / "copy")
+    late = spawn(standin.workload)
+    gpu.refresh()
+    late.load(copy_dir)
+    t0 = time.monotonic()
+    gpu.refresh()
+    found = {lib.library.path: lib for lib in gpu.libraries()}
+    assert time.monotonic() - t0 < 2.0
+    for name in (cuda_standin.DRIVER, cuda_standin.RUNTIME):
+        lib = found[str(copy_dir / name)]
+        assert lib.pid == late.pid and lib.symbols and not lib.missing
+    late.run(launches("cuex", 6), launches("cuda", 2))
+    before.run(launches("cu", 1))
+
+    cg = cgroup_id(late.pid)
+    assert cg == cgroup_id(before.pid) == cgroup_id(later.pid)
+    assert counts(gpu.launches(), cg) == {(cg, OTHER, DRIVER): 4 + 6 + 1, (cg, OTHER, RUNTIME): 3 + 2}
+    assert {lib.library.key for lib in gpu.libraries() if lib.pid == before.pid} == first
+
+    # A process that maps a third copy and exits before the scan: not an error.
+    gone_dir = standin.copy_libs(tmp_path / "gone")
+    gone = spawn(standin.workload)
+    gone.load(gone_dir)
+    gone.close()
+    gpu.refresh()
+    assert not any(str(gone_dir) in lib.path for lib in gpu.libraries())
+    assert not any(str(tmp_path) in f for f in gpu.status.failed_attachments)
+    assert gpu.status.attached
+    assert gpu.events_read == 0  # launch_events=none: counts only
+
+
+def test_library_only_in_another_mount_namespace(standin, spawn, probes, tmp_path):
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    # A private mount namespace with a tmpfs over `hidden`, the libraries
+    # copied into it: the agent's namespace sees an empty folder.
+    shell = ('mount -t tmpfs spanlet-gpu-test "$1" && cp "$2/libcuda.so.1" "$2/libcudart.so.12" "$1"/ '
+             '&& exec "$3"')
+    w = spawn(None, ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell, "sh",
+                   str(hidden), str(standin.lib_dir), str(standin.workload)])
+    w.load(hidden)
+    assert os.readlink(f"/proc/{w.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+    assert list(hidden.iterdir()) == []
+
+    gpu = probes("all")
+    libs = mine(gpu.libraries(), hidden)
+    assert sorted(lib.path for lib in libs) == [str(hidden / cuda_standin.DRIVER),
+                                                 str(hidden / cuda_standin.RUNTIME)]
+    assert all(lib.library.open_path.startswith(f"/proc/{w.pid}/root/") and lib.symbols for lib in libs)
+    w.run(launches("cu", 2), launches("cuda", 5))
+    cg = cgroup_id(w.pid)
+    assert counts(gpu.launches(), cg) == {(cg, OTHER, DRIVER): 2, (cg, OTHER, RUNTIME): 5}
+    assert len(read_events(gpu, w.pid, 7)) == 7
+
+
+# -- span context ---------------------------------------------------------------
+def test_span_context_stamps_and_filters_records(standin, spawn, probes):
+    span = probes.span_ctx()
+    gpu = probes("spanned", shared_span_ctx=True)
+    inside, outside = spawn(standin.workload), spawn(standin.workload)
+    for w in (inside, outside):
+        w.load(standin.lib_dir)
+    gpu.refresh()
+    trace_id, span_id = bytes(range(1, 17)), 0x1122334455667788
+    span.set(inside.tid, trace_id, span_id, Modality.audio)
+
+    inside.run(launches("cu", 2), launches("cuda", 3), "cudasync 1000")
+    outside.run(launches("cu", 4), launches("cuda", 1), "devsync 1000")
+    cg = cgroup_id(inside.pid)
+    assert counts(gpu.launches(), cg) == {(cg, Modality.audio, DRIVER): 2, (cg, Modality.audio, RUNTIME): 3,
+                                          (cg, OTHER, DRIVER): 4, (cg, OTHER, RUNTIME): 1}
+    assert {k: n for k, (n, _) in counts(gpu.sync_wait(), cg).items()} == {
+        (cg, Modality.audio, RUNTIME): 1, (cg, OTHER, RUNTIME): 1}
+
+    got = read_events(gpu, inside.pid, 6)
+    assert sorted((e.kind, e.entry) for e in got) == sorted(
+        [(events.Kind.GPU_LAUNCH, Entry.cuLaunchKernel)] * 2
+        + [(events.Kind.GPU_LAUNCH, Entry.cudaLaunchKernel)] * 3
+        + [(events.Kind.GPU_SYNC, Entry.cudaStreamSynchronize)])
+    for e in got:
+        assert bytes(e.hdr.trace_id) == trace_id and e.hdr.span_id == span_id
+        assert e.hdr.modality == Modality.audio and e.hdr.tid == inside.tid
+    assert [e for e in gpu.seen if e.hdr.pid == outside.pid] == []
+
+
+# -- failures are reported, not fatal ---------------------------------------------
+def test_library_without_cuda_symbols_is_reported(standin, spawn, probes):
+    gpu = probes("all")
+    w = spawn(standin.workload)
+    w.dlopen(standin.nocuda)
+    w.load(standin.lib_dir)
+    gpu.refresh()
+    assert gpu.status.attached
+    failed = [f for f in gpu.status.failed_attachments if str(standin.nocuda.parent) in f]
+    assert len(failed) == 1 and "cuLaunchKernel" in failed[0]
+    assert not any(str(standin.nocuda) in a for a in gpu.status.attachments)
+    bad = [lib for lib in gpu.libraries() if lib.path == str(standin.nocuda)]
+    assert len(bad) == 1 and bad[0].symbols == []
+    w.run(launches("cu", 2))
+    cg = cgroup_id(w.pid)
+    assert counts(gpu.launches(), cg) == {(cg, OTHER, DRIVER): 2}
+
+
+def test_unmapped_libraries_are_detached_and_dead_calls_reaped(standin, spawn, probes, tmp_path):
+    gpu = probes("all", unmapped_grace_s=0)
+    copy_dir = standin.copy_libs(tmp_path / "short-lived")
+    w = spawn(standin.workload)
+    w.load(copy_dir)
+    gpu.refresh()
+    paths = {lib.library.open_path for lib in mine(gpu.libraries(), copy_dir)}
+    assert len(paths) == 2
+    assert {p.get("filename") for p in _bpftool("perf")} >= paths
+
+    # Killed inside a 5 s sync: its return probe never runs.
+    w.send("cudasync 5000000", "go")
+    calls = gpu.bpf[b"gpu_sync_calls"]
+    deadline = time.monotonic() + 10
+    while not any(c.pid_tgid >> 32 == w.pid for c in calls.values()):
+        assert time.monotonic() < deadline, "the sync call never showed up"
+        time.sleep(0.01)
+    w.proc.kill()
+    w.proc.wait(5)
+
+    gpu.refresh()
+    assert not any(c.pid_tgid >> 32 == w.pid for c in calls.values())
+    assert mine(gpu.libraries(), copy_dir) == []
+    assert not any(str(copy_dir) in a for a in gpu.status.attachments)
+    assert not {p.get("filename") for p in _bpftool("perf")} & paths
+    assert counts(gpu.sync_wait(), cgroup_id(os.getpid())) == {}  # nothing was timed
+
+
+# -- detach ---------------------------------------------------------------------
+def _bpftool(*args: str):
+    out = subprocess.run(["bpftool", "-j", *args], check=True, capture_output=True, text=True).stdout
+    return json.loads(out or "[]")
+
+
+def _prog_ids(bpf) -> set[int]:
+    ids = set()
+    for fn in bpf.funcs.values():
+        for line in Path(f"/proc/self/fdinfo/{fn.fd}").read_text().splitlines():
+            if line.startswith("prog_id:"):
+                ids.add(int(line.split()[1]))
+    return ids
+
+
+@pytest.mark.skipif(shutil.which("bpftool") is None, reason="bpftool missing")
+def test_stop_removes_programs_and_uprobes(standin, spawn, probes):
+    w = spawn(standin.workload)
+    w.load(standin.lib_dir)
+    gpu = probes("all")
+    ids = _prog_ids(gpu.bpf)
+    assert len(ids) == 8  # six entry programs, two return programs
+    libs = mine(gpu.libraries(), standin.lib_dir)
+    paths = {lib.library.open_path for lib in libs}
+    ours = [p for p in _bpftool("perf") if p.get("prog_id") in ids and p.get("filename") in paths]
+    assert sorted(p["fd_type"] for p in ours) == ["uprobe"] * 6 + ["uretprobe"] * 6
+
+    gpu.stop()
+    gpu.stop()  # safe twice
+    assert not ids & {p["id"] for p in _bpftool("prog", "show")}
+    assert not [p for p in _bpftool("perf") if p.get("prog_id") in ids
+                or str(standin.lib_dir) in p.get("filename", "")]
+    tracefs = Path("/sys/kernel/tracing/uprobe_events")
+    if tracefs.exists():
+        assert str(standin.lib_dir).replace("/", "_") not in tracefs.read_text()
+        assert str(standin.lib_dir) not in tracefs.read_text()
+    assert gpu.launches() == {}
+    # The process runs on, unprobed.
+    assert w.run(launches("cu", 3)) == []

@@ -1,0 +1,342 @@
+"""Unit tests of the mmap sandbox's Python side: path normalisation, cgroup
+resolution, policy → map contents, map syncing, counters and the /proc fd
+scans, without root or BCC."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from agent import config
+from agent.config import SandboxConfig, SandboxGrant, SandboxPool
+from agent.probes import sandbox as sbx
+from agent.cgroups import CgroupError
+from agent.probes.base import BPF_DIR, ProbeError
+
+
+# -- paths --------------------------------------------------------------------------
+@pytest.mark.parametrize("raw, norm", [
+    ("/dev/shm/tensor_pool/a", "/dev/shm/tensor_pool/a"),
+    ("//dev//shm///tensor_pool/a", "/dev/shm/tensor_pool/a"),
+    ("/./dev/./shm/./tensor_pool/./a", "/dev/shm/tensor_pool/a"),
+    ("/dev/shm/tensor_pool/.", "/dev/shm/tensor_pool/"),
+    ("/dev/shm/tensor_pool/.hidden", "/dev/shm/tensor_pool/.hidden"),
+    ("/dev/shm/tensor_pool/a.", "/dev/shm/tensor_pool/a."),
+    ("/dev/shm/x/../tensor_pool/a", "/dev/shm/x/../tensor_pool/a"),  # '..' is not resolved
+    ("relative/./x", "relative/x"),
+])
+def test_normalise_path(raw, norm):
+    assert sbx.normalise_path(raw) == norm
+
+
+@pytest.mark.parametrize("prefix, above", [
+    ("/dev/shm/tensor_pool/", ["/dev/", "/dev/shm/"]),
+    ("/dev/shm/tp", ["/dev/", "/dev/shm/"]),
+    ("/pools/", []),
+    ("/pools", []),
+    ("/", []),
+])
+def test_ancestors(prefix, above):
+    assert sbx.ancestors(prefix) == above
+
+
+# -- cgroups ------------------------------------------------------------------------
+HYBRID_MOUNTINFO = """\
+25 1 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+"""
+
+
+def test_cgroup2_mount_found_among_v1_hierarchies():
+    assert sbx.cgroup2_mount(HYBRID_MOUNTINFO) == "/sys/fs/cgroup/unified"
+
+
+def test_cgroup2_mount_with_escaped_space_and_optional_fields():
+    line = "41 31 0:38 / /mnt/cg\\040two rw,relatime shared:9 master:2 - cgroup2 none rw\n"
+    assert sbx.cgroup2_mount(line) == "/mnt/cg two"
+
+
+def test_no_cgroup2_mount_is_reported():
+    with pytest.raises(CgroupError, match="no cgroup2"):
+        sbx.cgroup2_mount(HYBRID_MOUNTINFO.replace("cgroup2 cgroup2", "tmpfs tmpfs"))
+
+
+@pytest.fixture
+def fake_cgroups(tmp_path):
+    mount = tmp_path / "cg"
+    for d in ("", "pods", "pods/a", "pods/a/ctr"):
+        (mount / d).mkdir(exist_ok=True)
+        (mount / d / "cgroup.procs").write_text("")
+    (mount / "not_a_cgroup").mkdir()
+    return sbx.CgroupResolver(str(mount)), mount
+
+
+def test_cgroup_paths_resolve_three_ways(fake_cgroups):
+    r, mount = fake_cgroups
+    ino = (mount / "pods/a").stat().st_ino
+    assert r.directory("pods/a") == mount / "pods/a"                 # relative to the mount
+    assert r.directory("/pods/a") == mount / "pods/a"                # as /proc/<pid>/cgroup
+    assert r.directory(str(mount / "pods/a")) == mount / "pods/a"    # a file system path
+    assert r.id("pods/a") == r.id("/pods/a") == r.id(str(mount / "pods/a")) == ino
+
+
+def test_missing_cgroup_names_the_directory(fake_cgroups):
+    r, mount = fake_cgroups
+    with pytest.raises(CgroupError) as e:
+        r.id("pods/b")
+    assert str(mount / "pods/b") in str(e.value)
+    with pytest.raises(CgroupError, match="not a cgroup v2 directory"):
+        r.id("not_a_cgroup")
+
+
+# -- policy -------------------------------------------------------------------------
+def _sb(pools, prefixes=("/dev/shm/tensor_pool/",), mode="audit") -> SandboxConfig:
+    return SandboxConfig(mode=mode, prefixes=list(prefixes), pools=pools)
+
+
+def _compile(sb, resolver=None, strict=True, ids=None):
+    ids = ids or sbx.PoolIds()
+    cg = resolver.id if resolver else (lambda p: {"a": 100, "b": 200}[p])
+    return sbx.compile_policy(sb, ids, cg, strict)
+
+
+def test_policy_map_contents(fake_cgroups):
+    r, mount = fake_cgroups
+    pol = _compile(_sb([
+        SandboxPool(path="/dev/shm/tensor_pool/kv", max_bytes=1 << 30, grants=[
+            SandboxGrant(pids=[41, 42], access="ro"),
+            SandboxGrant(cgroups=["pods/a"], access="rw"),
+        ]),
+        SandboxPool(path="/dev/shm/tensor_pool//img", grants=[
+            SandboxGrant(pids=[42], access="rw"),
+            SandboxGrant(pids=[42], cgroups=["/pods/a/ctr"], access="ro"),
+        ]),
+    ]), r)
+    a, ctr = (mount / "pods/a").stat().st_ino, (mount / "pods/a/ctr").stat().st_ino
+    unlisted = sbx.UNLISTED_POOL_BASE
+    assert pol.prefixes == {"/dev/shm/tensor_pool/": (sbx.PREFIX_FULL, unlisted, 21),
+                            "/dev/": (sbx.PREFIX_PARTIAL, 0, 5),
+                            "/dev/shm/": (sbx.PREFIX_PARTIAL, 0, 9)}
+    assert pol.pools == {"/dev/shm/tensor_pool/kv": (1, 1 << 30),
+                         "/dev/shm/tensor_pool/img": (2, 0)}   # normalised like the kernel does
+    assert pol.grants == {
+        (1, sbx.GRANT_PID, 41): 1, (1, sbx.GRANT_PID, 42): 1, (1, sbx.GRANT_CGROUP, a): 2,
+        (2, sbx.GRANT_PID, 42): 2,          # ro and rw for one pid: the wider one
+        (2, sbx.GRANT_CGROUP, ctr): 1,
+    }
+    assert pol.pool_paths == {1: "/dev/shm/tensor_pool/kv", 2: "/dev/shm/tensor_pool/img",
+                              unlisted: "/dev/shm/tensor_pool/*"}
+
+
+def test_pool_ids_survive_policy_changes():
+    ids = sbx.PoolIds()
+    p1 = _compile(_sb([SandboxPool(path="/dev/shm/tensor_pool/x"),
+                       SandboxPool(path="/dev/shm/tensor_pool/y")]), ids=ids)
+    p2 = _compile(_sb([SandboxPool(path="/dev/shm/tensor_pool/y"),
+                       SandboxPool(path="/dev/shm/tensor_pool/z")]), ids=ids)
+    assert p1.pools["/dev/shm/tensor_pool/y"] == p2.pools["/dev/shm/tensor_pool/y"] == (2, 0)
+    assert p2.pools["/dev/shm/tensor_pool/z"] == (3, 0)
+
+
+def test_directory_longer_than_a_prefix_answers_as_that_prefix():
+    pol = _compile(_sb([], prefixes=["/dev", "/dev/shm/tensor_pool/", "/srv/a/b/c/"]))
+    dev_id = pol.prefixes["/dev"][1]
+    assert pol.prefixes["/dev/"] == (sbx.PREFIX_FULL, dev_id, 5)
+    assert pol.prefixes["/dev/shm/"] == (sbx.PREFIX_FULL, dev_id, 9)
+    assert pol.prefixes["/srv/a/b/"] == (sbx.PREFIX_PARTIAL, 0, 9)
+    assert pol.lookup("/dev/null") == pol.lookup("/dev/shm/x") == (dev_id, 0)
+
+
+def test_policy_lookup_judges_paths_like_the_kernel():
+    pol = _compile(_sb([SandboxPool(path="/dev/shm/tensor_pool/kv", max_bytes=4096)],
+                       prefixes=["/dev/shm/tensor_pool/", "/dev/shm/tensor_pool/big/"]))
+    assert pol.lookup("/dev/shm/tensor_pool/kv") == (1, 4096)
+    assert pol.lookup("//dev/shm/./tensor_pool/kv") == (1, 4096)
+    assert pol.lookup("/dev/shm/tensor_pool/other") == (sbx.UNLISTED_POOL_BASE, 0)
+    assert pol.lookup("/dev/shm/tensor_pool/big/x") == (sbx.UNLISTED_POOL_BASE + 1, 0)
+    assert pol.lookup("/dev/shm/tensor_pool_other") is None
+    assert pol.lookup("/dev/null") is None
+
+
+def test_missing_cgroup_is_a_config_error_naming_the_key(fake_cgroups):
+    r, mount = fake_cgroups
+    sb = _sb([SandboxPool(path="/dev/shm/tensor_pool/a"),
+              SandboxPool(path="/dev/shm/tensor_pool/b", grants=[
+                  SandboxGrant(pids=[7]), SandboxGrant(cgroups=["pods/a", "pods/gone"])])])
+    with pytest.raises(ProbeError) as e:
+        _compile(sb, r)
+    msg = str(e.value)
+    assert msg.startswith("sandbox.pools[1].grants[1].cgroups[1]: ")
+    assert str(mount / "pods/gone") in msg
+    # refresh() compiles leniently: the rest of the policy stands.
+    pol = _compile(sb, r, strict=False)
+    assert len(pol.problems) == 1 and "sandbox.pools[1].grants[1].cgroups[1]" in pol.problems[0]
+    assert (2, sbx.GRANT_CGROUP, (mount / "pods/a").stat().st_ino) in pol.grants
+
+
+def test_duplicate_pool_is_a_config_error():
+    sb = _sb([SandboxPool(path="/dev/shm/tensor_pool/a"),
+              SandboxPool(path="/dev/shm/tensor_pool//a")])
+    with pytest.raises(ProbeError, match=r"sandbox.pools\[1\].path.*sandbox.pools\[0\].path"):
+        _compile(sb)
+
+
+def test_config_rejects_what_the_sandbox_cannot_match():
+    with pytest.raises(config.ConfigError, match=r"'\.\.'"):
+        config.load(env={}, overrides=["sandbox.prefixes=/dev/shm/../tmp/"])
+    with pytest.raises(config.ConfigError, match="sandbox.pools.0.grants.0"):
+        config.load(env={"SPANLET_SANDBOX_POOLS":
+                         '[{"path": "/dev/shm/tensor_pool/a", "grants": [{"pids": [0]}]}]'})
+
+
+# -- consistency with the C side ----------------------------------------------------
+def _c_defines() -> dict[str, int]:
+    text = (BPF_DIR / "mmap_sandbox.bpf.c").read_text()
+    return {m[1]: int(m[2], 0) for m in re.finditer(r"#define (SANDBOX_\w+) (\w+)", text)
+            if re.fullmatch(r"0x[0-9a-fA-F]+|\d+", m[2])}
+
+
+def test_python_constants_match_the_program():
+    d = _c_defines()
+    assert (d["SANDBOX_PATH_MAX"], d["SANDBOX_PREFIX_FULL"], d["SANDBOX_PREFIX_PARTIAL"]) == (
+        sbx.PATH_MAX, sbx.PREFIX_FULL, sbx.PREFIX_PARTIAL)
+    assert (d["SANDBOX_GRANT_PID"], d["SANDBOX_GRANT_CGROUP"]) == (sbx.GRANT_PID, sbx.GRANT_CGROUP)
+    assert (d["SANDBOX_ACCESS_RO"], d["SANDBOX_ACCESS_RW"]) == (sbx.ACCESS["ro"], sbx.ACCESS["rw"])
+
+
+def test_optional_open_calls_follow_the_kernel(cfg, monkeypatch):
+    monkeypatch.setattr(sbx, "tracepoint_exists", lambda tp: "openat2" in tp)
+    probe = sbx.SandboxProbe(cfg)
+    flags = probe.cflags()
+    assert "-DSANDBOX_TP_OPENAT2" in flags and "-DSANDBOX_TP_OPEN" not in flags
+    assert probe.tracepoints == list(sbx.REQUIRED_TRACEPOINTS) + [
+        ("syscalls:sys_enter_openat2", "sbx_openat2_in"),
+        ("syscalls:sys_exit_openat2", "sbx_openat2_out")]
+    # Every program the loader may attach exists in the C source.
+    text = (BPF_DIR / "mmap_sandbox.bpf.c").read_text()
+    pairs = list(sbx.REQUIRED_TRACEPOINTS) + [p for ps in sbx.OPTIONAL_TRACEPOINTS.values()
+                                              for p in ps]
+    for tp, fn in pairs:
+        struct = "tracepoint__" + tp.replace(":", "__")
+        assert re.search(rf"^int {fn}\(struct {struct} \*args\)", text, re.M), fn
+        assert len(fn) <= 15  # what bpftool shows of a program name
+
+
+def test_mode_is_a_compile_flag(cfg):
+    assert "-DSANDBOX_ENFORCE" not in sbx.SandboxProbe(cfg).cflags()
+    cfg.sandbox = SandboxConfig(mode="enforce")
+    flags = sbx.SandboxProbe(cfg).cflags()
+    assert "-DSANDBOX_ENFORCE" in flags
+    assert f"-DSANDBOX_MAX_POOLS={sbx.MAX_POOLS}" in flags
+
+
+# -- maps ---------------------------------------------------------------------------
+class FakeTable(dict):
+    """Enough of a BCC table: Key/Leaf ctypes types and item access."""
+
+    def __init__(self, key, leaf):
+        super().__init__()
+        self.Key, self.Leaf = key, leaf
+        self.writes = 0
+
+    def __setitem__(self, k, v):
+        self.writes += 1
+        super().__setitem__(bytes(k), bytes(v))
+
+    def __delitem__(self, k):
+        super().__delitem__(bytes(k))
+
+
+class _Path(ctypes.Structure):
+    _fields_ = [("path", ctypes.c_char * sbx.PATH_MAX)]
+
+
+class _LpmKey(ctypes.Structure):
+    _fields_ = [("prefixlen", ctypes.c_uint32), ("p", _Path)]
+
+
+class _Prefix(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_uint32), ("unlisted_pool_id", ctypes.c_uint32)]
+
+
+class _GrantKey(ctypes.Structure):
+    _fields_ = [("pool_id", ctypes.c_uint32), ("kind", ctypes.c_uint32), ("id", ctypes.c_uint64)]
+
+
+def test_prefix_key_layout():
+    t = FakeTable(_LpmKey, _Prefix)
+    k = sbx._prefix_key(t, "/dev/")
+    assert k.prefixlen == 40
+    assert bytes(k.p)[:6] == b"/dev/\0" and not any(bytes(k.p)[5:])
+
+
+def test_map_sync_writes_changes_and_removes_stale_entries():
+    t = FakeTable(_GrantKey, ctypes.c_uint8)
+    m = sbx.MapSync(t, sbx._grant_key, sbx._u8)
+    m.sync({(1, 1, 10): 1, (1, 2, 99): 2})
+    assert t.writes == 2 and len(t) == 2
+    m.sync({(1, 1, 10): 1, (1, 2, 99): 1, (2, 1, 10): 2})
+    assert t.writes == 4 and len(t) == 3   # unchanged entries are not rewritten
+    m.sync({(2, 1, 10): 2}, remove=False)
+    assert len(t) == 3
+    m.sync({(2, 1, 10): 2})
+    assert len(t) == 1 and bytes(sbx._grant_key(t, (2, 1, 10))) in t
+    assert m.written == {(2, 1, 10): 2}
+
+
+class _VKey:
+    def __init__(self, cg, rule, action):
+        self.cgroup_id, self.rule, self.action = cg, rule, action
+
+
+def test_violations_are_summed_over_cpus_and_named():
+    items = [(_VKey(7, 1, 1), [ctypes.c_uint64(2), ctypes.c_uint64(3)]),
+             (_VKey(7, 4, 2), [0, 1]),
+             (_VKey(8, 2, 1), [0, 0])]
+    assert sbx.sum_violations(items) == {(7, "unauthorized", "audit"): 5,
+                                         (7, "oversize", "kill"): 1,
+                                         (8, "write_on_readonly", "audit"): 0}
+
+
+# -- fds from /proc -----------------------------------------------------------------
+@pytest.fixture
+def fake_proc(tmp_path):
+    proc = tmp_path / "proc"
+    links = {
+        "100/fd/3": "/dev/shm/tensor_pool/kv",
+        "100/fd/4": "/dev/shm/tensor_pool/other (deleted)",
+        "100/fd/5": "/usr/lib/libc.so.6",
+        "100/fd/6": "socket:[1234]",
+        "200/fd/9": "/dev/shm/tensor_pool/kv",
+    }
+    for rel, target in links.items():
+        (proc / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(target, proc / rel)
+    (proc / "self").mkdir()
+    (proc / "300").mkdir()  # a kernel thread: no fd folder to read
+    return proc
+
+
+def _kv_policy():
+    return _compile(_sb([SandboxPool(path="/dev/shm/tensor_pool/kv", max_bytes=8192)]))
+
+
+def test_scan_finds_pool_fds_opened_before_start(fake_proc):
+    found = dict(sbx.scan_pool_fds(_kv_policy(), str(fake_proc)))
+    assert found == {(100, 3): (1, 8192), (100, 4): (sbx.UNLISTED_POOL_BASE, 0),
+                     (200, 9): (1, 8192)}
+
+
+def test_sweep_finds_fds_that_went_away_or_changed(fake_proc):
+    remembered = [((100, 3), (1, 8192)),                   # still the pool
+                  ((100, 5), (1, 8192)),                   # number now holds libc
+                  ((200, 9), (1, 4096)),                   # the pool's size changed
+                  ((555, 3), (1, 8192))]                   # process gone
+    assert dict(sbx.stale_pool_fds(remembered, _kv_policy(), str(fake_proc))) == {
+        (100, 5): None, (200, 9): (1, 8192), (555, 3): None}
