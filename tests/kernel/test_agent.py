@@ -1,0 +1,202 @@
+"""The whole agent: `spanlet run` in a network namespace of the test attaches
+every probe, prints decoded events, and on SIGTERM/SIGINT exits 0 within 5 s
+leaving no program, TC filter, uprobe or pinned map behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import cuda_standin
+from netns import Namespace, veth_pair
+
+pytestmark = pytest.mark.kernel
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def lines_of(stream, q: queue.Queue) -> None:
+    for line in iter(stream.readline, ""):
+        q.put(line.rstrip("\n"))
+    q.put(None)
+
+
+class Agent:
+    """`spanlet run` inside network namespace `ns`, its stdout and stderr read
+    by threads so that neither pipe fills."""
+
+    def __init__(self, ns: Namespace, config: Path, *extra: str):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPANLET_")}
+        self.proc = subprocess.Popen(
+            # nsenter switches only the network namespace (ip netns exec would
+            # also remount /sys, hiding tracefs and bpffs)
+            ["nsenter", f"--net=/run/netns/{ns.name}", sys.executable, "-m", "agent.cli", "run",
+             "--config", str(config), "--print-events", *extra],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out: queue.Queue = queue.Queue()
+        self.err: queue.Queue = queue.Queue()
+        self.log: list[str] = []
+        for stream, q in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=lines_of, args=(stream, q), daemon=True).start()
+
+    def wait_log(self, text: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.err.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"agent exited before {text!r}:\n" + "\n".join(self.log))
+            self.log.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"no {text!r} in the agent's log within {timeout} s:\n"
+                             + "\n".join(self.log))
+
+    def events(self, want, timeout: float = 10) -> list[dict]:
+        """Printed events for which want(event) holds, until none come for a while."""
+        got, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.out.get(timeout=0.5)
+            except queue.Empty:
+                if got:
+                    break
+                continue
+            if line is None:
+                break
+            ev = json.loads(line)
+            if want(ev):
+                got.append(ev)
+        return got
+
+    def bpf_ids(self) -> tuple[set[int], set[int]]:
+        """Ids of the BPF programs and maps the agent's process holds open."""
+        # nsenter execs the command: the agent is that very process.
+        progs, maps = set(), set()
+        for f in Path(f"/proc/{self.proc.pid}/fdinfo").iterdir():
+            try:
+                text = f.read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if line.startswith("prog_id:"):
+                    progs.add(int(line.split()[1]))
+                elif line.startswith("map_id:"):
+                    maps.add(int(line.split()[1]))
+        return progs, maps
+
+    def stop(self, sig: int) -> float:
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=15)
+        return time.monotonic() - t0
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A namespace with one veth (the agent's node) and a peer namespace."""
+    host = Namespace("spanlet-agent")
+    peer = Namespace("spanlet-peer")
+    try:
+        veth_pair(host, "sla0", "169.254.91.1", peer, "slb0", "169.254.91.2")
+        yield host, peer
+    finally:
+        host.close()
+        peer.close()
+
+
+@pytest.fixture
+def pool_prefix():
+    prefix = Path(f"/dev/shm/tensor_pool_agent_{secrets.token_hex(4)}")
+    prefix.mkdir()
+    try:
+        yield prefix
+    finally:
+        for f in prefix.iterdir():
+            f.unlink()
+        prefix.rmdir()
+
+
+def bpftool_ids(kind: str) -> set[int]:
+    out = subprocess.run(["bpftool", "-j", kind, "show"], capture_output=True, text=True,
+                         check=True).stdout
+    return {p["id"] for p in json.loads(out or "[]")}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_run_attaches_reads_and_detaches(tmp_path, node, pool_prefix, sig):
+    host, peer = node
+    standin = cuda_standin.build(tmp_path / "cuda")
+    config = tmp_path / "spanlet.yaml"
+    config.write_text(
+        "tc:\n  interfaces: [sla0, nosuch0]\n"
+        f"sandbox:\n  prefixes: [{pool_prefix}/]\n"
+        "gpu:\n  launch_events: all\n")
+    with cuda_standin.Workload(standin.workload) as w:
+        w.load(standin.lib_dir)            # a process that maps libcuda before the agent
+        agent = Agent(host, config)
+        try:
+            agent.wait_log("spanlet: running")
+            log = "\n".join(agent.log)
+            assert "kernel headers: " in log
+            for probe in ("span_ctx", "mmap_sandbox", "gpu_launch"):
+                assert f"probe {probe} attached" in log, log
+            tc_line = next(l for l in agent.log if "probe tc_classify attached" in l)
+            assert "1 failed: " in tc_line and "nosuch0" in tc_line
+            for direction in ("ingress", "egress"):
+                assert "spanlet" in host.tc("filter", "show", "dev", "sla0", direction)
+            progs, maps = agent.bpf_ids()
+            assert len(progs) >= 8 and progs <= bpftool_ids("prog")
+            pins = list(Path("/sys/fs/bpf/spanlet").glob(f"{agent.proc.pid}-*/span_ctx"))
+            assert len(pins) == 1
+
+            # kernel → ring buffer → decoder → stdout, end to end
+            w.run("cu 3 4 2 1 128 1 1 256 0")
+            launches = agent.events(lambda e: e["kind"] == "GPU_LAUNCH" and e["pid"] == w.pid)
+            assert len(launches) == 3
+            assert launches[0]["grid"] == [4, 2, 1] and launches[0]["block"] == [128, 1, 1]
+            assert launches[0]["shared_mem"] == 256
+            assert abs(launches[0]["ts_ns"] - time.time_ns()) < 60e9
+
+            # a process started after the agent, with its own copy of the library
+            later_libs = standin.copy_libs(tmp_path / "later")
+            with cuda_standin.Workload(standin.workload) as later:
+                later.load(later_libs)
+                deadline = time.monotonic() + 2.5
+                while time.monotonic() < deadline:
+                    later.run("cu 1 1 1 1 1 1 1 0 0")
+                    if agent.events(lambda e: e["kind"] == "GPU_LAUNCH"
+                                    and e["pid"] == later.pid, timeout=0.6):
+                        break
+                else:
+                    raise AssertionError("a process started after the agent was not traced in 2.5 s")
+
+            took = agent.stop(sig)
+            assert agent.proc.returncode == 0, "\n".join(agent.log)
+            assert took < 5.0
+        finally:
+            agent.kill()
+    # nothing of the agent is left
+    assert not progs & bpftool_ids("prog")
+    assert not maps & bpftool_ids("map")
+    for direction in ("ingress", "egress"):
+        assert host.tc("filter", "show", "dev", "sla0", direction).strip() == ""
+    uprobes = Path("/sys/kernel/tracing/uprobe_events").read_text()
+    assert f"bcc_{agent.proc.pid}" not in uprobes
+    assert not list(Path("/sys/fs/bpf/spanlet").glob(f"{agent.proc.pid}-*"))
