@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup run test unit bench dump-bpf clean
+.PHONY: setup run test unit bench dump-bpf native clean
 
 setup:
 	bash scripts/setup.sh
@@ -17,6 +17,13 @@ run: setup
 test: setup
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
+# The span marker library that serving processes load (agent/client.py).
+native: agent/_native/libspanlet_marker.so
+
+agent/_native/libspanlet_marker.so: native/spanlet_marker.c
+	mkdir -p agent/_native
+	$(CC) -O2 -fPIC -shared -o $@ $<
+
 unit:
 	$(PY) -m pytest -ra tests/unit
 
@@ -27,4 +34,4 @@ dump-bpf:
 	$(VENV)/bin/spanlet run --dump-bpf
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info agent/_native

@@ -11,9 +11,17 @@ import threading
 import time
 from typing import Callable
 
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1 import trace_pb2
+
 from agent import events, kernel
 from agent.config import Config
+from agent.join import SpanJoin
+from agent.k8s import K8sEnricher, PodWatcher
 from agent.probes.base import Probe, ProbeStatus
+from exporters.otlp_export import OtlpSpanExporter
+from exporters.otlp_receiver import OtlpReceiver
 
 log = logging.getLogger("spanlet")
 
@@ -37,11 +45,76 @@ def probe_classes(cfg: Config) -> list[type[Probe]]:
     return classes
 
 
+class SpanPath:
+    """OTLP spans in → k8s resource names and kernel facts joined → upstream."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.exporter = OtlpSpanExporter(cfg.otlp)
+        self.join = SpanJoin(cfg.join, on_late=self._export_late)
+        self.pods = PodWatcher(cfg.node_name)
+        self.enricher = K8sEnricher(cfg.node_name, pods=self.pods)
+        self.receiver = OtlpReceiver(cfg.otlp, self.on_request)
+
+    def start(self) -> None:
+        self.pods.start()
+        try:
+            self.receiver.start()
+        except OSError as e:
+            # Kernel facts are still worth having: say so loudly, keep going.
+            log.error("OTLP receiver NOT started: %s; spans cannot be joined", e)
+            return
+        log.info("OTLP receiver on %s: gRPC %d, HTTP %d; upstream export %s",
+                 self.cfg.otlp.receiver_address, self.receiver.grpc_port, self.receiver.http_port,
+                 "on" if self.exporter.enabled else "off (no endpoint configured)")
+
+    def on_request(self, request: ExportTraceServiceRequest) -> int:
+        cgroups = self.join.join(request.resource_spans)
+        for rs, cgroup in zip(request.resource_spans, cgroups):
+            self._name_resource(rs, cgroup)
+        self.exporter.export(request.resource_spans)
+        return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+
+    def _name_resource(self, rs: trace_pb2.ResourceSpans, cgroup_id: int) -> None:
+        """Kubernetes names of where the kernel events came from, unless the
+        resource already carries them (the SDK or a collector set them)."""
+        have = {kv.key for kv in rs.resource.attributes}
+        attrs = self.enricher.attributes(cgroup_id) if cgroup_id > 1 else \
+            {"k8s.node.name": self.cfg.node_name}
+        for key, value in attrs.items():
+            if key not in have:
+                rs.resource.attributes.append(KeyValue(key=key, value=AnyValue(string_value=value)))
+
+    def _export_late(self, records: list[tuple[int, trace_pb2.ResourceSpans]]) -> None:
+        for cgroup, rs in records:
+            self._name_resource(rs, cgroup)
+        self.exporter.export([rs for _, rs in records])
+
+    def tick(self) -> None:
+        self.join.flush_late()
+
+    def stop(self, deadline: float) -> None:
+        """Receiver first (no new spans), then what is late, then the export queue."""
+        self.receiver.stop(grace=min(1.0, max(0.0, deadline - time.monotonic())))
+        self.pods.stop()
+        self.join.flush_late()
+        remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+        self.exporter.shutdown(timeout_millis=remaining_ms)
+
+
 class Daemon:
     def __init__(self, cfg: Config, sink: Callable[[events._Event], None] | None = None):
         self.cfg = cfg
         self.clock = events.MonotonicClock()
-        self.sink = sink or (lambda ev: None)
+        self.spans = SpanPath(cfg)
+        printer = sink
+
+        def on_event(ev: events._Event) -> None:
+            self.spans.join.add_event(ev)
+            if printer is not None:
+                printer(ev)
+
+        self.sink = on_event
         self.probes: list[Probe] = []
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -58,6 +131,7 @@ class Daemon:
         return headers
 
     def start(self) -> list[ProbeStatus]:
+        self.spans.start()
         owner, *rest = [cls(self.cfg, sink=self.sink, clock=self.clock)
                         for cls in probe_classes(self.cfg)]
         statuses = [owner.start()]
@@ -96,6 +170,7 @@ class Daemon:
         interval = self.cfg.discovery.interval_s
         last_stats = time.monotonic()
         while not self.stopping.wait(interval):
+            self.spans.tick()
             for probe in self.probes:
                 if probe.status.attached:
                     try:
@@ -107,6 +182,9 @@ class Daemon:
                 self.log_stats()
 
     def log_stats(self) -> None:
+        spans, evs = self.spans.join.coverage()
+        log.info("join: %s; coverage spans=%s events=%s; export: %s",
+                 self.spans.join.stats.as_dict(), spans, evs, self.spans.exporter.stats())
         for p in self.probes:
             if p.status.attached:
                 log.info("probe %s: %d events read, %d dropped, %d undecodable",
@@ -125,6 +203,7 @@ class Daemon:
         for probe in reversed(self.probes):
             probe.stop()
         log.info("all probes detached")
+        self.spans.stop(deadline)
 
     def run_until_signal(self) -> None:
         def on_signal(signum, _frame):

@@ -39,6 +39,7 @@ class Facts:
 
     trace_id: bytes
     first_ns: int
+    cgroup_id: int = 0                               # of the first event
     launches: int = 0
     launch_ns: int = 0
     sync_wait_ns: int = 0
@@ -137,8 +138,9 @@ def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
 class SpanJoin:
     """Thread-safe: reader threads add events, receiver threads join spans."""
 
-    def __init__(self, cfg: JoinConfig, on_late: Callable[[list[trace_pb2.ResourceSpans]], None]
-                 | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg: JoinConfig,
+                 on_late: Callable[[list[tuple[int, trace_pb2.ResourceSpans]]], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.on_late = on_late
         self.clock = clock
@@ -162,13 +164,13 @@ class SpanJoin:
             if done_trace == trace_id:
                 late = self._late.get(span_id)
                 if late is None:
-                    late = self._late[span_id] = Facts(trace_id, ev.epoch_ns)
+                    late = self._late[span_id] = Facts(trace_id, ev.epoch_ns, ev.hdr.cgroup_id)
                 late.add(ev, self.cfg.max_span_events)
                 self.stats.events_joined += 1
                 return
             entry = self._pending.get(span_id)
             if entry is None or entry[1].trace_id != trace_id:
-                entry = (self.clock(), Facts(trace_id, ev.epoch_ns))
+                entry = (self.clock(), Facts(trace_id, ev.epoch_ns, ev.hdr.cgroup_id))
                 self._pending[span_id] = entry
             entry[1].add(ev, self.cfg.max_span_events)
             self._buffered += 1
@@ -189,18 +191,22 @@ class SpanJoin:
             return self._buffered
 
     # -- span side ---------------------------------------------------------------
-    def join(self, resource_spans: Iterable[trace_pb2.ResourceSpans]) -> int:
-        """Enrich the spans in place; returns how many got kernel facts."""
-        joined = 0
+    def join(self, resource_spans: Iterable[trace_pb2.ResourceSpans]) -> list[int]:
+        """Enrich the spans in place. Returns, per ResourceSpans, the cgroup id
+        its kernel events came from (0 when none joined), for the resource."""
+        cgroups = []
         with self._lock:
             for rs in resource_spans:
+                cgroup = 0
                 for ss in rs.scope_spans:
                     for span in ss.spans:
-                        joined += self._join_span_locked(span)
+                        cgroup = self._join_span_locked(span) or cgroup
+                cgroups.append(cgroup)
             self._evict_locked()
-        return joined
+        return cgroups
 
     def _join_span_locked(self, span: trace_pb2.Span) -> int:
+        """Enrich one span; the cgroup id of its events, 0 if none joined."""
         span_id = int.from_bytes(span.span_id, "big")
         self.stats.spans_in += 1
         self._done[span_id] = bytes(span.trace_id)
@@ -216,16 +222,17 @@ class SpanJoin:
         self.stats.events_joined += facts.count
         self.stats.spans_joined += 1
         self.stats.span_events_capped += facts.samples_capped
-        return 1
+        return facts.cgroup_id or 1
 
     def flush_late(self) -> int:
-        """Emit the events that arrived after their span as child spans."""
+        """Emit the events that arrived after their span as child spans, one
+        ResourceSpans per cgroup (resource attributes are the caller's)."""
         with self._lock:
             late, self._late = self._late, {}
             self._evict_locked()
         if not late:
             return 0
-        spans = []
+        by_cgroup: dict[int, list[trace_pb2.Span]] = {}
         for span_id, facts in late.items():
             span = trace_pb2.Span(
                 trace_id=facts.trace_id, parent_span_id=span_id.to_bytes(8, "big"),
@@ -234,14 +241,17 @@ class SpanJoin:
                 start_time_unix_nano=facts.first_ns,
                 end_time_unix_nano=max([facts.first_ns] + [e.epoch_ns for e in facts.samples]))
             apply_facts(span, facts)
-            spans.append(span)
-        record = trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=spans)])
-        record.scope_spans[0].scope.name = "spanlet"
+            by_cgroup.setdefault(facts.cgroup_id, []).append(span)
+        records = []
+        for cgroup, spans in by_cgroup.items():
+            rs = trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=spans)])
+            rs.scope_spans[0].scope.name = "spanlet"
+            records.append((cgroup, rs))
         with self._lock:
-            self.stats.late_records += len(spans)
+            self.stats.late_records += len(late)
         if self.on_late is not None:
-            self.on_late([record])
-        return len(spans)
+            self.on_late(records)
+        return len(late)
 
     def coverage(self) -> tuple[float | None, float | None]:
         """(share of spans joined to a kernel event, share of events that found their span)."""

@@ -74,5 +74,9 @@ echo "$bccdir" > "$site/spanlet-bcc.pth"
 "$venv/bin/python" -m pip install -q -e "$here[test]"
 "$venv/bin/python" -c 'import bcc, pyroute2, yaml, pydantic; print("   python modules import: bcc, pyroute2, yaml, pydantic")'
 
+step "native parts"
+make -s -C "$here" native CC="${CC:-gcc}"
+echo "   agent/_native/libspanlet_marker.so"
+
 echo
 echo "setup done: run the agent with 'make run', the tests with 'make test'"

@@ -48,7 +48,7 @@ def test_each_span_gets_exactly_its_own_facts():
     j.add_event(sync(7, 5000))
     j.add_event(launch(8, 10))
     rs = request(7, 8, 9)
-    assert j.join(rs) == 2
+    assert j.join(rs) == [1]      # joined (events without a cgroup id)
     s7, s8, s9 = rs[0].scope_spans[0].spans
     assert attrs(s7)["kernel.gpu.launches"] == 3
     assert attrs(s7)["kernel.gpu.launch_ns"] == 300
@@ -64,7 +64,7 @@ def test_each_span_gets_exactly_its_own_facts():
 def test_other_trace_with_same_span_id_does_not_join():
     j = SpanJoin(JoinConfig())
     j.add_event(launch(7, trace=b"\x09" * 16))
-    assert j.join(request(7)) == 0
+    assert j.join(request(7)) == [0]
 
 
 def test_buffer_is_bounded_and_evictions_counted():
@@ -73,8 +73,8 @@ def test_buffer_is_bounded_and_evictions_counted():
         j.add_event(launch(span))
     assert j.pending_events() == 100
     assert j.stats.events_evicted == 900
-    assert j.join(request(1000)) == 1      # the newest are kept
-    assert j.join(request(1)) == 0
+    assert j.join(request(1000)) == [1]      # the newest are kept
+    assert j.join(request(1)) == [0]
 
 
 def test_ttl_evicts_old_events():
@@ -84,17 +84,21 @@ def test_ttl_evicts_old_events():
     now[0] = 6.0
     j.add_event(launch(2))
     assert j.stats.events_evicted == 1
-    assert j.join(request(1)) == 0 and j.join(request(2)) == 1
+    assert j.join(request(1)) == [0] and j.join(request(2)) == [1]
 
 
 def test_late_events_become_their_own_record():
     out = []
     j = SpanJoin(JoinConfig(), on_late=out.extend)
     j.join(request(7))
-    j.add_event(launch(7, 40, ts=123))
+    ev = launch(7, 40, ts=123)
+    ev.hdr.cgroup_id = 99
+    j.add_event(ev)
     j.add_event(launch(7, 2, ts=130))
     assert j.flush_late() == 1
-    (late,) = out[0].scope_spans[0].spans
+    ((cgroup, rs),) = out
+    assert cgroup == 99
+    (late,) = rs.scope_spans[0].spans
     assert late.name == LATE_SPAN_NAME
     assert late.trace_id == TRACE and late.parent_span_id == (7).to_bytes(8, "big")
     assert attrs(late)["kernel.gpu.launches"] == 2 and attrs(late)["kernel.gpu.launch_ns"] == 42

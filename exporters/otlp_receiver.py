@@ -1,0 +1,629 @@
+"""OTLP trace receiver: gRPC TraceService/Export and OTLP/HTTP protobuf
+POST /v1/traces, answering per the OTLP specification and passing on only
+spans whose trace and span ids are well formed."""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import threading
+import time
+import zlib
+from collections import Counter
+from concurrent import futures
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Iterable
+from urllib.parse import urlsplit
+
+import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
+
+from agent.config import OtlpConfig
+
+log = logging.getLogger(__name__)
+
+GRPC_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+GRPC_METHOD = f"/{GRPC_SERVICE}/Export"
+HTTP_PATH = "/v1/traces"
+PROTOBUF = "application/x-protobuf"
+# gRPC carries google.rpc.Status (with RetryInfo) in this trailer.
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+GRPC_WORKERS = 4
+# A keep-alive connection idle (or a client sending slowly) this long is closed.
+HTTP_IDLE_TIMEOUT_S = 30.0
+_READ_CHUNK = 64 * 1024
+# Closing after an unread body: discard at most this much, this long.
+LINGER_S = 2.0
+LINGER_BYTES = 16 * 1024 * 1024
+
+_ZERO_TRACE_ID = bytes(16)
+_ZERO_SPAN_ID = bytes(8)
+
+# Why a span was rejected (the `reason` of the rejected-spans counter).
+REJECT_TRACE_ID_MISSING = "trace_id_missing"        # empty or all zero
+REJECT_TRACE_ID_LENGTH = "trace_id_length"          # not 16 bytes
+REJECT_SPAN_ID_MISSING = "span_id_missing"          # empty or all zero
+REJECT_SPAN_ID_LENGTH = "span_id_length"            # not 8 bytes
+REJECT_PARENT_ID_LENGTH = "parent_span_id_length"   # present but not 8 bytes
+REJECT_NOT_ACCEPTED = "not_accepted"                # valid, but on_request took fewer
+
+_REASON_TEXT = {
+    REJECT_TRACE_ID_MISSING: "without trace_id",
+    REJECT_TRACE_ID_LENGTH: "with a trace_id that is not 16 bytes",
+    REJECT_SPAN_ID_MISSING: "without span_id",
+    REJECT_SPAN_ID_LENGTH: "with a span_id that is not 8 bytes",
+    REJECT_PARENT_ID_LENGTH: "with a parent_span_id that is not 8 bytes",
+    REJECT_NOT_ACCEPTED: "not accepted by the agent (queue full)",
+}
+
+
+class RateLimitedLog:
+    """At most one line per key every `interval_s`; the lines held back are
+    counted and reported with the next one that gets through."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self._log = logger
+        self._interval = interval_s
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._held: Counter = Counter()
+
+    def __call__(self, level: int, key: str, msg: str, *args, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self._interval:
+                self._held[key] += 1
+                return
+            self._last[key] = now
+            held = self._held.pop(key, 0)
+        if held:
+            msg += f" ({held} similar messages suppressed)"
+        self._log.log(level, msg, *args, exc_info=exc_info)
+
+
+def count_spans(resource_spans: Iterable[ResourceSpans]) -> int:
+    return sum(len(ss.spans) for rs in resource_spans for ss in rs.scope_spans)
+
+
+def _span_problem(span) -> str | None:
+    tid, sid, parent = span.trace_id, span.span_id, span.parent_span_id
+    if len(tid) != 16:
+        return REJECT_TRACE_ID_LENGTH if tid else REJECT_TRACE_ID_MISSING
+    if tid == _ZERO_TRACE_ID:
+        return REJECT_TRACE_ID_MISSING
+    if len(sid) != 8:
+        return REJECT_SPAN_ID_LENGTH if sid else REJECT_SPAN_ID_MISSING
+    if sid == _ZERO_SPAN_ID:
+        return REJECT_SPAN_ID_MISSING
+    if parent and len(parent) != 8:
+        return REJECT_PARENT_ID_LENGTH
+    return None
+
+
+def drop_invalid_spans(request: ExportTraceServiceRequest) -> tuple[int, Counter]:
+    """Remove, in place, the spans whose ids are malformed (and the scope and
+    resource entries left empty). Returns (valid spans left, rejections by reason)."""
+    rejected: Counter = Counter()
+    valid = 0
+    all_rs = request.resource_spans
+    for ri in reversed(range(len(all_rs))):
+        scopes = all_rs[ri].scope_spans
+        for si in reversed(range(len(scopes))):
+            spans = scopes[si].spans
+            bad = []
+            for i, span in enumerate(spans):
+                # Inlined common case (this loop is most of the receiver's CPU).
+                tid, sid = span.trace_id, span.span_id
+                if (len(tid) == 16 and len(sid) == 8 and tid != _ZERO_TRACE_ID
+                        and sid != _ZERO_SPAN_ID and len(span.parent_span_id) in (0, 8)):
+                    valid += 1
+                else:
+                    rejected[_span_problem(span)] += 1
+                    bad.append(i)
+            for i in reversed(bad):
+                del spans[i]
+            if not spans:
+                del scopes[si]
+        if not scopes:
+            del all_rs[ri]
+    return valid, rejected
+
+
+class Backpressure(Exception):
+    """Raised by `on_request` when the agent cannot take spans now. The client
+    is told to retry: gRPC UNAVAILABLE (with RetryInfo when `retry_after_s` is
+    given), HTTP 503 (with Retry-After), as the OTLP throttling rules say."""
+
+    def __init__(self, message: str = "agent busy, retry later", retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+# Transport-neutral result of one request; each transport maps it to its wire.
+OK, PARTIAL, INVALID, TOO_LARGE, BUSY, ERROR, STOPPED = (
+    "ok", "partial", "invalid", "too_large", "busy", "error", "stopped")
+# HTTP-only outcomes.
+UNSUPPORTED_MEDIA_TYPE, NOT_FOUND, METHOD_NOT_ALLOWED, LENGTH_REQUIRED = (
+    "unsupported_media_type", "not_found", "method_not_allowed", "length_required")
+
+
+@dataclass
+class _Outcome:
+    kind: str
+    message: str = ""
+    response: bytes = b""
+    retry_after_s: float | None = None
+
+
+_GRPC_CODES = {
+    INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    BUSY: grpc.StatusCode.UNAVAILABLE,
+    STOPPED: grpc.StatusCode.UNAVAILABLE,
+    ERROR: grpc.StatusCode.INTERNAL,
+}
+_HTTP_STATUS = {
+    OK: 200, PARTIAL: 200, INVALID: 400, TOO_LARGE: 413, BUSY: 503, STOPPED: 503,
+    ERROR: 500, UNSUPPORTED_MEDIA_TYPE: 415, NOT_FOUND: 404, METHOD_NOT_ALLOWED: 405,
+    LENGTH_REQUIRED: 411,
+}
+# google.rpc.Status.code for HTTP error bodies (informational per the spec).
+_RPC_CODES = {
+    INVALID: code_pb2.INVALID_ARGUMENT, TOO_LARGE: code_pb2.RESOURCE_EXHAUSTED,
+    BUSY: code_pb2.UNAVAILABLE, STOPPED: code_pb2.UNAVAILABLE, ERROR: code_pb2.INTERNAL,
+    UNSUPPORTED_MEDIA_TYPE: code_pb2.INVALID_ARGUMENT, NOT_FOUND: code_pb2.NOT_FOUND,
+    METHOD_NOT_ALLOWED: code_pb2.UNIMPLEMENTED, LENGTH_REQUIRED: code_pb2.INVALID_ARGUMENT,
+}
+
+
+def _status_bytes(kind: str, message: str, retry_after_s: float | None = None) -> bytes:
+    st = status_pb2.Status(code=_RPC_CODES.get(kind, code_pb2.UNKNOWN), message=message)
+    if retry_after_s is not None:
+        info = error_details_pb2.RetryInfo()
+        info.retry_delay.FromNanoseconds(int(max(retry_after_s, 0.0) * 1e9))
+        st.details.add().Pack(info)
+    return st.SerializeToString()
+
+
+class OtlpReceiver:
+    """Receives OTLP traces over gRPC (cfg.grpc_port) and HTTP/protobuf
+    (cfg.http_port) on cfg.receiver_address; port 0 picks a free port, and the
+    ports in use are `grpc_port` / `http_port` after start().
+
+    `on_request(request)` gets each request with its malformed spans removed
+    (never called with zero spans) and returns how many spans it accepted; the
+    rest are reported to the client in `partial_success`. It may raise
+    `Backpressure` to make the client retry later. It runs on the server's
+    threads, so it must be thread-safe."""
+
+    def __init__(self, cfg: OtlpConfig,
+                 on_request: Callable[[ExportTraceServiceRequest], int]) -> None:
+        self._cfg = cfg
+        self._on_request = on_request
+        self.max_message_bytes = cfg.max_message_bytes
+        self.grpc_port = cfg.grpc_port
+        self.http_port = cfg.http_port
+        self._lifecycle = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._grpc_server: grpc.Server | None = None
+        self._httpd: _HttpServer | None = None
+        self._http_thread: threading.Thread | None = None
+        self._running = False
+        self._accepting = False
+        self._requests: Counter = Counter()       # (transport, outcome)
+        self._spans_accepted = 0
+        self._spans_rejected: Counter = Counter()  # reason
+        self._ratelog = RateLimitedLog(log)
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        """Bind both ports and serve; raises OSError naming the address when a
+        port cannot be bound. Calling it again while running does nothing."""
+        with self._lifecycle:
+            if self._running:
+                return
+            grpc_server = self._start_grpc()
+            try:
+                self._start_http()
+            except BaseException:
+                grpc_server.stop(None)
+                raise
+            self._grpc_server = grpc_server
+            self._running = self._accepting = True
+            log.info("OTLP receiver on %s: gRPC port %d, HTTP port %d",
+                     self._cfg.receiver_address, self.grpc_port, self.http_port)
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop both servers, letting in-flight requests finish for `grace`
+        seconds. Safe to call twice, and before start()."""
+        with self._lifecycle:
+            if not self._running:
+                return
+            self._running = False
+            # No new calls or connections; the ones in flight get the grace period.
+            stopped = self._grpc_server.stop(grace)
+            self._httpd.shutdown()
+            self._http_thread.join(timeout=5)
+            stopped.wait(timeout=(grace or 0) + 5)
+            # Requests still arriving on kept-alive HTTP connections are now
+            # answered 503, and the connections are closed.
+            self._accepting = False
+            self._httpd.close_connections()
+            self._httpd.server_close()
+            self._grpc_server = self._httpd = self._http_thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def _start_grpc(self) -> grpc.Server:
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="otlp-grpc"),
+            options=[
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+                # Without this a second agent would silently share the port.
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        # Raw bytes in and out: we parse ourselves, so malformed protobuf is
+        # answered INVALID_ARGUMENT (grpc's own deserializer would say INTERNAL).
+        handler = grpc.method_handlers_generic_handler(GRPC_SERVICE, {
+            "Export": grpc.unary_unary_rpc_method_handler(self._grpc_export),
+        })
+        server.add_generic_rpc_handlers((handler,))
+        addr = self._cfg.receiver_address
+        host = f"[{addr}]" if ":" in addr else addr
+        try:
+            port = server.add_insecure_port(f"{host}:{self._cfg.grpc_port}")
+        except RuntimeError as e:
+            raise OSError(f"OTLP gRPC receiver cannot bind {host}:{self._cfg.grpc_port}: {e}") from None
+        if not port:
+            raise OSError(f"OTLP gRPC receiver cannot bind {host}:{self._cfg.grpc_port}")
+        server.start()
+        self.grpc_port = port
+        return server
+
+    def _start_http(self) -> None:
+        addr = self._cfg.receiver_address
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        server_cls = type("_Server", (_HttpServer,), {"address_family": family})
+        handler_cls = type("_Handler", (_HttpHandler,), {"receiver": self})
+        try:
+            httpd = server_cls((addr, self._cfg.http_port), handler_cls)
+        except OSError as e:
+            raise OSError(e.errno, f"OTLP HTTP receiver cannot bind {addr}:{self._cfg.http_port}: "
+                                   f"{e.strerror}") from None
+        self.http_port = httpd.server_address[1]
+        self._httpd = httpd
+        self._http_thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                             name="otlp-http", daemon=True)
+        self._http_thread.start()
+
+    # ---- counters ----
+
+    def stats(self) -> dict:
+        """Counters since construction: requests by transport and outcome,
+        spans accepted, spans rejected by reason."""
+        with self._stats_lock:
+            requests: dict[str, dict[str, int]] = {"grpc": {}, "http": {}}
+            for (transport, outcome), n in self._requests.items():
+                requests.setdefault(transport, {})[outcome] = n
+            return {
+                "requests": requests,
+                "spans_accepted": self._spans_accepted,
+                "spans_rejected": dict(self._spans_rejected),
+            }
+
+    def _count(self, transport: str, outcome: str) -> None:
+        with self._stats_lock:
+            self._requests[(transport, outcome)] += 1
+
+    # ---- the one request path both transports share ----
+
+    def _handle_payload(self, payload: bytes, transport: str) -> _Outcome:
+        """Parse, validate and pass on one serialized ExportTraceServiceRequest."""
+        outcome = self._handle(payload)
+        self._count(transport, outcome.kind)
+        return outcome
+
+    def _handle(self, payload: bytes) -> _Outcome:
+        if not self._accepting:
+            return _Outcome(STOPPED, "receiver is shutting down")
+        if len(payload) > self.max_message_bytes:
+            return _Outcome(TOO_LARGE, f"request of {len(payload)} bytes is over the limit "
+                                       f"of {self.max_message_bytes} bytes")
+        try:
+            request = ExportTraceServiceRequest.FromString(payload)
+        except (DecodeError, ValueError, RecursionError) as e:
+            return _Outcome(INVALID, f"request is not a valid ExportTraceServiceRequest: {e}")
+        valid, rejected = drop_invalid_spans(request)
+        accepted = 0
+        if valid:
+            try:
+                result = self._on_request(request)
+                accepted = valid if result is None else min(max(int(result), 0), valid)
+            except Backpressure as e:
+                return _Outcome(BUSY, str(e), retry_after_s=e.retry_after_s)
+            except Exception:
+                self._ratelog(logging.ERROR, "on_request", "OTLP receiver callback failed",
+                              exc_info=True)
+                return _Outcome(ERROR, "internal error while processing spans")
+        if accepted < valid:
+            rejected[REJECT_NOT_ACCEPTED] = valid - accepted
+        with self._stats_lock:
+            self._spans_accepted += accepted
+            self._spans_rejected.update(rejected)
+        response = ExportTraceServiceResponse()
+        n_rejected = sum(rejected.values())
+        if not n_rejected:
+            return _Outcome(OK, response=response.SerializeToString())
+        response.partial_success.rejected_spans = n_rejected
+        response.partial_success.error_message = "rejected " + "; ".join(
+            f"{n} span{'s' if n != 1 else ''} {_REASON_TEXT[r]}" for r, n in sorted(rejected.items()))
+        return _Outcome(PARTIAL, response.partial_success.error_message,
+                        response=response.SerializeToString())
+
+    # ---- gRPC ----
+
+    def _grpc_export(self, payload: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            outcome = self._handle_payload(payload, "grpc")
+        except Exception:   # never let a request take a worker down
+            self._ratelog(logging.ERROR, "grpc", "OTLP gRPC request failed", exc_info=True)
+            outcome = _Outcome(ERROR, "internal error")
+        if outcome.kind in (OK, PARTIAL):
+            return outcome.response
+        if outcome.retry_after_s is not None:
+            context.set_trailing_metadata(((STATUS_DETAILS_KEY, _status_bytes(
+                outcome.kind, outcome.message, outcome.retry_after_s)),))
+        context.abort(_GRPC_CODES[outcome.kind], outcome.message)
+
+
+class _HttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def track(self, conn: socket.socket, alive: bool) -> None:
+        with self._conns_lock:
+            (self._conns.add if alive else self._conns.discard)(conn)
+
+    def close_connections(self) -> None:
+        """End keep-alive connections so no handler outlives stop()."""
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("OTLP HTTP connection from %s failed", client_address, exc_info=True)
+
+
+class _ProtocolError(Exception):
+    """A request the HTTP handler answers without reading further."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class _HttpHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "spanlet-otlp"
+    timeout = HTTP_IDLE_TIMEOUT_S
+    # Headers and body are two writes; with Nagle on, the body would wait
+    # for the client's delayed ACK (40 ms a request).
+    disable_nagle_algorithm = True
+    receiver: OtlpReceiver   # set on the per-receiver subclass
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.track(self.connection, True)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.track(self.connection, False)
+
+    def log_message(self, format: str, *args) -> None:
+        log.debug("OTLP HTTP %s " + format, self.client_address[0], *args)
+
+    def do_POST(self) -> None:
+        try:
+            if urlsplit(self.path).path != HTTP_PATH:
+                raise _ProtocolError(NOT_FOUND, f"no such path {urlsplit(self.path).path!r}; "
+                                                f"traces go to {HTTP_PATH}")
+            ctype = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if ctype != PROTOBUF:
+                raise _ProtocolError(UNSUPPORTED_MEDIA_TYPE,
+                                     f"Content-Type {ctype or '(none)'!r} is not supported; "
+                                     f"send {PROTOBUF}")
+            encoding = self.headers.get("Content-Encoding", "").strip().lower()
+            if encoding not in ("", "identity", "gzip"):
+                raise _ProtocolError(UNSUPPORTED_MEDIA_TYPE,
+                                     f"Content-Encoding {encoding!r} is not supported; use gzip")
+            body = self._read_body()
+            if encoding == "gzip":
+                body = _gunzip(body, self.receiver.max_message_bytes)
+        except _ProtocolError as e:
+            self.receiver._count("http", e.kind)
+            self._reply_error(_Outcome(e.kind, str(e)))
+            return
+        try:
+            outcome = self.receiver._handle_payload(body, "http")
+        except Exception:
+            self.receiver._ratelog(logging.ERROR, "http", "OTLP HTTP request failed", exc_info=True)
+            outcome = _Outcome(ERROR, "internal error")
+        if outcome.kind in (OK, PARTIAL):
+            self._reply(200, outcome.response)
+        else:
+            self._reply_error(outcome)
+
+    def _other_method(self) -> None:
+        path = urlsplit(self.path).path
+        kind = METHOD_NOT_ALLOWED if path == HTTP_PATH else NOT_FOUND
+        self.receiver._count("http", kind)
+        self._reply_error(_Outcome(kind, f"{self.command} {path} is not served; "
+                                         f"POST {HTTP_PATH} takes traces"))
+
+    do_GET = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _other_method
+
+    # ---- body ----
+
+    def _read_body(self) -> bytes:
+        limit = self.receiver.max_message_bytes
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            return self._read_chunked(limit)
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            if self.command == "POST":
+                self.close_connection = True
+            raise _ProtocolError(LENGTH_REQUIRED, "Content-Length or chunked encoding is required")
+        try:
+            length = int(raw)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            raise _ProtocolError(INVALID, f"bad Content-Length {raw!r}") from None
+        if length > limit:
+            self.close_connection = True
+            raise _ProtocolError(TOO_LARGE, f"request of {length} bytes is over the limit "
+                                            f"of {limit} bytes")
+        body = self.rfile.read(length)
+        if len(body) != length:
+            self.close_connection = True
+            raise _ProtocolError(INVALID, "request body ended early")
+        return body
+
+    def _read_chunked(self, limit: int) -> bytes:
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            line = self.rfile.readline(1024)
+            try:
+                size = int(line.split(b";")[0].strip(), 16)
+                if size < 0:
+                    raise ValueError
+            except ValueError:
+                self.close_connection = True
+                raise _ProtocolError(INVALID, "malformed chunked body") from None
+            if size == 0:
+                break
+            total += size
+            if total > limit:
+                self.close_connection = True
+                raise _ProtocolError(TOO_LARGE, f"request is over the limit of {limit} bytes")
+            chunk = self.rfile.read(size)
+            if len(chunk) != size or self.rfile.read(2) != b"\r\n":
+                self.close_connection = True
+                raise _ProtocolError(INVALID, "malformed chunked body")
+            parts.append(chunk)
+        for _ in range(100):                     # trailers, up to the empty line
+            if self.rfile.readline(8192) in (b"\r\n", b"\n", b""):
+                break
+        return b"".join(parts)
+
+    def _discard_body(self) -> None:
+        """Read an unwanted small body so the connection stays usable; close it otherwise."""
+        if self.close_connection or "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            return
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            length = -1
+        if 0 <= length <= self.receiver.max_message_bytes:
+            while length > 0:
+                got = self.rfile.read(min(length, _READ_CHUNK))
+                if not got:
+                    break
+                length -= len(got)
+        else:
+            self.close_connection = True
+
+    # ---- replies ----
+
+    def _reply_error(self, outcome: _Outcome) -> None:
+        if outcome.kind in (NOT_FOUND, METHOD_NOT_ALLOWED, UNSUPPORTED_MEDIA_TYPE):
+            self._discard_body()
+        headers = {}
+        if outcome.kind == METHOD_NOT_ALLOWED:
+            headers["Allow"] = "POST"
+        if outcome.retry_after_s is not None:
+            headers["Retry-After"] = str(max(0, math.ceil(outcome.retry_after_s)))
+        self._reply(_HTTP_STATUS[outcome.kind],
+                    _status_bytes(outcome.kind, outcome.message, outcome.retry_after_s), headers)
+
+    def _reply(self, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", PROTOBUF)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        if self.close_connection:
+            self._linger()
+
+    def _linger(self) -> None:
+        """Before closing on a body we did not read, half-close and discard
+        what the client is still sending (bounded), so that its kernel does
+        not get a reset and lose our answer before the client reads it."""
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(LINGER_S)
+            budget = LINGER_BYTES
+            while budget > 0:
+                got = self.connection.recv(min(budget, _READ_CHUNK))
+                if not got:
+                    break
+                budget -= len(got)
+        except OSError:
+            pass
+
+
+def _gunzip(body: bytes, limit: int) -> bytes:
+    """Decompress one or more gzip members, refusing output over `limit`
+    bytes before producing it (a small bomb cannot blow up memory)."""
+    out: list[bytes] = []
+    total = 0
+    data = body
+    try:
+        while True:
+            d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+            chunk = d.decompress(data, limit - total + 1)
+            total += len(chunk)
+            if total > limit:
+                raise _ProtocolError(TOO_LARGE, f"request is over the limit of {limit} bytes "
+                                                "once decompressed")
+            out.append(chunk)
+            if not d.eof:
+                raise _ProtocolError(INVALID, "gzip body is truncated")
+            data = d.unused_data
+            if not data:
+                break
+    except zlib.error as e:
+        raise _ProtocolError(INVALID, f"gzip body is not valid: {e}") from None
+    return b"".join(out)
