@@ -1,0 +1,127 @@
+"""Cost of SpanletSpanProcessor to an instrumented app: µs per span (start+end)
+with the processor and without it, side by side in one run, and per span edge.
+
+No kernel uprobe is attached here (no root needed); the agent's uprobe on
+spanlet_mark adds its own cost per edge, measured separately by the lead.
+
+Run: .venv/bin/python bench/client_bench.py [--spans N] [--repeat R] [--lib PATH]
+(builds the marker library with $CC, default gcc, unless --lib is given)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider  # noqa: E402
+
+from agent import client  # noqa: E402
+
+MARKER_SOURCE = ROOT / "native" / "spanlet_marker.c"
+
+
+def build_marker(out_dir: str) -> str:
+    """The production build, with the Makefile's exact flags."""
+    lib = os.path.join(out_dir, "libspanlet_marker.so")
+    cc = os.environ.get("CC", "gcc")
+    subprocess.run([cc, "-O2", "-fPIC", "-shared", "-o", lib, str(MARKER_SOURCE)], check=True)
+    return lib
+
+
+def tracer_with(processor: SpanProcessor | None):
+    provider = TracerProvider()
+    if processor is not None:
+        provider.add_span_processor(processor)
+    return provider.get_tracer("spanlet.bench")
+
+
+def ns_per_span(tracer, spans: int) -> float:
+    """One root span with one child, the shape of a served request, repeated;
+    result per span. Attributes as a real app would pass them."""
+    attrs = {"mm.modality": "image"}
+    start = time.perf_counter_ns()
+    for _ in range(spans // 2):
+        with tracer.start_as_current_span("request", attributes=attrs):
+            with tracer.start_as_current_span("decode"):
+                pass
+    return (time.perf_counter_ns() - start) / (spans // 2 * 2)
+
+
+def ns_per_edge_direct(processor, spans: int, tracer) -> float:
+    """The processor's own on_start + on_end, called on a pre-made span, per edge."""
+    span = tracer.start_span("probe", attributes={"mm.modality": "audio"})
+    readable = span._readable_span()  # what the SDK hands to on_end
+    on_start, on_end = processor.on_start, processor.on_end
+    start = time.perf_counter_ns()
+    for _ in range(spans):
+        on_start(span)
+        on_end(readable)
+    elapsed = time.perf_counter_ns() - start
+    span.end()
+    return elapsed / (2 * spans)
+
+
+def ns_per_mark(mark, calls: int) -> float:
+    """The ctypes call into spanlet_mark_halves alone, as the processor makes it."""
+    args = (0xDEADBEEF, 0xFEEDFACE, 0x12345678, 0x9ABCDEF0, 0xCAFEF00D, 0x0BADF00D, 2)
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        mark(*args)
+    return (time.perf_counter_ns() - start) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spans", type=int, default=4_000)
+    ap.add_argument("--repeat", type=int, default=40)
+    ap.add_argument("--lib", help="a built libspanlet_marker.so (default: build one now)")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="spanlet-client-bench-") as tmp:
+        lib = args.lib or build_marker(tmp)
+        processor = client.SpanletSpanProcessor(lib)
+        if not processor.active:
+            sys.exit(f"marker library {lib} unusable (see the warning above)")
+        plain, noop, marked = tracer_with(None), tracer_with(SpanProcessor()), tracer_with(processor)
+        for tracer in (plain, noop, marked):
+            ns_per_span(tracer, 2000)  # warm-up
+
+        runs = {"without": [], "noop": [], "with": [], "edge": [], "mark": []}
+        for _ in range(args.repeat):  # short runs, interleaved, so drift and noise hit all alike
+            runs["without"].append(ns_per_span(plain, args.spans))
+            runs["noop"].append(ns_per_span(noop, args.spans))
+            runs["with"].append(ns_per_span(marked, args.spans))
+            runs["edge"].append(ns_per_edge_direct(processor, args.spans // 2, plain))
+            runs["mark"].append(ns_per_mark(processor._mark, args.spans))
+
+    best = {k: min(v) / 1000 for k, v in runs.items()}
+    med = {k: statistics.median(v) / 1000 for k, v in runs.items()}
+
+    def row(label: str, value) -> None:
+        b, m = value(best), value(med)
+        print(f"  {label:<52} {b:8.3f} {m:8.3f}")
+
+    print("spanlet client: SpanletSpanProcessor cost to the app.\n"
+          "  No kernel uprobe is attached here: the uprobe's own cost per edge is measured separately.")
+    print(f"  {args.repeat} interleaved runs of {args.spans} spans; python {sys.version.split()[0]}")
+    print(f"  {'µs':<52} {'best':>8} {'median':>8}")
+    row("per span (start+end), SDK without processor", lambda r: r["without"])
+    row("per span (start+end), SDK with a no-op processor", lambda r: r["noop"])
+    row("per span (start+end), SDK with SpanletSpanProcessor", lambda r: r["with"])
+    row("ratio with / without", lambda r: r["with"] / r["without"])
+    row("added per span edge: (with - without) / 2", lambda r: (r["with"] - r["without"]) / 2)
+    row("  of which the SDK calling any processor", lambda r: (r["noop"] - r["without"]) / 2)
+    row("processor alone per edge (on_start/on_end direct)", lambda r: r["edge"])
+    row("  of which the ctypes marker call", lambda r: r["mark"])
+
+if __name__ == "__main__":
+    main()

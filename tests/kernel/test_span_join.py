@@ -1,0 +1,136 @@
+"""Kernel events joined to the OTel spans of a real, unprivileged-style serving
+process: the agent (in this process) receives its spans over OTLP, adds the
+exact kernel facts of each span, and exports them to a stand-in upstream."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import cuda_standin
+from agent import config, events
+from agent.daemon import Daemon
+from exporters.otlp_receiver import OtlpReceiver
+
+pytestmark = pytest.mark.kernel
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Upstream:
+    """The collector the agent exports to: a real OTLP receiver that keeps spans."""
+
+    def __init__(self):
+        self.spans: dict[str, tuple] = {}
+        self.lock = threading.Lock()
+        self.rx = OtlpReceiver(config.OtlpConfig(grpc_port=0, http_port=0), self.on_request)
+
+    def on_request(self, req) -> int:
+        n = 0
+        with self.lock:
+            for rs in req.resource_spans:
+                for ss in rs.scope_spans:
+                    for sp in ss.spans:
+                        self.spans[sp.span_id.hex()] = (sp, rs.resource)
+                        n += 1
+        return n
+
+
+def attrs(span) -> dict:
+    return {kv.key: kv.value.int_value for kv in span.attributes if kv.key.startswith("kernel.")}
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def agent(tmp_path):
+    up = Upstream()
+    up.rx.start()
+    cfg = config.load(env={}, overrides=[
+        "tc.enabled=false", "sandbox.enabled=false", "discovery.interval_s=0.2",
+        "otlp.grpc_port=0", "otlp.http_port=0", "otlp.upstream_protocol=grpc",
+        f"otlp.upstream_endpoint=http://127.0.0.1:{up.rx.grpc_port}", "otlp.batch_interval_s=0.1"])
+    d = Daemon(cfg)
+    d.check_node()
+    d.start()
+    d.upstream = up
+    try:
+        yield d
+    finally:
+        d.stop()
+        up.rx.stop()
+
+
+@pytest.fixture
+def child(agent, tmp_path):
+    standin = cuda_standin.build(tmp_path / "cuda")
+    env = dict(os.environ, PYTHONPATH=str(ROOT),
+               SPANLET_MARKER_LIB=str(ROOT / "agent" / "_native" / "libspanlet_marker.so"))
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "span_child.py"),
+         f"127.0.0.1:{agent.spans.receiver.grpc_port}", str(standin.lib_dir / cuda_standin.DRIVER)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ready"), line
+        pid = int(line.split()[1])
+        span_ctx, gpu = agent.probes[0], next(p for p in agent.probes if p.name == "gpu_launch")
+        wait_for(lambda: any(l.pid == pid for l in span_ctx.libraries)
+                 and any(a.pid == pid for a in gpu.libraries()), 5, "the agent to attach to the child")
+        yield proc, pid
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+
+
+def run(proc, cmd: str, done: str) -> list[str]:
+    proc.stdin.write(cmd + "\n")
+    proc.stdin.flush()
+    lines = []
+    for line in proc.stdout:
+        if line.startswith(done):
+            return lines
+        lines.append(line.split())
+    raise AssertionError(f"child exited before {done!r}")
+
+
+@pytest.mark.parametrize("threads, spans", [(1, 3), (8, 4)])
+def test_each_span_gets_exactly_its_own_kernel_facts(agent, child, threads, spans):
+    proc, pid = child
+    expected = {sid: (int(n), int(us)) for _, sid, n, us in run(proc, f"work {threads} {spans}", "worked")}
+    assert len(expected) == threads * spans
+    total = sum(n for n, _ in expected.values())
+    join = agent.spans.join
+    # every launch and sync event is buffered before the spans are let go
+    wait_for(lambda: join.pending_events() >= total + len(expected), 10, "the kernel events")
+    run(proc, "flush", "flushed")
+    up = agent.upstream
+    wait_for(lambda: len(up.spans) >= len(expected), 10, "the spans upstream")
+    for sid, (n, sync_us) in expected.items():
+        span, resource = up.spans[sid]
+        a = attrs(span)
+        assert a["kernel.gpu.launches"] == n, span.name
+        assert 0.8 * sync_us * 1000 <= a["kernel.gpu.sync_wait_ns"] <= 1.2 * sync_us * 1000 + 2e6
+        names = {e.name for e in span.events}
+        assert names <= {"kernel.gpu.launch", "kernel.gpu.sync_wait"}
+        res = {kv.key: kv.value.string_value for kv in resource.attributes}
+        assert res["service.name"] == "span-child"
+        assert res["k8s.node.name"] == agent.cfg.node_name
+    assert join.stats.events_evicted == 0 and join.stats.late_records == 0
+    assert join.coverage() == (1.0, 1.0)
+    # the kernel-side counts agree, under the spans' modality
+    gpu = next(p for p in agent.probes if p.name == "gpu_launch")
+    image = sum(c for (cg, mod, api), c in gpu.launches().items() if mod == events.Modality.image)
+    assert image == total

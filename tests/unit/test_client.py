@@ -1,0 +1,405 @@
+"""SpanletSpanProcessor (agent/client.py) against the real OpenTelemetry SDK and
+the marker library (native/spanlet_marker.c) built here, no root: the record
+build logs every spanlet_mark call with its arguments and calling thread."""
+
+from __future__ import annotations
+
+import ctypes as C
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from agent import client
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE = ROOT / "native" / "spanlet_marker.c"
+CLEAR = (b"\0" * 16, 0, 0)
+
+
+class Record(C.Structure):
+    _fields_ = [
+        ("trace_hi", C.c_uint64),
+        ("trace_lo", C.c_uint64),
+        ("span_id", C.c_uint64),
+        ("modality", C.c_uint32),
+        ("tid", C.c_uint32),
+    ]
+
+
+class Recorder:
+    """The record build's in-library log of spanlet_mark calls."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.lib = C.CDLL(path)  # same handle as the processor's: dlopen shares it
+        self.lib.spanlet_marker_record_count.restype = C.c_uint64
+        self.lib.spanlet_marker_record_get.argtypes = [C.c_uint64, C.POINTER(Record)]
+        self.lib.spanlet_marker_record_get.restype = C.c_int
+
+    def reset(self) -> None:
+        self.lib.spanlet_marker_record_reset()
+
+    def records(self) -> list[Record]:
+        out = []
+        for i in range(self.lib.spanlet_marker_record_count()):
+            r = Record()
+            assert self.lib.spanlet_marker_record_get(i, C.byref(r)) == 0, "record log overflowed"
+            out.append(r)
+        return out
+
+    def marks(self) -> list[tuple[bytes, int, int]]:
+        """(16-byte trace id, span id, modality) per call, in call order."""
+        return [(r.trace_hi.to_bytes(8, "big") + r.trace_lo.to_bytes(8, "big"), r.span_id, r.modality)
+                for r in self.records()]
+
+
+def build(out: Path, name: str, *defines: str, source: Path = SOURCE) -> str:
+    """With the top-level Makefile's exact flags, plus any -D."""
+    lib = out / name
+    subprocess.run([os.environ.get("CC", "gcc"), "-O2", "-fPIC", "-shared", *defines, "-o", str(lib),
+                    str(source)], check=True, capture_output=True, text=True)
+    return str(lib)
+
+
+@pytest.fixture(scope="module")
+def libs():
+    out = Path(tempfile.mkdtemp(prefix="spanlet-client-test-"))
+    try:
+        no_mark = out / "no_mark.c"
+        no_mark.write_text("unsigned spanlet_marker_abi_version(void) { return 1; }\n")
+        (out / "not_elf.so").write_text("not a shared object\n")
+        yield {
+            "prod": build(out, "libspanlet_marker.so"),
+            "record": build(out, "librecord.so", "-DSPANLET_MARKER_RECORD"),
+            "abi2": build(out, "libabi2.so", "-DSPANLET_MARKER_ABI_VERSION=2"),
+            "no_mark": build(out, "libno_mark.so", source=no_mark),
+            "not_elf": str(out / "not_elf.so"),
+            "missing": str(out / "does_not_exist.so"),
+        }
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.fixture
+def fresh_client(monkeypatch):
+    """Forget loaded libraries and the once-per-process warning, as a new process would."""
+    monkeypatch.setattr(client, "_libs", {})
+    monkeypatch.setattr(client, "_warned", False)
+    monkeypatch.delenv(client.LIB_ENV, raising=False)
+
+
+@pytest.fixture
+def recorder(libs, fresh_client):
+    rec = Recorder(libs["record"])
+    rec.reset()
+    yield rec
+    rec.reset()
+
+
+def traced(processor):
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, provider.get_tracer("spanlet.test"), exporter
+
+
+def ids(span, modality: int) -> tuple[bytes, int, int]:
+    ctx = span.get_span_context()
+    return (ctx.trace_id.to_bytes(16, "big"), ctx.span_id, modality)
+
+
+# The library itself.
+
+def test_production_build_exports_the_abi_and_no_record_code(libs):
+    lib = C.CDLL(libs["prod"])
+    lib.spanlet_marker_abi_version.restype = C.c_uint32
+    assert lib.spanlet_marker_abi_version() == 1
+    assert lib.spanlet_mark and lib.spanlet_mark_halves
+    for test_only in ("spanlet_marker_record_count", "spanlet_marker_record_get",
+                      "spanlet_marker_record_reset"):
+        with pytest.raises(AttributeError):
+            getattr(lib, test_only)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the probe-site NOP is x86-64 only")
+def test_spanlet_mark_starts_with_the_nop5_that_optimized_uprobes_need(libs):
+    """Linux 6.18+ turns a uprobe on a 5-byte NOP into a trampoline call (about
+    7x cheaper than the int3 trap); the production build must keep it first."""
+    lib = C.CDLL(libs["prod"])
+    code = C.string_at(C.cast(lib.spanlet_mark, C.c_void_p).value, 10)
+    endbr64, nop5, ret = b"\xf3\x0f\x1e\xfa", b"\x0f\x1f\x44\x00\x00", b"\xc3"
+    assert code.removeprefix(endbr64).startswith(nop5 + ret)
+
+
+def test_spanlet_mark_receives_full_64_bit_arguments(recorder):
+    """The fixed ABI, called directly with every high bit set; then the halves
+    entry point the client uses must arrive at spanlet_mark with the same values."""
+    mark = recorder.lib.spanlet_mark
+    mark.argtypes = [C.c_uint64, C.c_uint64, C.c_uint64, C.c_uint32]
+    mark(0xF1E2D3C4B5A69788, 0x8877665544332211, 0xFEDCBA9876543210, 4)
+    t, s = 0xF1E2D3C4B5A697888877665544332211, 0xFEDCBA9876543210
+    recorder.lib.spanlet_mark_halves(t >> 96, (t >> 64) & 0xFFFFFFFF, (t >> 32) & 0xFFFFFFFF,
+                                     t & 0xFFFFFFFF, s >> 32, s & 0xFFFFFFFF, 4)
+    (direct, halves) = recorder.records()
+    for r in (direct, halves):
+        assert (r.trace_hi, r.trace_lo, r.span_id, r.modality) == (
+            0xF1E2D3C4B5A69788, 0x8877665544332211, 0xFEDCBA9876543210, 4)
+        assert r.tid == threading.get_native_id()
+
+
+# Marks for spans.
+
+def test_nested_spans_mark_start_child_parent_again_then_clear(recorder):
+    provider, tracer, exporter = traced(client.SpanletSpanProcessor(recorder.path))
+    with tracer.start_as_current_span("request", attributes={"mm.modality": "image"}) as root:
+        with tracer.start_as_current_span("decode", attributes={"mm.modality": "text"}) as child:
+            pass
+    assert recorder.marks() == [ids(root, 2), ids(child, 1), ids(root, 2), CLEAR]
+    assert root.get_span_context().trace_id == child.get_span_context().trace_id
+    assert len(exporter.get_finished_spans()) == 2
+
+
+@pytest.mark.parametrize("attributes, modality", [
+    ({"mm.modality": "other"}, 0),
+    ({"mm.modality": "text"}, 1),
+    ({"mm.modality": "image"}, 2),
+    ({"mm.modality": "audio"}, 3),
+    ({"mm.modality": "video"}, 4),
+    ({"mm.modality": "IMAGE"}, 0),
+    ({"mm.modality": "hologram"}, 0),
+    ({"mm.modality": 2}, 0),
+    ({"mm.modality": ["image", "text"]}, 0),
+    ({}, 0),
+    (None, 0),
+])
+def test_modality_from_start_attributes(recorder, attributes, modality):
+    _, tracer, _ = traced(client.SpanletSpanProcessor(recorder.path))
+    span = tracer.start_span("s", attributes=attributes)
+    span.end()
+    assert recorder.marks() == [ids(span, modality), CLEAR]
+
+
+def test_modality_numbers_match_the_agents_decoder():
+    """client.py may not import the agent, so it repeats agent/events.py Modality."""
+    from agent.events import Modality
+    assert client.MODALITIES == {m.name: m.value for m in Modality}
+
+
+def test_modality_set_after_start_is_not_seen(recorder):
+    """Documented limit: the mark is made at start, from the attributes then."""
+    _, tracer, _ = traced(client.SpanletSpanProcessor(recorder.path))
+    with tracer.start_as_current_span("s") as span:
+        span.set_attribute("mm.modality", "audio")
+    assert recorder.marks() == [ids(span, 0), CLEAR]
+
+
+@pytest.mark.parametrize("attributes, modality", [({"mm.modality": "video"}, 4), ({"k": "v"}, 0), (None, 0)])
+def test_modality_through_the_public_api_for_other_span_classes(recorder, attributes, modality):
+    """on_start reads the SDK span's attribute dict directly for speed; a span
+    without it (another SDK version or span class) goes through span.attributes."""
+
+    class OtherSpan:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def get_span_context(self):
+            return self._inner.get_span_context()
+
+        @property
+        def attributes(self):
+            return self._inner.attributes
+
+    proc = client.SpanletSpanProcessor(recorder.path)
+    span = TracerProvider().get_tracer("plain").start_span("s", attributes=attributes)
+    proc.on_start(OtherSpan(span))
+    span.end()
+    proc.on_end(span)
+    assert recorder.marks() == [ids(span, modality), CLEAR]
+
+
+def test_parent_ending_before_child_leaves_child_marked(recorder):
+    _, tracer, _ = traced(client.SpanletSpanProcessor(recorder.path))
+    parent = tracer.start_span("parent", attributes={"mm.modality": "video"})
+    child = tracer.start_span("child", attributes={"mm.modality": "audio"})
+    parent.end()
+    child.end()
+    assert recorder.marks() == [ids(parent, 4), ids(child, 3), ids(child, 3), CLEAR]
+
+
+def test_span_ended_on_another_thread_is_gone_from_its_starting_thread(recorder):
+    _, tracer, _ = traced(client.SpanletSpanProcessor(recorder.path))
+    started, ended = threading.Event(), threading.Event()
+    box = {}
+
+    def worker():
+        box["span"] = tracer.start_span("handed-off", attributes={"mm.modality": "text"})
+        started.set()
+        assert ended.wait(30)
+        later = tracer.start_span("later")
+        later.end()
+        box["later"], box["tid"] = later, threading.get_native_id()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        assert started.wait(30)
+        box["span"].end()  # on the main thread, whose stack is empty
+    finally:
+        ended.set()
+        t.join(30)
+    main = threading.get_native_id()
+    assert [(r.tid, m) for r, m in zip(recorder.records(), recorder.marks())] == [
+        (box["tid"], ids(box["span"], 1)),
+        (main, CLEAR),  # the main thread is in no span
+        (box["tid"], ids(box["later"], 0)),
+        (box["tid"], CLEAR),  # not the handed-off span: it left the worker's stack
+    ]
+
+
+def test_four_threads_interleaved_each_see_only_their_own_spans(recorder):
+    """Each step runs on all four threads between two barrier waits, so the
+    threads' spans are open at the same time and their marks interleave."""
+    _, tracer, _ = traced(client.SpanletSpanProcessor(recorder.path))
+    rounds, threads = 25, 4
+    barrier = threading.Barrier(threads, timeout=30)
+    expected: dict[int, list] = {}
+    errors = []
+
+    def worker(n: int) -> None:
+        try:
+            mine = expected.setdefault(threading.get_native_id(), [])
+            modality = ("text", "image", "audio", "video")[n]
+            for _ in range(rounds):
+                outer = tracer.start_span("outer", attributes={"mm.modality": modality})
+                barrier.wait()
+                inner = tracer.start_span("inner")
+                barrier.wait()
+                inner.end()
+                barrier.wait()
+                outer.end()
+                barrier.wait()
+                mine += [ids(outer, n + 1), ids(inner, 0), ids(outer, n + 1), CLEAR]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            barrier.abort()
+
+    pool = [threading.Thread(target=worker, args=(n,)) for n in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(60)
+    assert not errors, errors
+    seen: dict[int, list] = {}
+    for r, m in zip(recorder.records(), recorder.marks()):
+        seen.setdefault(r.tid, []).append(m)
+    assert seen == expected
+    assert len(seen) == threads and all(len(v) == 4 * rounds for v in seen.values())
+    first_marks = [r.tid for r in recorder.records()[:threads]]
+    assert len(set(first_marks)) == threads, "every thread's first span starts before any second"
+
+
+def test_library_from_environment(recorder, monkeypatch):
+    monkeypatch.setenv(client.LIB_ENV, recorder.path)
+    _, tracer, _ = traced(client.SpanletSpanProcessor())
+    span = tracer.start_span("s", attributes={"mm.modality": "audio"})
+    span.end()
+    assert recorder.marks() == [ids(span, 3), CLEAR]
+
+
+def test_never_ended_spans_do_not_grow_the_stack_without_bound(recorder):
+    proc = client.SpanletSpanProcessor(recorder.path)
+    _, tracer, _ = traced(proc)
+    spans = [tracer.start_span(f"leak{i}") for i in range(client.MAX_STACK_DEPTH + 10)]
+    assert len(proc._local.stack) == client.MAX_STACK_DEPTH
+    assert len(proc._open) == client.MAX_STACK_DEPTH
+    for s in reversed(spans):
+        s.end()
+    assert proc._local.stack == [] and proc._open == {}
+    assert recorder.marks()[-1] == CLEAR
+
+
+# The app must never break because of spanlet.
+
+@pytest.mark.parametrize("which", ["missing", "not_elf", "no_mark", "abi2"])
+def test_unusable_library_warns_once_and_spans_still_work(libs, fresh_client, caplog, which):
+    caplog.set_level(logging.WARNING, logger="spanlet.client")
+    other = "not_elf" if which == "missing" else "missing"  # a second, different failure
+    procs = [client.SpanletSpanProcessor(libs[which]), client.SpanletSpanProcessor(libs[other])]
+    provider, tracer, exporter = traced(procs[0])
+    provider.add_span_processor(procs[1])
+    for _ in range(3):
+        with tracer.start_as_current_span("a", attributes={"mm.modality": "text"}):
+            with tracer.start_as_current_span("b"):
+                pass
+    provider.shutdown()
+    assert [p.active for p in procs] == [False, False]
+    assert len(exporter.get_finished_spans()) == 6
+    warnings = [r for r in caplog.records if r.name == "spanlet.client"]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert libs[which] in warnings[0].getMessage()
+
+
+def test_unusable_library_in_a_fresh_process_logs_exactly_one_warning(libs, tmp_path):
+    """Once per process, for real: a child with the library missing from the environment."""
+    script = (
+        "import logging\n"
+        "from opentelemetry.sdk.trace import TracerProvider\n"
+        "from agent.client import SpanletSpanProcessor\n"
+        "logging.basicConfig(format='%(name)s %(levelname)s %(message)s')\n"
+        "p = TracerProvider()\n"
+        "for _ in range(3): p.add_span_processor(SpanletSpanProcessor())\n"
+        "t = p.get_tracer('x')\n"
+        "for _ in range(5):\n"
+        "    with t.start_as_current_span('a'):\n"
+        "        pass\n"
+        "print('spans ok')\n"
+    )
+    env = dict(os.environ, **{client.LIB_ENV: libs["missing"]}, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "spans ok\n"
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spanlet.client WARNING ") and libs["missing"] in lines[0]
+
+
+def test_exceptions_in_the_processor_never_reach_the_app(recorder, caplog):
+    caplog.set_level(logging.WARNING, logger="spanlet.client")
+    proc = client.SpanletSpanProcessor(recorder.path)
+
+    def broken(*args):
+        raise RuntimeError("marker exploded")
+
+    proc._mark = broken
+    _, tracer, exporter = traced(proc)
+    with tracer.start_as_current_span("a"):
+        with tracer.start_as_current_span("b"):
+            pass
+    assert len(exporter.get_finished_spans()) == 2
+    warnings = [r for r in caplog.records if r.name == "spanlet.client"]
+    assert len(warnings) == 1 and "marker exploded" in caplog.text
+
+
+def test_shutdown_clears_the_thread_and_stops_marking(recorder):
+    proc = client.SpanletSpanProcessor(recorder.path)
+    provider, tracer, _ = traced(proc)
+    span = tracer.start_span("open-at-shutdown")
+    assert proc.force_flush() is True
+    provider.shutdown()
+    proc.shutdown()  # safe twice
+    span.end()
+    tracer.start_span("after").end()
+    assert recorder.marks() == [ids(span, 0), CLEAR]
+    assert proc.active is False
