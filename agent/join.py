@@ -12,7 +12,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from agent import events
@@ -88,28 +87,27 @@ class JoinStats:
         return dict(self.__dict__)
 
 
-def _kv_int(key: str, value: int) -> KeyValue:
-    return KeyValue(key=key, value=AnyValue(int_value=int(value)))
-
-
-def _event_attributes(ev: events._Event) -> list[KeyValue]:
+def _add_event_attributes(attrs, ev: events._Event) -> None:
     kind = ev.hdr.kind
-    out = [_kv_int("pid", ev.hdr.pid), _kv_int("tid", ev.hdr.tid)]
-    if kind in (events.Kind.GPU_LAUNCH, events.Kind.GPU_SYNC):
-        out.append(KeyValue(key="entry", value=AnyValue(string_value=events.Entry(ev.entry).name)))
-        out.append(_kv_int("duration_ns", ev.duration_ns))
+    attrs.add(key="tid").value.int_value = ev.hdr.tid
+    if kind == events.Kind.GPU_LAUNCH or kind == events.Kind.GPU_SYNC:
+        attrs.add(key="entry").value.string_value = _ENTRY_NAMES.get(ev.entry, "unknown")
+        attrs.add(key="duration_ns").value.int_value = ev.duration_ns
         if kind == events.Kind.GPU_LAUNCH:
-            out.append(KeyValue(key="grid", value=AnyValue(string_value="x".join(map(str, ev.grid)))))
-            out.append(KeyValue(key="block", value=AnyValue(string_value="x".join(map(str, ev.block)))))
-            out.append(_kv_int("shared_mem", ev.shared_mem))
+            g, b = ev.grid, ev.block
+            attrs.add(key="grid").value.string_value = f"{g[0]}x{g[1]}x{g[2]}"
+            attrs.add(key="block").value.string_value = f"{b[0]}x{b[1]}x{b[2]}"
+            attrs.add(key="shared_mem").value.int_value = ev.shared_mem
     elif kind == events.Kind.SANDBOX:
-        out.append(KeyValue(key="rule", value=AnyValue(string_value=events.Rule(ev.rule).name)))
-        out.append(KeyValue(key="action", value=AnyValue(string_value=events.Action(ev.action).name)))
-        out.append(_kv_int("pool_id", ev.pool_id))
-        out.append(_kv_int("len", ev.len))
-    return out
+        attrs.add(key="rule").value.string_value = _RULE_NAMES.get(ev.rule, "unknown")
+        attrs.add(key="action").value.string_value = _ACTION_NAMES.get(ev.action, "unknown")
+        attrs.add(key="pool_id").value.int_value = ev.pool_id
+        attrs.add(key="len").value.int_value = ev.len
 
 
+_ENTRY_NAMES = {e.value: e.name for e in events.Entry}
+_RULE_NAMES = {r.value: r.name for r in events.Rule}
+_ACTION_NAMES = {a.value: a.name for a in events.Action}
 _EVENT_NAMES = {
     events.Kind.GPU_LAUNCH: "kernel.gpu.launch",
     events.Kind.GPU_SYNC: "kernel.gpu.sync_wait",
@@ -118,19 +116,25 @@ _EVENT_NAMES = {
 
 
 def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
-    """Add the facts to a span proto: attributes (summed with any already
-    there from an earlier join) and the kept events as span events."""
-    existing = {kv.key: kv for kv in span.attributes}
+    """Add the facts to a span proto: the non-zero ones as attributes (summed
+    with any already there from an earlier join) and the kept events as span
+    events. Protos are filled in place with add(): a built-then-appended
+    message is copied, which costs as much again."""
+    existing = None
     for attr, name in FACT_ATTRIBUTES:
         value = getattr(facts, name)
+        if not value:
+            continue
+        if existing is None:
+            existing = {kv.key: kv for kv in span.attributes if kv.key.startswith("kernel.")}
         if attr in existing:
             existing[attr].value.int_value += value
         else:
-            span.attributes.append(_kv_int(attr, value))
+            span.attributes.add(key=attr).value.int_value = value
     for ev in facts.samples:
-        span.events.append(trace_pb2.Span.Event(
-            time_unix_nano=ev.epoch_ns, name=_EVENT_NAMES.get(ev.hdr.kind, "kernel.event"),
-            attributes=_event_attributes(ev)))
+        e = span.events.add(time_unix_nano=ev.epoch_ns,
+                            name=_EVENT_NAMES.get(ev.hdr.kind, "kernel.event"))
+        _add_event_attributes(e.attributes, ev)
     if facts.samples_capped:
         span.dropped_events_count += facts.samples_capped
 
