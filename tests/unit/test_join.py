@@ -109,3 +109,22 @@ def test_events_without_span_are_not_buffered():
     j = SpanJoin(JoinConfig())
     j.add_event(launch(0))
     assert j.pending_events() == 0 and j.stats.events_in == 0
+
+
+def test_flood_of_events_whose_spans_never_come_keeps_memory_flat():
+    import gc
+    import tracemalloc
+
+    j = SpanJoin(JoinConfig(buffer_events=2_000, ttl_s=3600))
+    tracemalloc.start()
+    used = []
+    for flood in range(3):
+        for span in range(1 + flood * 20_000, 20_001 + flood * 20_000):
+            j.add_event(launch(span))
+        gc.collect()
+        used.append(tracemalloc.get_traced_memory()[0])
+    tracemalloc.stop()
+    assert j.pending_events() == 2_000
+    assert j.stats.events_evicted == 58_000
+    # a full buffer is a few MB; further floods replace it without growth
+    assert abs(used[2] - used[1]) < 0.05 * used[1], used
