@@ -61,6 +61,9 @@ class TcConfig(_Section):
     # including ones that appear later (pod veths).
     interfaces: list[str] = []
     exclude_interfaces: list[str] = ["lo"]
+    # A named network namespace (/run/netns/NAME) whose interfaces are
+    # classified instead of the agent's own; empty: the agent's own.
+    netns: str = ""
     port_modality: dict[int, Modality] = {}
     rtp_payload_types: dict[int, RtpPayloadType] = Field(
         default_factory=lambda: dict(DEFAULT_RTP_PAYLOAD_TYPES))

@@ -146,6 +146,9 @@ class Daemon:
                 log.info("probe %s attached: %d attachment(s)%s", st.name, len(st.attachments), extra)
             else:
                 log.error("probe %s NOT attached: %s", st.name, st.reason)
+        tc = next((p for p in self.probes if p.name == "tc_classify" and p.status.attached), None)
+        if tc is not None:
+            self.spans.join.http_bytes_reader = tc.request_bytes
         for probe in self.probes:
             if probe.status.attached:
                 t = threading.Thread(target=self._read_loop, args=(probe,),

@@ -16,6 +16,7 @@ class Kind(enum.IntEnum):
     SANDBOX = 3
     HTTP = 4
     FLOW = 5
+    HTTP_BYTES = 6
 
 
 class Modality(enum.IntEnum):
@@ -212,6 +213,21 @@ class HttpRequest(_Event):
         return bool(self.hdr.flags & self.HAS_TRACEPARENT)
 
 
+class HttpBytes(_Event):
+    _fields_ = [
+        ("hdr", Header),
+        ("flow", FlowKey),
+        ("bytes", C.c_uint64 * 2),
+        ("req_dir", C.c_uint8),
+        ("_pad", C.c_uint8 * 7),
+    ]
+
+    def rx_tx(self) -> tuple[int, int]:
+        """(bytes in the request's direction, bytes in the other)."""
+        d = self.req_dir & 1
+        return self.bytes[d], self.bytes[1 - d]
+
+
 class FlowSeen(_Event):
     _fields_ = [
         ("hdr", Header),
@@ -229,6 +245,7 @@ RECORDS: dict[int, type[_Event]] = {
     Kind.SANDBOX: SandboxViolation,
     Kind.HTTP: HttpRequest,
     Kind.FLOW: FlowSeen,
+    Kind.HTTP_BYTES: HttpBytes,
 }
 _KIND_OFFSET = Header.kind.offset
 _HEADER_SIZE = C.sizeof(Header)

@@ -139,8 +139,15 @@ def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
         span.dropped_events_count += facts.samples_capped
 
 
+HttpBytesReader = Callable[[events.FlowKey], "tuple[bytes, int, tuple[int, int]] | None"]
+
+
 class SpanJoin:
-    """Thread-safe: reader threads add events, receiver threads join spans."""
+    """Thread-safe: reader threads add events, receiver threads join spans.
+
+    Network bytes join through the W3C traceparent the TC program parsed: the
+    span whose parent is the traceparent's span id (the server span of that
+    request) gets the request's wire bytes, rx in the request's direction."""
 
     def __init__(self, cfg: JoinConfig,
                  on_late: Callable[[list[tuple[int, trace_pb2.ResourceSpans]]], None] | None = None,
@@ -155,11 +162,20 @@ class SpanJoin:
         # span id → trace id of spans already passed on, for late events.
         self._done: OrderedDict[int, bytes] = OrderedDict()
         self._late: dict[int, Facts] = {}
+        # (trace id, traceparent span id) → the request's connection / its bytes
+        self._http_flows: OrderedDict[tuple[bytes, int], events.FlowKey] = OrderedDict()
+        self._http_done: OrderedDict[tuple[bytes, int], tuple[int, int]] = OrderedDict()
+        self.http_bytes_reader: HttpBytesReader | None = None
 
     # -- kernel side -------------------------------------------------------------
     def add_event(self, ev: events._Event) -> None:
         span_id = ev.hdr.span_id
-        if not span_id or ev.hdr.kind not in _EVENT_NAMES:
+        if not span_id:
+            return
+        if ev.hdr.kind in (events.Kind.HTTP, events.Kind.HTTP_BYTES):
+            self._add_http(ev)
+            return
+        if ev.hdr.kind not in _EVENT_NAMES:
             return
         trace_id = bytes(ev.hdr.trace_id)
         with self._lock:
@@ -179,6 +195,32 @@ class SpanJoin:
             entry[1].add(ev, self.cfg.max_span_events)
             self._buffered += 1
             self._evict_locked()
+
+    def _add_http(self, ev: events._Event) -> None:
+        key = (bytes(ev.hdr.trace_id), ev.hdr.span_id)
+        with self._lock:
+            if ev.hdr.kind == events.Kind.HTTP:
+                if ev.has_traceparent:
+                    _bounded_put(self._http_flows, key, events.FlowKey.from_buffer_copy(ev.flow),
+                                 self.cfg.buffer_events)
+            else:
+                self._http_flows.pop(key, None)
+                _bounded_put(self._http_done, key, ev.rx_tx(), self.cfg.buffer_events)
+
+    def _http_bytes_locked(self, span: trace_pb2.Span) -> tuple[int, int] | None:
+        if len(span.parent_span_id) != 8:
+            return None
+        key = (bytes(span.trace_id), int.from_bytes(span.parent_span_id, "big"))
+        done = self._http_done.pop(key, None)
+        if done is not None:
+            return done
+        flow = self._http_flows.pop(key, None)
+        if flow is None or self.http_bytes_reader is None:
+            return None
+        live = self.http_bytes_reader(flow)
+        if live is None or (live[0], live[1]) != key:
+            return None
+        return live[2]
 
     def _evict_locked(self) -> None:
         deadline = self.clock() - self.cfg.ttl_s
@@ -217,11 +259,17 @@ class SpanJoin:
         if len(self._done) > self.cfg.buffer_events:
             self._done.popitem(last=False)
         entry = self._pending.get(span_id)
+        net = self._http_bytes_locked(span) if self._http_flows or self._http_done else None
         if entry is None or entry[1].trace_id != bytes(span.trace_id):
-            return 0
-        del self._pending[span_id]
+            if net is None:
+                return 0
+            entry = (0.0, Facts(bytes(span.trace_id), span.start_time_unix_nano))
+        else:
+            del self._pending[span_id]
+            self._buffered -= entry[1].count
         facts = entry[1]
-        self._buffered -= facts.count
+        if net is not None:
+            facts.rx_bytes, facts.tx_bytes = facts.rx_bytes + net[0], facts.tx_bytes + net[1]
         apply_facts(span, facts)
         self.stats.events_joined += facts.count
         self.stats.spans_joined += 1
@@ -264,6 +312,13 @@ class SpanJoin:
         settled = s.events_joined + s.events_evicted
         evs = s.events_joined / settled if settled else None
         return spans, evs
+
+
+def _bounded_put(d: OrderedDict, key, value, limit: int) -> None:
+    d[key] = value
+    d.move_to_end(key)
+    while len(d) > limit:
+        d.popitem(last=False)
 
 
 def _late_span_id(span_id: int, first_ns: int) -> bytes:

@@ -12,6 +12,7 @@
 #define SPANLET_KIND_SANDBOX 3
 #define SPANLET_KIND_HTTP 4
 #define SPANLET_KIND_FLOW 5
+#define SPANLET_KIND_HTTP_BYTES 6
 
 /* Modalities (agent/events.py: Modality). */
 #define SPANLET_MOD_OTHER 0
@@ -141,6 +142,17 @@ struct http_event {
     __u8 direction;
     __u8 trace_flags;
     __u8 _pad[5];
+};
+
+/* Wire bytes of one HTTP/1.x request with a traceparent (hdr ids), from its
+ * first packet up to the next request on its connection: bytes[] by TC
+ * direction, req_dir the direction the request travelled. */
+struct http_bytes_event {
+    struct spanlet_hdr hdr;
+    struct flow_key flow;
+    __u64 bytes[2];
+    __u8 req_dir;
+    __u8 _pad[7];
 };
 
 /* A flow classified for the first time. */

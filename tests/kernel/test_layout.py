@@ -20,6 +20,7 @@ STRUCTS = {
     "sandbox_event": events.SandboxViolation,
     "http_event": events.HttpRequest,
     "flow_event": events.FlowSeen,
+    "http_bytes_event": events.HttpBytes,
 }
 
 

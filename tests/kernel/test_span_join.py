@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,42 +14,10 @@ import pytest
 import cuda_standin
 from agent import config, events
 from agent.daemon import Daemon
-from exporters.otlp_receiver import OtlpReceiver
+from otlp_upstream import Upstream, kernel_attrs, wait_for
 
 pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Upstream:
-    """The collector the agent exports to: a real OTLP receiver that keeps spans."""
-
-    def __init__(self):
-        self.spans: dict[str, tuple] = {}
-        self.lock = threading.Lock()
-        self.rx = OtlpReceiver(config.OtlpConfig(grpc_port=0, http_port=0), self.on_request)
-
-    def on_request(self, req) -> int:
-        n = 0
-        with self.lock:
-            for rs in req.resource_spans:
-                for ss in rs.scope_spans:
-                    for sp in ss.spans:
-                        self.spans[sp.span_id.hex()] = (sp, rs.resource)
-                        n += 1
-        return n
-
-
-def attrs(span) -> dict:
-    return {kv.key: kv.value.int_value for kv in span.attributes if kv.key.startswith("kernel.")}
-
-
-def wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -61,7 +27,7 @@ def agent(tmp_path):
     cfg = config.load(env={}, overrides=[
         "tc.enabled=false", "sandbox.enabled=false", "discovery.interval_s=0.2",
         "otlp.grpc_port=0", "otlp.http_port=0", "otlp.upstream_protocol=grpc",
-        f"otlp.upstream_endpoint=http://127.0.0.1:{up.rx.grpc_port}", "otlp.batch_interval_s=0.1"])
+        f"otlp.upstream_endpoint={up.endpoint()}", "otlp.batch_interval_s=0.1"])
     d = Daemon(cfg)
     d.check_node()
     d.start()
@@ -120,7 +86,7 @@ def test_each_span_gets_exactly_its_own_kernel_facts(agent, child, threads, span
     wait_for(lambda: len(up.spans) >= len(expected), 10, "the spans upstream")
     for sid, (n, sync_us) in expected.items():
         span, resource = up.spans[sid]
-        a = attrs(span)
+        a = kernel_attrs(span)
         assert a["kernel.gpu.launches"] == n, span.name
         assert 0.8 * sync_us * 1000 <= a["kernel.gpu.sync_wait_ns"] <= 1.2 * sync_us * 1000 + 2e6
         names = {e.name for e in span.events}

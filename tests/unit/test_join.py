@@ -128,3 +128,63 @@ def test_flood_of_events_whose_spans_never_come_keeps_memory_flat():
     assert j.stats.events_evicted == 58_000
     # a full buffer is a few MB; further floods replace it without growth
     assert abs(used[2] - used[1]) < 0.05 * used[1], used
+
+
+def http_event(trace, parent, flow_port=40000):
+    ev = events.HttpRequest()
+    ev.hdr.kind = events.Kind.HTTP
+    ev.hdr.trace_id[:] = list(trace)
+    ev.hdr.span_id = parent
+    ev.hdr.flags = events.HttpRequest.HAS_TRACEPARENT
+    ev.flow.sport, ev.flow.dport, ev.flow.family = flow_port, 80, 4
+    return ev
+
+
+def http_bytes(trace, parent, ingress, egress, req_dir=0):
+    ev = events.HttpBytes()
+    ev.hdr.kind = events.Kind.HTTP_BYTES
+    ev.hdr.trace_id[:] = list(trace)
+    ev.hdr.span_id = parent
+    ev.bytes[:] = [ingress, egress]
+    ev.req_dir = req_dir
+    return ev
+
+
+def server_span(span_id, parent, trace=TRACE):
+    sp = trace_pb2.Span(trace_id=trace, span_id=span_id.to_bytes(8, "big"),
+                        parent_span_id=parent.to_bytes(8, "big"), name="server", kind=2)
+    return [trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=[sp])])]
+
+
+def test_server_span_gets_the_bytes_of_its_finished_request():
+    j = SpanJoin(JoinConfig())
+    j.add_event(http_event(TRACE, 0xC1))
+    j.add_event(http_bytes(TRACE, 0xC1, ingress=700, egress=9000, req_dir=0))
+    rs = server_span(0x51, parent=0xC1)
+    assert j.join(rs) == [1]
+    a = attrs(rs[0].scope_spans[0].spans[0])
+    assert a["kernel.net.rx_bytes"] == 700 and a["kernel.net.tx_bytes"] == 9000
+    # a span of another trace with the same parent id gets nothing
+    j.add_event(http_bytes(TRACE, 0xC2, 1, 1))
+    assert j.join(server_span(0x52, parent=0xC2, trace=b"\x07" * 16)) == [0]
+
+
+def test_request_still_in_progress_is_read_live_and_checked():
+    j = SpanJoin(JoinConfig())
+    seen = []
+
+    def reader(flow):
+        seen.append(flow.sport)
+        return TRACE, 0xC3, (300, 4000)
+
+    j.http_bytes_reader = reader
+    j.add_event(http_event(TRACE, 0xC3, flow_port=41000))
+    rs = server_span(0x53, parent=0xC3)
+    j.join(rs)
+    a = attrs(rs[0].scope_spans[0].spans[0])
+    assert (a["kernel.net.rx_bytes"], a["kernel.net.tx_bytes"]) == (300, 4000)
+    assert seen == [41000]
+    # the connection moved on to another request: no bytes are misattributed
+    j.http_bytes_reader = lambda flow: (TRACE, 0xDEAD, (1, 1))
+    j.add_event(http_event(TRACE, 0xC4))
+    assert j.join(server_span(0x54, parent=0xC4)) == [0]

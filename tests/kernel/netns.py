@@ -1,0 +1,212 @@
+"""Network namespaces and veth pairs for kernel tests and benchmarks: made with
+random names, quiet (no IPv6, static neighbours, so no ND/ARP noise), sockets
+opened inside them from this process, and removed again whatever happens."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import socket
+import struct
+import subprocess
+import threading
+
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+# setns() changes the namespace of the calling thread only; one switch at a time
+# keeps a thread from being left in the wrong one by an interleaving.
+_switch_lock = threading.RLock()
+
+
+def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=30)
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+@contextlib.contextmanager
+def inside(ns: str):
+    """Run the body (this thread) inside network namespace `ns`."""
+    with _switch_lock:
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+        try:
+            _setns(target)
+            try:
+                yield
+            finally:
+                _setns(home)
+        finally:
+            os.close(target)
+            os.close(home)
+
+
+def socket_in(ns: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM,
+              proto: int = 0) -> socket.socket:
+    with inside(ns):
+        return socket.socket(family, type, proto)
+
+
+class Namespace:
+    """A network namespace named <prefix>-<random>, deleted by close()."""
+
+    def __init__(self, prefix: str):
+        self.name = f"{prefix}-{secrets.token_hex(4)}"
+        run("ip", "netns", "add", self.name)
+        try:
+            # Before any interface exists: new ones inherit "default".
+            for key in ("net.ipv6.conf.all.disable_ipv6", "net.ipv6.conf.default.disable_ipv6"):
+                self.sysctl(key, "1")
+            run("ip", "-n", self.name, "link", "set", "lo", "up")
+        except Exception:
+            self.close()
+            raise
+
+    def sysctl(self, key: str, value: str) -> None:
+        run("ip", "netns", "exec", self.name, "sysctl", "-q", "-w", f"{key}={value}")
+
+    def ip(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return run("ip", "-n", self.name, *args, check=check)
+
+    def tc(self, *args: str) -> str:
+        return run("tc", "-n", self.name, *args).stdout
+
+    def ifindex(self, ifname: str) -> int:
+        with inside(self.name):
+            return socket.if_nametoindex(ifname)
+
+    def mac(self, ifname: str) -> str:
+        return json.loads(self.ip("-j", "link", "show", "dev", ifname).stdout)[0]["address"]
+
+    def close(self) -> None:
+        run("ip", "netns", "del", self.name, check=False)
+
+
+def veth_pair(a: Namespace, a_if: str, a_ip: str, b: Namespace, b_if: str, b_ip: str,
+              prefix_len: int = 24) -> None:
+    """A veth between two namespaces with addresses, up, and permanent neighbour
+    entries both ways (no ARP)."""
+    a.ip("link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns", b.name)
+    a.ip("addr", "add", f"{a_ip}/{prefix_len}", "dev", a_if)
+    b.ip("addr", "add", f"{b_ip}/{prefix_len}", "dev", b_if)
+    a.ip("link", "set", a_if, "up")
+    b.ip("link", "set", b_if, "up")
+    a.ip("neigh", "replace", b_ip, "lladdr", b.mac(b_if), "dev", a_if, "nud", "permanent")
+    b.ip("neigh", "replace", a_ip, "lladdr", a.mac(a_if), "dev", b_if, "nud", "permanent")
+
+
+# ---- frames to inject (AF_PACKET) or to run through a program (BPF_PROG_TEST_RUN) ----
+
+def eth(dst_mac: str, src_mac: str, ethertype: int, body: bytes) -> bytes:
+    return (bytes.fromhex(dst_mac.replace(":", "")) + bytes.fromhex(src_mac.replace(":", ""))
+            + struct.pack("!H", ethertype) + body)
+
+
+def ipv4(proto: int, l4: bytes, src: str, dst: str, frag_off: int = 0) -> bytes:
+    return struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 0, frag_off, 64, proto, 0,
+                       socket.inet_aton(src), socket.inet_aton(dst)) + l4
+
+
+def ipv6(nexthdr: int, l4: bytes, src: str, dst: str) -> bytes:
+    return (struct.pack("!IHBB", 6 << 28, len(l4), nexthdr, 64)
+            + socket.inet_pton(socket.AF_INET6, src) + socket.inet_pton(socket.AF_INET6, dst) + l4)
+
+
+def udp(sport: int, dport: int, payload: bytes) -> bytes:
+    return struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
+
+
+def tcp(sport: int, dport: int, payload: bytes, flags: int = 0x18) -> bytes:
+    """A segment without options; PSH|ACK by default (0x10: a bare ACK)."""
+    return struct.pack("!HHIIBBHHH", sport, dport, 1, 1, 5 << 4, flags, 65535, 0, 0) + payload
+
+
+# ---- an independent count: AF_PACKET capture -------------------------------------
+
+ETH_P_ALL = 0x0003
+PACKET_OUTGOING = 4
+SO_TIMESTAMPNS = 35
+
+
+class Frame:
+    __slots__ = ("egress", "length", "ts_ns", "l4proto", "src", "dst", "sport", "dport",
+                 "payload_len", "payload")
+
+    def __init__(self, egress, length, ts_ns, l4proto, src, dst, sport, dport, payload_len, payload):
+        self.egress, self.length, self.ts_ns = egress, length, ts_ns
+        self.l4proto, self.src, self.dst = l4proto, src, dst
+        self.sport, self.dport, self.payload_len = sport, dport, payload_len
+        self.payload = payload  # the first bytes captured
+
+    @property
+    def rtp_ts(self) -> int:
+        return struct.unpack_from("!I", self.payload, 4)[0]
+
+    @property
+    def direction(self) -> str:
+        return "egress" if self.egress else "ingress"
+
+
+def parse_frame(buf: bytes, length: int, egress: bool, ts_ns: int) -> Frame | None:
+    """IPv4 TCP/UDP frames only (what the classifier counts in these tests)."""
+    if len(buf) < 14 + 20 or buf[12:14] != b"\x08\x00":
+        return None
+    ihl = (buf[14] & 0x0F) * 4
+    tot_len = struct.unpack_from("!H", buf, 16)[0]
+    proto = buf[23]
+    if proto not in (socket.IPPROTO_TCP, socket.IPPROTO_UDP):
+        return None
+    l4 = 14 + ihl
+    sport, dport = struct.unpack_from("!HH", buf, l4)
+    l4_hdr = ((buf[l4 + 12] >> 4) * 4) if proto == socket.IPPROTO_TCP else 8
+    return Frame(egress, length, ts_ns, proto, socket.inet_ntoa(buf[26:30]),
+                 socket.inet_ntoa(buf[30:34]), sport, dport, tot_len - ihl - l4_hdr,
+                 buf[l4 + l4_hdr:])
+
+
+class Capture:
+    """Every frame through one interface, both directions, with its full length
+    (MSG_TRUNC) and kernel receive timestamp."""
+
+    def __init__(self, ns: Namespace, ifname: str):
+        self.sock = socket_in(ns.name, socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
+            self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            self.sock.bind((ifname, ETH_P_ALL))
+            self.sock.setblocking(False)
+        except Exception:
+            self.sock.close()
+            raise
+        self.frames: list[Frame] = []
+        self._buf = bytearray(128)
+
+    def drain(self) -> int:
+        """Read what is queued; returns how many frames were new."""
+        n = 0
+        while True:
+            try:
+                nbytes, anc, _flags, addr = self.sock.recvmsg_into(
+                    [self._buf], socket.CMSG_SPACE(16), socket.MSG_TRUNC)
+            except BlockingIOError:
+                return n
+            ts = 0
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+                    sec, nsec = struct.unpack("qq", data[:16])
+                    ts = sec * 1_000_000_000 + nsec
+            frame = parse_frame(bytes(self._buf[:min(nbytes, len(self._buf))]), nbytes,
+                                addr[2] == PACKET_OUTGOING, ts)
+            if frame is not None:
+                self.frames.append(frame)
+                n += 1
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,45 @@
+"""Test helpers for the span path: a stand-in upstream collector (a real OTLP
+receiver that keeps what it gets) and a polling wait."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from agent import config
+from exporters.otlp_receiver import OtlpReceiver
+
+
+class Upstream:
+    """The collector the agent exports to."""
+
+    def __init__(self):
+        self.spans: dict[str, tuple] = {}     # span id hex → (span, resource)
+        self.lock = threading.Lock()
+        self.rx = OtlpReceiver(config.OtlpConfig(grpc_port=0, http_port=0), self.on_request)
+
+    def on_request(self, req) -> int:
+        n = 0
+        with self.lock:
+            for rs in req.resource_spans:
+                for ss in rs.scope_spans:
+                    for sp in ss.spans:
+                        self.spans[sp.span_id.hex()] = (sp, rs.resource)
+                        n += 1
+        return n
+
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.rx.grpc_port}"
+
+
+def kernel_attrs(span) -> dict:
+    return {kv.key: kv.value.int_value for kv in span.attributes if kv.key.startswith("kernel.")}
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
