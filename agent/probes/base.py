@@ -78,6 +78,7 @@ class Probe:
         self.status = ProbeStatus(self.name)
         self.events_read = 0
         self.decode_errors = 0
+        self.sink_errors = 0
         self._ring: RingBufferReader | None = None
         self._lock = threading.Lock()
 
@@ -151,7 +152,12 @@ class Probe:
             return
         self.events_read += 1
         if self.sink is not None:
-            self.sink(ev)
+            try:
+                self.sink(ev)
+            except Exception:  # one bad consumer call must not stall the ring
+                self.sink_errors += 1
+                if self.sink_errors == 1:
+                    log.exception("%s: the event consumer failed (logged once)", self.name)
 
     def poll(self, timeout_ms: int = 100) -> int:
         """Wait up to `timeout_ms` for a wake-up, then decode every record that

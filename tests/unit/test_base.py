@@ -17,3 +17,21 @@ def test_every_probe_source_includes_the_shared_header():
     for src in BPF_DIR.glob("*.bpf.c"):
         text = expand_source(src)
         assert "struct spanlet_hdr {" in text, src.name
+
+
+def test_a_failing_consumer_does_not_stop_the_reader(cfg):
+    from agent import events
+    from agent.probes.base import Probe
+
+    def broken(ev):
+        raise RuntimeError("consumer bug")
+
+    p = Probe(cfg, sink=broken)
+    ev = events.GpuSync()
+    ev.hdr.kind = events.Kind.GPU_SYNC
+    raw = bytes(ev) * 2
+    p._on_record(raw, 0, len(raw) // 2)
+    p._on_record(raw, len(raw) // 2, len(raw) // 2)
+    assert p.events_read == 2 and p.sink_errors == 2
+    p._on_record(b"\0" * 8, 0, 8)
+    assert p.decode_errors == 1
