@@ -185,6 +185,14 @@ class OtlpConfig(_Section):
     max_retry_s: float = Field(default=60.0, ge=0, le=3600)
 
 
+class NvmlConfig(_Section):
+    enabled: bool = True
+    poll_interval_s: float = Field(default=1.0, gt=0, le=60)
+    # Empty: libnvidia-ml.so.1 from the dynamic linker; else an absolute path
+    # (a driver mounted elsewhere, e.g. /usr/local/nvidia/lib64/libnvidia-ml.so.1).
+    library: str = ""
+
+
 class JoinConfig(_Section):
     # Kernel events wait here for their span; bounded in count and age.
     buffer_events: int = Field(default=100_000, ge=100, le=10_000_000)
@@ -207,6 +215,7 @@ class Config(_Section):
     discovery: DiscoveryConfig = DiscoveryConfig()
     otlp: OtlpConfig = OtlpConfig()
     join: JoinConfig = JoinConfig()
+    nvml: NvmlConfig = NvmlConfig()
 
     @field_validator("ringbuf_pages")
     @classmethod

@@ -19,6 +19,7 @@ from agent import events, kernel
 from agent.config import Config
 from agent.join import SpanJoin
 from agent.k8s import K8sEnricher, PodWatcher
+from agent.nvml import NvmlPoller
 from agent.probes.base import Probe, ProbeStatus
 from exporters.otlp_export import OtlpSpanExporter
 from exporters.otlp_receiver import OtlpReceiver
@@ -115,6 +116,7 @@ class Daemon:
                 printer(ev)
 
         self.sink = on_event
+        self.nvml = NvmlPoller(cfg.nvml)
         self.probes: list[Probe] = []
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -132,6 +134,7 @@ class Daemon:
 
     def start(self) -> list[ProbeStatus]:
         self.spans.start()
+        self.nvml.start()
         owner, *rest = [cls(self.cfg, sink=self.sink, clock=self.clock)
                         for cls in probe_classes(self.cfg)]
         statuses = [owner.start()]
@@ -206,6 +209,7 @@ class Daemon:
         for probe in reversed(self.probes):
             probe.stop()
         log.info("all probes detached")
+        self.nvml.stop(timeout_s=max(0.1, min(1.0, deadline - time.monotonic())))
         self.spans.stop(deadline)
 
     def run_until_signal(self) -> None:
