@@ -208,6 +208,11 @@ class Config(_Section):
     # Folder of kernel headers for BCC; empty: /lib/modules/$(uname -r)/build.
     kernel_headers: str = ""
     ringbuf_pages: int = Field(default=256, ge=1, le=65536)
+    # The one HTTP port for people and scrapers: /metrics, /healthz, /readyz.
+    http_address: str = "0.0.0.0"
+    http_port: int = Field(default=9464, ge=0, le=65535)
+    # Length of a metric window (gauges such as the GPU memory peak).
+    window_s: float = Field(default=10.0, gt=0, le=3600)
     shutdown_timeout_s: float = Field(default=5.0, gt=0, le=60)
     tc: TcConfig = TcConfig()
     sandbox: SandboxConfig = SandboxConfig()

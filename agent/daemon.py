@@ -21,8 +21,11 @@ from agent.join import SpanJoin
 from agent.k8s import K8sEnricher, PodWatcher
 from agent.nvml import NvmlPoller
 from agent.probes.base import Probe, ProbeStatus
+from prometheus_client import CollectorRegistry
+
 from exporters.otlp_export import OtlpSpanExporter
 from exporters.otlp_receiver import OtlpReceiver
+from exporters.prometheus import AgentHttpServer, SpanletCollector
 
 log = logging.getLogger("spanlet")
 
@@ -117,7 +120,11 @@ class Daemon:
 
         self.sink = on_event
         self.nvml = NvmlPoller(cfg.nvml)
+        self.memory_peaks: dict[str, float] = {}   # per GPU, of the last window
         self.probes: list[Probe] = []
+        self.registry = CollectorRegistry()
+        self.registry.register(SpanletCollector(self))
+        self.http: AgentHttpServer | None = None
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._stopped = False
@@ -161,7 +168,20 @@ class Daemon:
         t = threading.Thread(target=self._refresh_loop, name="refresh", daemon=True)
         t.start()
         self._threads.append(t)
+        self._start_http()
         return statuses
+
+    def _start_http(self) -> None:
+        try:
+            self.http = AgentHttpServer(self.cfg.http_address, self.cfg.http_port, self.registry,
+                                        ready=lambda: bool(self._threads) and not self._stopped)
+        except OSError as e:
+            log.error("HTTP port %s:%d NOT open: %s; no /metrics", self.cfg.http_address,
+                      self.cfg.http_port, e)
+            return
+        self.http.start()
+        log.info("serving /metrics, /healthz, /readyz on %s:%d", self.cfg.http_address,
+                 self.http.server_port)
 
     # -- loops -------------------------------------------------------------------
     def _read_loop(self, probe: Probe) -> None:
@@ -174,9 +194,12 @@ class Daemon:
 
     def _refresh_loop(self) -> None:
         interval = self.cfg.discovery.interval_s
-        last_stats = time.monotonic()
+        last_stats = last_window = time.monotonic()
         while not self.stopping.wait(interval):
             self.spans.tick()
+            if time.monotonic() - last_window >= self.cfg.window_s:
+                last_window = time.monotonic()
+                self.memory_peaks = self.nvml.window()
             for probe in self.probes:
                 if probe.status.attached:
                     try:
@@ -203,6 +226,8 @@ class Daemon:
             return
         self._stopped = True
         self.stopping.set()
+        if self.http is not None:
+            self.http.stop()
         deadline = time.monotonic() + self.cfg.shutdown_timeout_s
         for t in self._threads:
             t.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))

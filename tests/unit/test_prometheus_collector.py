@@ -1,0 +1,104 @@
+"""The Prometheus collector on fake sources: names, labels, values, histogram
+buckets, and a failing source that never fails the scrape."""
+
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
+
+from agent import config, events
+from agent.join import SpanJoin
+from agent.probes.base import ProbeStatus
+from agent.probes.tc import JitterStats
+from exporters.prometheus import SpanletCollector
+
+M = events.Modality
+A = events.Api
+
+
+class FakeProbe:
+    def __init__(self, name, **methods):
+        self.name = name
+        self.status = ProbeStatus(name, attached=True)
+        self.events_read = 7
+        for k, v in methods.items():
+            setattr(self, k, v)
+
+    def events_dropped(self):
+        return 2
+
+
+def daemon(probes, nvml_available=False):
+    cfg = config.load(env={}, overrides=["node_name=n1"])
+    enricher = SimpleNamespace(attributes=lambda cg: {
+        "k8s.namespace.name": "serving", "k8s.pod.name": f"pod-{cg}", "k8s.container.name": "c"})
+    spans = SimpleNamespace(join=SpanJoin(cfg.join), enricher=enricher,
+                            exporter=SimpleNamespace(stats=lambda: {"queue_spans": 3,
+                                                                    "dropped_queue_full": 4}))
+    nvml = SimpleNamespace(status=SimpleNamespace(available=nvml_available),
+                           snapshot=lambda: {}, errors={})
+    return SimpleNamespace(cfg=cfg, probes=probes, spans=spans, nvml=nvml, memory_peaks={})
+
+
+def registry(d):
+    reg = CollectorRegistry()
+    reg.register(SpanletCollector(d))
+    return reg
+
+
+def test_kernel_metrics_with_workload_labels():
+    buckets = [0] * 32
+    buckets[12] = 2      # two waits under 2^12 µs
+    gpu = FakeProbe("gpu_launch",
+                    launches=lambda: {(11, M.image, A.driver): 5, (11, M.image, A.runtime): 3,
+                                      (12, M.audio, A.driver): 1},
+                    sync_wait=lambda: {(11, M.image, A.runtime): (2, 5_000_000)},
+                    sync_wait_buckets=lambda: {(11, M.image, A.runtime): buckets})
+    tc = FakeProbe("tc_classify",
+                   totals=lambda: {("ingress", "rtp", "audio"): (10, 1420)},
+                   jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)})
+    sb = FakeProbe("mmap_sandbox", violations=lambda: {(11, "exec", "kill"): 1})
+    reg = registry(daemon([gpu, tc, sb]))
+    w = {"node": "n1", "namespace": "serving", "pod": "pod-11", "container": "c"}
+    assert reg.get_sample_value("spanlet_gpu_kernel_launches_total",
+                                {**w, "modality": "image", "api": "driver"}) == 5
+    assert reg.get_sample_value("spanlet_gpu_kernel_launches_total",
+                                {**w, "pod": "pod-12", "modality": "audio", "api": "driver"}) == 1
+    h = {**w, "modality": "image", "api": "runtime"}
+    assert reg.get_sample_value("spanlet_gpu_sync_wait_seconds_count", h) == 2
+    assert reg.get_sample_value("spanlet_gpu_sync_wait_seconds_sum", h) == 0.005
+    assert reg.get_sample_value("spanlet_gpu_sync_wait_seconds_bucket", {**h, "le": "0.001024"}) == 0
+    assert reg.get_sample_value("spanlet_gpu_sync_wait_seconds_bucket", {**h, "le": "0.004096"}) == 2
+    net = {"node": "n1", "direction": "ingress", "protocol": "rtp", "modality": "audio"}
+    assert reg.get_sample_value("spanlet_network_bytes_total", net) == 1420
+    assert reg.get_sample_value("spanlet_network_packets_total", net) == 10
+    assert reg.get_sample_value("spanlet_jitter_sensitivity_score",
+                                {"node": "n1", "protocol": "rtp", "modality": "audio"}) == 0.1
+    assert reg.get_sample_value("spanlet_sandbox_violations_total",
+                                {**w, "rule": "exec", "action": "kill"}) == 1
+    assert reg.get_sample_value("spanlet_probe_attached", {"node": "n1", "probe": "tc_classify"}) == 1
+    assert reg.get_sample_value("spanlet_events_dropped_total", {"node": "n1", "probe": "gpu_launch"}) == 2
+    assert reg.get_sample_value("spanlet_export_dropped_spans_total",
+                                {"node": "n1", "reason": "queue_full"}) == 4
+
+
+def test_a_failing_source_is_counted_and_the_rest_is_served():
+    def broken():
+        raise RuntimeError("map gone")
+
+    gpu = FakeProbe("gpu_launch", launches=broken)
+    sb = FakeProbe("mmap_sandbox", violations=lambda: {(0, "oversize", "audit"): 2})
+    reg = registry(daemon([gpu, sb]))
+    errors = {"node": "n1", "source": "gpu_launch"}
+    assert reg.get_sample_value("spanlet_scrape_errors_total", errors) == 1   # first scrape
+    # cgroup id 0 (unknown): the workload labels stay empty
+    assert reg.get_sample_value("spanlet_sandbox_violations_total",
+                                {"node": "n1", "namespace": "", "pod": "", "container": "",
+                                 "rule": "oversize", "action": "audit"}) == 2
+    assert reg.get_sample_value("spanlet_scrape_errors_total", errors) == 3   # one per scrape
+    assert reg.get_sample_value("spanlet_probe_attached", {"node": "n1", "probe": "gpu_launch"}) == 1
+
+
+def test_no_nvml_means_no_device_metrics():
+    reg = registry(daemon([]))
+    assert reg.get_sample_value("spanlet_nvml_available", {"node": "n1"}) == 0
+    assert reg.get_sample_value("spanlet_gpu_utilization_ratio", {"node": "n1", "gpu": "x"}) is None
