@@ -19,6 +19,7 @@ from agent import events, kernel
 from agent.config import Config
 from agent.join import SpanJoin
 from agent.k8s import K8sEnricher, PodWatcher
+from agent.metrics.engine import MetricEngine
 from agent.nvml import NvmlPoller
 from agent.probes.base import Probe, ProbeStatus
 from prometheus_client import CollectorRegistry
@@ -122,8 +123,9 @@ class Daemon:
         self.nvml = NvmlPoller(cfg.nvml)
         self.memory_peaks: dict[str, float] = {}   # per GPU, of the last window
         self.probes: list[Probe] = []
+        self.metrics = MetricEngine(self)
         self.registry = CollectorRegistry()
-        self.registry.register(SpanletCollector(self))
+        self.registry.register(SpanletCollector(self.metrics, cfg.node_name))
         self.http: AgentHttpServer | None = None
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []

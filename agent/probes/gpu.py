@@ -70,6 +70,7 @@ class AttachedLibrary:
     missing: list[str] = field(default_factory=list)   # required but absent, or refused
     probe_events: list[bytes] = field(default_factory=list)  # BCC's names of its uprobes
     report: str | None = None                          # its entry in failed_attachments
+    settled: bool = False                              # every hook tried: nothing in flight
 
     @property
     def symbols(self) -> list[str]:
@@ -160,6 +161,7 @@ class GpuProbe(Probe):
                 log.exception("%s: %s", self.name, lib.path)
                 self._libraries[lib.key] = att = AttachedLibrary(lib, self._api_of[lib.name])
                 att.report = f"{_where(lib)}: {e}"
+                att.settled = True
                 self.status.failed_attachments.append(att.report)
 
     def _attach_library(self, lib: MappedLibrary) -> None:
@@ -192,6 +194,7 @@ class GpuProbe(Probe):
             self._detach_library(att)
             return
         self._report(att, hooks)
+        att.settled = True
 
     def _report(self, att: AttachedLibrary, hooks: tuple[Hook, ...]) -> None:
         where = _where(att.library)
@@ -265,8 +268,9 @@ class GpuProbe(Probe):
 
     # -- reading -----------------------------------------------------------------
     def libraries(self) -> list[AttachedLibrary]:
-        """Every library file found, with the pid it was first seen in."""
-        return list(self._libraries.values())
+        """Every library file whose attaching is over (hooked, or reported),
+        with the pid it was first seen in."""
+        return [a for a in list(self._libraries.values()) if a.settled]
 
     def launches(self) -> dict[CountKey, int]:
         """Outermost launch calls per (cgroup id, modality, api)."""

@@ -104,7 +104,8 @@ def test_prometheus_scrapes_exact_kernel_metrics(tmp_path, nets, pool_dir):
         prom = Prometheus(tmp_path, f"127.0.0.1:{port}")
         try:
             gpu = next(p for p in agent.probes if p.name == "gpu_launch")
-            wait_for(lambda: any(l.pid == w.pid for l in gpu.libraries()), 5, "the GPU probe")
+            # both libraries hooked before the first launch (driver and runtime)
+            wait_for(lambda: sum(l.pid == w.pid for l in gpu.libraries()) == 2, 5, "the GPU probe")
             w.run("cu 5 1 1 1 1 1 1 0 0", "cuda 3 1 1 1 1 1 1 0 0", "cusync 3000")
             # 20 UDP datagrams of 100 bytes from a to b
             tx = socket_in(a.name, socket.AF_INET, socket.SOCK_DGRAM)

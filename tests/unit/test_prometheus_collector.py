@@ -9,6 +9,7 @@ from agent import config, events
 from agent.join import SpanJoin
 from agent.probes.base import ProbeStatus
 from agent.probes.tc import JitterStats
+from agent.metrics.engine import MetricEngine
 from exporters.prometheus import SpanletCollector
 
 M = events.Modality
@@ -41,7 +42,7 @@ def daemon(probes, nvml_available=False):
 
 def registry(d):
     reg = CollectorRegistry()
-    reg.register(SpanletCollector(d))
+    reg.register(SpanletCollector(MetricEngine(d), d.cfg.node_name))
     return reg
 
 

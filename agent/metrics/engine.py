@@ -1,0 +1,130 @@
+"""The metric engine: every metric of METRICS.md and the self-metrics, as
+Families, gathered from their sources when asked (scrape or export time).
+A source that fails is left out and counted; the others are still served."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from typing import Callable
+
+from agent.metrics import Family, Sample, device, kernel, labels
+
+log = logging.getLogger(__name__)
+
+
+def spanlet_span_kernel_coverage_ratio(join) -> Family:
+    fam = Family("spanlet_span_kernel_coverage_ratio", "gauge",
+                 "Share of spans joined to a kernel event (what=spans) and of kernel events that "
+                 "found their span (what=events)", unit="ratio")
+    spans, evs = join.coverage()
+    if spans is not None:
+        fam.samples.append(Sample(labels(what="spans"), spans))
+    if evs is not None:
+        fam.samples.append(Sample(labels(what="events"), evs))
+    return fam
+
+
+def _single(name: str, type_: str, help_: str, value: float, unit: str = "") -> Family:
+    return Family(name, type_, help_, unit, [Sample((), value)])
+
+
+def self_metrics(daemon) -> list[Family]:
+    """Probes, join and export queues of the agent itself."""
+    attached = Family("spanlet_probe_attached", "gauge", "1 if the probe is attached")
+    failed = Family("spanlet_probe_failed_attachments", "gauge", "Attachments of the probe that failed")
+    read = Family("spanlet_events_read_total", "counter", "Ring-buffer records decoded")
+    dropped = Family("spanlet_events_dropped_total", "counter", "Ring-buffer records that found no room")
+    for p in daemon.probes:
+        lab = labels(probe=p.name)
+        attached.samples.append(Sample(lab, 1 if p.status.attached else 0))
+        failed.samples.append(Sample(lab, len(p.status.failed_attachments)))
+        read.samples.append(Sample(lab, p.events_read))
+        dropped.samples.append(Sample(lab, p.events_dropped()))
+    join = daemon.spans.join
+    exp = daemon.spans.exporter.stats()
+    drops = Family("spanlet_export_dropped_spans_total", "counter", "Spans not exported upstream")
+    drops.samples = [Sample(labels(reason=r), exp.get(f"dropped_{r}", 0))
+                     for r in ("queue_full", "failed", "shutdown")]
+    return [attached, failed, read, dropped, drops,
+            _single("spanlet_join_buffer_events", "gauge", "Kernel events waiting for their span",
+                    join.pending_events()),
+            _single("spanlet_join_evicted_events_total", "counter",
+                    "Kernel events whose span never came (TTL or size bound)", join.stats.events_evicted),
+            _single("spanlet_join_late_records_total", "counter",
+                    "Spans emitted for kernel events that came after their span", join.stats.late_records),
+            _single("spanlet_export_queue_spans", "gauge", "Spans waiting for upstream export",
+                    exp.get("queue_spans", 0)),
+            _single("spanlet_nvml_available", "gauge", "1 if NVML answers",
+                    1 if daemon.nvml.status.available else 0)]
+
+
+class MetricEngine:
+    """Reads a running Daemon's sources (probes by name, nvml, spans)."""
+
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.scrape_errors: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    def _probe(self, name: str):
+        for p in self.daemon.probes:
+            if p.name == name and p.status.attached:
+                return p
+        return None
+
+    def _workload(self, cgroup_id: int) -> dict[str, str]:
+        attrs = self.daemon.spans.enricher.attributes(cgroup_id) if cgroup_id else {}
+        return {"namespace": attrs.get("k8s.namespace.name", ""),
+                "pod": attrs.get("k8s.pod.name", ""),
+                "container": attrs.get("k8s.container.name", "")}
+
+    def _guard(self, source: str, fn: Callable[[], list[Family]]) -> list[Family]:
+        try:
+            return fn()
+        except Exception as e:  # a partial failure never fails a scrape
+            with self._lock:
+                self.scrape_errors[source] += 1
+            log.warning("metrics: source %s failed: %s", source, e)
+            return []
+
+    def families(self) -> list[Family]:
+        d, out = self.daemon, []
+        gpu, tc, sb = self._probe("gpu_launch"), self._probe("tc_classify"), self._probe("mmap_sandbox")
+        if gpu is not None:
+            out += self._guard("gpu_launch", lambda: [
+                kernel.spanlet_gpu_kernel_launches_total(gpu, self._workload),
+                kernel.spanlet_gpu_sync_wait_seconds(gpu, self._workload)])
+        if tc is not None:
+            out += self._guard("tc_classify", lambda: [
+                *kernel.spanlet_network_bytes_total(tc), kernel.spanlet_jitter_sensitivity_score(tc)])
+        if sb is not None:
+            out += self._guard("mmap_sandbox", lambda: [
+                kernel.spanlet_sandbox_violations_total(sb, self._workload)])
+        if d.nvml.status.available:
+            out += self._guard("nvml", lambda: [
+                device.spanlet_gpu_utilization_ratio(d.nvml),
+                device.spanlet_gpu_memory_peak_ratio(d.memory_peaks),
+                device.spanlet_gpu_pcie_utilization_ratio(d.nvml)])
+        serving = getattr(d, "serving", None)
+        if serving is not None:
+            out += self._guard("serving", serving.families)
+        out += self._guard("join", lambda: [spanlet_span_kernel_coverage_ratio(d.spans.join)])
+        scheduler = getattr(d, "scheduler", None)
+        if scheduler is not None:
+            out += self._guard("scheduler", lambda: [scheduler_batch_size_hint(scheduler)])
+        out += self._guard("self", lambda: self_metrics(d))
+        errors = Family("spanlet_scrape_errors_total", "counter", "Metric sources that failed")
+        with self._lock:
+            errors.samples = [Sample(labels(source=s), n) for s, n in sorted(self.scrape_errors.items())]
+        out.append(errors)
+        return out
+
+
+def scheduler_batch_size_hint(scheduler) -> Family:
+    fam = Family("spanlet_scheduler_batch_size_hint", "gauge",
+                 "Batch size hint per modality for the serving stack's schedulers")
+    for modality, hint in sorted(scheduler.hints()["hints"].items()):
+        fam.samples.append(Sample(labels(modality=modality), hint["batch_size"]))
+    return fam

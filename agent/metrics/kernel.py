@@ -1,0 +1,81 @@
+"""Kernel-layer metrics (METRICS.md #1–#5), read from the probes' BPF maps at
+the moment they are asked for. One function per metric, named after it."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+from agent.metrics import Family, HistogramSample, Sample, labels
+
+# The kernel keeps log2 µs buckets of sync waits (bucket i: below 2^i µs);
+# every second one is exported: 1 µs × 4^n, up to ~67 s.
+SYNC_WAIT_BOUNDS_S = tuple((2 ** i) / 1e6 for i in range(0, 27, 2))
+
+Workload = Callable[[int], dict[str, str]]   # cgroup id → namespace, pod, container labels
+
+
+def spanlet_gpu_kernel_launches_total(gpu, workload: Workload) -> Family:
+    fam = Family("spanlet_gpu_kernel_launches_total", "counter",
+                 "GPU kernel launches seen by the launch uprobes (nested runtime->driver calls once)")
+    sums: dict = defaultdict(int)
+    for (cgroup, modality, api), n in gpu.launches().items():
+        sums[labels(**workload(cgroup), modality=modality.name, api=api.name)] += n
+    fam.samples = [Sample(k, v) for k, v in sorted(sums.items())]
+    return fam
+
+
+def spanlet_gpu_sync_wait_seconds(gpu, workload: Workload) -> Family:
+    fam = Family("spanlet_gpu_sync_wait_seconds", "histogram",
+                 "Time threads spent inside CUDA synchronisation calls", unit="seconds")
+    stats = gpu.sync_wait()
+    acc: dict = {}
+    for key, kernel_buckets in gpu.sync_wait_buckets().items():
+        cgroup, modality, api = key
+        lab = labels(**workload(cgroup), modality=modality.name, api=api.name)
+        count, total_ns = stats.get(key, (0, 0))
+        # fold the log2 buckets into the exported ones
+        per = [0] * (len(SYNC_WAIT_BOUNDS_S) + 1)
+        for i, n in enumerate(kernel_buckets):
+            bound = (2 ** i) / 1e6
+            j = next((k for k, b in enumerate(SYNC_WAIT_BOUNDS_S) if bound <= b), len(SYNC_WAIT_BOUNDS_S))
+            per[j] += n
+        prev = acc.get(lab)
+        if prev is not None:
+            per = [a + b for a, b in zip(prev[0], per)]
+            count += prev[1]
+            total_ns += prev[2]
+        acc[lab] = (per, count, total_ns)
+    fam.samples = [HistogramSample(lab, SYNC_WAIT_BOUNDS_S, tuple(per), total / 1e9, count)
+                   for lab, (per, count, total) in sorted(acc.items())]
+    return fam
+
+
+def spanlet_network_bytes_total(tc) -> list[Family]:
+    nbytes = Family("spanlet_network_bytes_total", "counter", "Bytes seen by the TC classifier",
+                    unit="bytes")
+    packets = Family("spanlet_network_packets_total", "counter",
+                     "Packets seen by the TC classifier")
+    for (direction, proto, modality), (p, b) in sorted(tc.totals().items()):
+        lab = labels(direction=direction, protocol=proto, modality=modality)
+        nbytes.samples.append(Sample(lab, b))
+        packets.samples.append(Sample(lab, p))
+    return [nbytes, packets]
+
+
+def spanlet_jitter_sensitivity_score(tc) -> Family:
+    fam = Family("spanlet_jitter_sensitivity_score", "gauge",
+                 "Share of media packets in the window whose inter-arrival deviation exceeds "
+                 "tau_plc + delta_buffer", unit="ratio")
+    fam.samples = [Sample(labels(protocol=p, modality=m), st.jss)
+                   for (p, m), st in sorted(tc.jitter().items())]
+    return fam
+
+
+def spanlet_sandbox_violations_total(sandbox, workload: Workload) -> Family:
+    fam = Family("spanlet_sandbox_violations_total", "counter", "mmap sandbox violations")
+    sums: dict = defaultdict(int)
+    for (cgroup, rule, action), n in sandbox.violations().items():
+        sums[labels(**workload(cgroup), rule=rule, action=action)] += n
+    fam.samples = [Sample(k, v) for k, v in sorted(sums.items())]
+    return fam

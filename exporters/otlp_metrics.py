@@ -1,0 +1,423 @@
+"""Upstream OTLP export of the metric engine's Families: every interval one
+ExportMetricsServiceRequest (cumulative sums, gauges, explicit-bucket
+histograms), sent with the span exporter's endpoint rules, transports and retries."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import replace
+from typing import Callable, Iterable, Mapping, Sequence
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_CUMULATIVE
+
+from agent.config import OtlpConfig
+from agent.metrics import Family, HistogramSample
+from exporters.otlp_export import (
+    GRPC,
+    HTTP_PROTOBUF,
+    INITIAL_BACKOFF_S,
+    MAX_BACKOFF_S,
+    OtlpSpanExporter,
+    Upstream,
+    _Counters,
+    _GrpcTransport,
+    _HttpTransport,
+    resolve_upstream,
+)
+from exporters.otlp_receiver import HTTP_PATH as TRACES_PATH
+from exporters.otlp_receiver import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+METRICS_PATH = "/v1/metrics"
+DEFAULT_INTERVAL_S = 10.0      # the metric window (Config.window_s)
+SERVICE_NAME = "spanlet"
+SCOPE_NAME = "spanlet"
+NODE_LABEL = "node"
+
+# Family.unit (Prometheus words, base units) -> UCUM as OTel writes it. The
+# OTel Prometheus-compatibility spec: words become abbreviations, "ratio"
+# becomes "1", "foo_per_bar" becomes "foo/bar"; a plain count has no unit.
+UNITS = {"seconds": "s", "bytes": "By", "ratio": "1", "": ""}
+
+_TRACES_VAR = "OTEL_EXPORTER_OTLP_TRACES_"
+_METRICS_VAR = "OTEL_EXPORTER_OTLP_METRICS_"
+
+try:
+    _VERSION = importlib.metadata.version("spanlet")
+except importlib.metadata.PackageNotFoundError:   # running from a bare checkout
+    _VERSION = ""
+
+
+def otlp_unit(unit: str) -> str:
+    return "/".join(UNITS.get(part, part) for part in unit.split("_per_"))
+
+
+# ---------------------------------------------------------------------------
+# Where to send: resolve_upstream's rules with the METRICS_ variables.
+
+def _metrics_view(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` as resolve_upstream (which reads the TRACES_ forms) must see
+    it for metrics: each METRICS_ variable in its TRACES_ slot, the real
+    TRACES_ variables hidden."""
+    view = {k: v for k, v in environ.items() if not k.startswith(_TRACES_VAR)}
+    view.update({_TRACES_VAR + k[len(_METRICS_VAR):]: v
+                 for k, v in environ.items() if k.startswith(_METRICS_VAR)})
+    return view
+
+
+def resolve_metrics_upstream(cfg: OtlpConfig,
+                             environ: Mapping[str, str] = os.environ) -> Upstream | None:
+    """Where and how to export metrics, or None when no endpoint is set.
+
+    The rules of exporters.otlp_export.resolve_upstream, key by key (config
+    first, then the environment), with the METRICS_ forms of the variables:
+    OTEL_EXPORTER_OTLP_METRICS_ENDPOINT is used as-is; OTEL_EXPORTER_OTLP_ENDPOINT
+    and a config endpoint without a path get /v1/metrics (http/protobuf);
+    OTEL_EXPORTER_OTLP_METRICS_{PROTOCOL,HEADERS,TIMEOUT,COMPRESSION,INSECURE,
+    CERTIFICATE,CLIENT_KEY,CLIENT_CERTIFICATE} win over the generic ones, and
+    the TRACES_ forms play no part. A config endpoint is the span upstream's:
+    a path ending in /v1/traces is turned into /v1/metrics; any other path is
+    used as-is (with a warning)."""
+    up = resolve_upstream(cfg, _metrics_view(environ))
+    if up is None or up.protocol != HTTP_PROTOBUF:
+        return up
+    from_config = bool(cfg.upstream_endpoint.strip())
+    if not from_config and environ.get(_METRICS_VAR + "ENDPOINT", "").strip():
+        return up                                       # the signal's own URL: as-is
+    if up.endpoint.endswith(TRACES_PATH):
+        return replace(up, endpoint=up.endpoint[:-len(TRACES_PATH)] + METRICS_PATH)
+    log.warning("otlp.upstream_endpoint %r names a path other than %s; metrics are sent there "
+                "as-is (set OTEL_EXPORTER_OTLP_METRICS_ENDPOINT to send them elsewhere)",
+                up.endpoint, TRACES_PATH)
+    return up
+
+
+# ---------------------------------------------------------------------------
+# Families -> ExportMetricsServiceRequest
+
+def _set_attributes(target, pairs: Iterable[tuple[str, str]]) -> None:
+    for key, value in pairs:
+        target.add(key=key).value.string_value = value
+
+
+def _node_of(families: Sequence[Family]) -> str:
+    for fam in families:
+        for s in fam.samples:
+            for key, value in s.labels:
+                if key == NODE_LABEL and value:
+                    return value
+    return ""
+
+
+def families_to_request(families: Sequence[Family], *, start_ns: int, now_ns: int,
+                        node: str = "") -> tuple[ExportMetricsServiceRequest, int]:
+    """One ResourceMetrics (service spanlet on `node`) holding every Family;
+    returns the request and its number of data points. Counters become
+    monotonic cumulative Sums starting at `start_ns`, gauges Gauges,
+    histograms cumulative explicit-bucket Histograms. Names stay as the
+    engine gives them (counters keep _total), labels become attributes, and
+    every point carries `node` as every scraped series does. Families
+    without samples and malformed histogram samples are left out."""
+    node = node or _node_of(families)
+    request = ExportMetricsServiceRequest()
+    rm = request.resource_metrics.add()
+    resource = [("service.name", SERVICE_NAME)]
+    if node:
+        # service.instance.id keeps the nodes' series apart where a backend
+        # maps resources to Prometheus job/instance.
+        resource += [("service.instance.id", node), ("host.name", node), ("k8s.node.name", node)]
+    _set_attributes(rm.resource.attributes, resource)
+    sm = rm.scope_metrics.add()
+    sm.scope.name, sm.scope.version = SCOPE_NAME, _VERSION
+    points = 0
+    for fam in families:
+        if not fam.samples:
+            continue
+        metric = sm.metrics.add(name=fam.name, description=fam.help, unit=otlp_unit(fam.unit))
+        if fam.type == "counter":
+            data = metric.sum
+            data.is_monotonic = True
+            data.aggregation_temporality = AGGREGATION_TEMPORALITY_CUMULATIVE
+        elif fam.type == "gauge":
+            data = metric.gauge
+        else:
+            data = metric.histogram
+            data.aggregation_temporality = AGGREGATION_TEMPORALITY_CUMULATIVE
+        for s in fam.samples:
+            attrs = list(s.labels)
+            if node and all(k != NODE_LABEL for k, _ in attrs):
+                attrs.append((NODE_LABEL, node))
+            if isinstance(s, HistogramSample):
+                if len(s.bucket_counts) != len(s.bounds) + 1:
+                    log.warning("%s: histogram with %d bounds and %d buckets left out",
+                                fam.name, len(s.bounds), len(s.bucket_counts))
+                    continue
+                dp = data.data_points.add(start_time_unix_nano=start_ns, time_unix_nano=now_ns,
+                                          count=s.count, sum=s.sum)
+                dp.explicit_bounds.extend(s.bounds)
+                dp.bucket_counts.extend(s.bucket_counts)
+            else:
+                dp = data.data_points.add(time_unix_nano=now_ns, as_double=float(s.value))
+                if fam.type == "counter":
+                    dp.start_time_unix_nano = start_ns
+            _set_attributes(dp.attributes, sorted(attrs))
+            points += 1
+        if not data.data_points:
+            del sm.metrics[-1]
+    return request, points
+
+
+# ---------------------------------------------------------------------------
+# Transports and the retry loop, borrowed from the span exporter.
+
+class _MetricsStub:
+    """MetricsService/Export in the shape _GrpcTransport.send reads: the
+    answer's partial success as the trace service's (rejected_spans carries
+    the rejected data points)."""
+
+    def __init__(self, channel) -> None:
+        self._stub = MetricsServiceStub(channel)
+
+    def Export(self, request, **kw) -> ExportTraceServiceResponse:   # noqa: N802 (gRPC name)
+        ps = self._stub.Export(request, **kw).partial_success
+        answer = ExportTraceServiceResponse()
+        answer.partial_success.rejected_spans = ps.rejected_data_points
+        answer.partial_success.error_message = ps.error_message
+        return answer
+
+
+class _MetricsGrpcTransport(_GrpcTransport):
+    def __init__(self, up: Upstream) -> None:
+        super().__init__(up)
+        self._stub = _MetricsStub(self._channel)
+
+
+# _HttpTransport serves as it is: it posts any message, and an
+# ExportMetricsServiceResponse is read correctly as an ExportTraceServiceResponse
+# (both: partial_success = 1 { int64 rejected_* = 1; string error_message = 2 }).
+
+
+class _Reworded:
+    """The span exporter's log lines, counted in data points of metrics."""
+
+    def __init__(self, ratelog: RateLimitedLog) -> None:
+        self._ratelog = ratelog
+
+    def __call__(self, level: int, key: str, msg: str, *args, exc_info: bool = False) -> None:
+        msg = msg.replace("OTLP export", "OTLP metrics export").replace("spans", "data points")
+        self._ratelog(level, key, msg, *args, exc_info=exc_info)
+
+
+class _Delivery(OtlpSpanExporter):
+    """Only OtlpSpanExporter's send-until-final-answer loop (_deliver with
+    _backoff and _settle): its queue, thread and __init__ are not used.
+    Counts are in data points. `cond` is the owner's condition; setting
+    `_deadline` under it (shutdown) bounds the retries and their waits."""
+
+    def __init__(self, upstream: Upstream, transport, cond: threading.Condition, *,
+                 max_retry_s: float, initial_backoff_s: float, max_backoff_s: float) -> None:
+        # No super().__init__: that would resolve the TRACES_ endpoint and start a span worker.
+        self.upstream = upstream
+        self._transport, self._cond = transport, cond
+        self._max_retry_s = max_retry_s
+        self._initial_backoff_s, self._max_backoff_s = initial_backoff_s, max_backoff_s
+        self._deadline: float | None = None
+        self._c = _Counters()
+        self._settled_total = 0
+        self._ratelog = _Reworded(RateLimitedLog(log))
+        self.requests_exported = self.requests_failed = 0
+        self._outcome = ""
+
+    def _settle(self, n: int, outcome: str, rejected: int = 0) -> None:
+        super()._settle(n, outcome, rejected)
+        with self._cond:
+            self._outcome = outcome
+            if outcome == "exported":
+                self.requests_exported += 1
+            else:
+                self.requests_failed += 1
+
+    def send(self, request: ExportMetricsServiceRequest, points: int) -> str:
+        """"exported", "dropped_failed" or "dropped_shutdown"; one caller at a time."""
+        self._outcome = ""
+        try:
+            self._deliver(request, points)
+        except Exception:   # a bug here must not kill the worker
+            self._ratelog(logging.ERROR, "deliver", "OTLP export failed", exc_info=True)
+            self._settle(points, "dropped_failed")
+        return self._outcome
+
+
+# ---------------------------------------------------------------------------
+
+class OtlpMetricsExporter:
+    """Exports the metric engine's Families to an upstream OTLP collector.
+
+    Where to send: resolve_metrics_upstream(cfg, environ). With no endpoint
+    the exporter is disabled: `enabled` is False, no thread runs, export()
+    and force_flush() do nothing and return True.
+
+    With a `source` (a callable returning the current Families) one worker
+    thread collects and exports every `interval_s`, on force_flush(), and
+    once more at shutdown. export(families, now_ns) sends given Families at
+    once on the caller's thread. A retryable failure is retried with the
+    span exporter's backoff for at most min(cfg.max_retry_s, interval_s):
+    sums and histograms are cumulative, so the next collection carries
+    everything a dropped one had."""
+
+    def __init__(self, cfg: OtlpConfig, environ: Mapping[str, str] = os.environ, *,
+                 source: Callable[[], list[Family]] | None = None, node: str = "",
+                 interval_s: float = DEFAULT_INTERVAL_S,
+                 initial_backoff_s: float = INITIAL_BACKOFF_S,
+                 max_backoff_s: float = MAX_BACKOFF_S) -> None:
+        if not (interval_s > 0 and math.isfinite(interval_s)):
+            raise ValueError(f"interval_s must be a positive number of seconds, not {interval_s!r}")
+        self.source, self.node, self.interval_s = source, node, interval_s
+        self.start_time_unix_nano = time.time_ns()   # start of every cumulative stream
+        self.upstream = resolve_metrics_upstream(cfg, environ)
+        self.enabled = self.upstream is not None
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()            # one request in flight
+        self._closing = False
+        self._flush_wanted = self._flush_done = 0
+        self._source_errors = 0
+        self._ratelog = RateLimitedLog(log)
+        self._transport = None
+        self._delivery: _Delivery | None = None
+        self._thread: threading.Thread | None = None
+        if not self.enabled:
+            log.info("no OTLP upstream configured (upstream_endpoint, "
+                     "OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT): metric export is off")
+            return
+        up = self.upstream
+        self._transport = _MetricsGrpcTransport(up) if up.protocol == GRPC else _HttpTransport(up)
+        self._delivery = _Delivery(up, self._transport, self._cond,
+                                   max_retry_s=min(cfg.max_retry_s, interval_s),
+                                   initial_backoff_s=initial_backoff_s, max_backoff_s=max_backoff_s)
+        if source is not None:
+            self._thread = threading.Thread(target=self._run, name="otlp-metrics-export", daemon=True)
+            self._thread.start()
+        log.info("exporting metrics over OTLP %s to %s every %g s", up.protocol, up.endpoint,
+                 interval_s)
+
+    # ---- the OTel exporter shape ----
+
+    def export(self, families: Sequence[Family], now_ns: int | None = None) -> bool:
+        """Send these Families now (time `now_ns`, default the current time);
+        True when the upstream took them (or there was nothing to send)."""
+        if not self.enabled:
+            return True
+        with self._cond:
+            if self._closing:
+                self._ratelog(logging.WARNING, "closed", "OTLP metrics exporter is shut down")
+                return False
+        return self._send(families, now_ns)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Collect from the source and export now; True when that export got
+        a final answer within the timeout."""
+        if self._thread is None:
+            return True                 # nothing is held between export() calls
+        with self._cond:
+            if self._closing:
+                return not self._thread.is_alive()
+            self._flush_wanted += 1
+            target = self._flush_wanted
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: self._flush_done >= target,
+                                       timeout=timeout_millis / 1000.0)
+
+    def shutdown(self, timeout_millis: int = 30000) -> None:
+        """Export once more from the source, within the deadline, stop the
+        worker and close the connection. Safe to call twice."""
+        if not self.enabled:
+            return
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._delivery._deadline = time.monotonic() + timeout_millis / 1000.0
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_millis / 1000.0 + 2.0)
+            if self._thread.is_alive():
+                log.warning("OTLP metrics export worker did not stop by the shutdown deadline")
+        with self._send_lock:           # an export() in flight ends by the deadline too
+            self._transport.close()
+
+    def stats(self) -> dict:
+        """Counts in data points (exported, failed, ...) and requests."""
+        with self._cond:
+            d = self._delivery
+            c = d._c if d is not None else _Counters()
+            return {
+                "enabled": self.enabled,
+                "exported": c.exported,
+                "rejected_upstream": c.rejected_upstream,
+                "failed": c.dropped_failed,
+                "dropped_shutdown": c.dropped_shutdown,
+                "retries": c.retries,
+                "requests_exported": d.requests_exported if d else 0,
+                "requests_failed": d.requests_failed if d else 0,
+                "source_errors": self._source_errors,
+            }
+
+    @property
+    def retry_delays(self) -> list[float]:
+        """The last planned retry delays in seconds, oldest first."""
+        if self._delivery is None:
+            return []
+        with self._cond:
+            return list(self._delivery._c.retry_delays)
+
+    # ---- internals ----
+
+    def _send(self, families: Sequence[Family], now_ns: int | None) -> bool:
+        request, points = families_to_request(
+            families, start_ns=self.start_time_unix_nano,
+            now_ns=time.time_ns() if now_ns is None else now_ns, node=self.node)
+        if not points:
+            return True
+        with self._send_lock:
+            return self._delivery.send(request, points) == "exported"
+
+    def _collect_and_send(self) -> None:
+        try:
+            families = self.source()
+        except Exception as e:  # a failing source costs one export, not the worker
+            with self._cond:
+                self._source_errors += 1
+            self._ratelog(logging.WARNING, "source", "metrics source failed: %s", e)
+            return
+        self._send(families, None)
+
+    def _run(self) -> None:
+        next_tick = time.monotonic() + self.interval_s
+        while True:
+            with self._cond:
+                while not (self._closing or self._flush_wanted > self._flush_done):
+                    left = next_tick - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                closing, generation = self._closing, self._flush_wanted
+            now = time.monotonic()
+            if now >= next_tick:        # keep the window grid; skip ticks missed while busy
+                next_tick += self.interval_s * (math.floor((now - next_tick) / self.interval_s) + 1)
+            try:
+                self._collect_and_send()
+            finally:
+                with self._cond:
+                    self._flush_done = max(self._flush_done, generation)
+                    self._cond.notify_all()
+            if closing:
+                return
