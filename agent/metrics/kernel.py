@@ -11,6 +11,9 @@ from agent.metrics import Family, HistogramSample, Sample, labels
 # The kernel keeps log2 µs buckets of sync waits (bucket i: below 2^i µs);
 # every second one is exported: 1 µs × 4^n, up to ~67 s.
 SYNC_WAIT_BOUNDS_S = tuple((2 ** i) / 1e6 for i in range(0, 27, 2))
+# kernel bucket i (waits below 2^i µs) → index of the first exported bound above it
+_FOLD = [next((j for j, b in enumerate(SYNC_WAIT_BOUNDS_S) if (2 ** i) / 1e6 <= b),
+              len(SYNC_WAIT_BOUNDS_S)) for i in range(64)]
 
 Workload = Callable[[int], dict[str, str]]   # cgroup id → namespace, pod, container labels
 
@@ -37,9 +40,8 @@ def spanlet_gpu_sync_wait_seconds(gpu, workload: Workload) -> Family:
         # fold the log2 buckets into the exported ones
         per = [0] * (len(SYNC_WAIT_BOUNDS_S) + 1)
         for i, n in enumerate(kernel_buckets):
-            bound = (2 ** i) / 1e6
-            j = next((k for k, b in enumerate(SYNC_WAIT_BOUNDS_S) if bound <= b), len(SYNC_WAIT_BOUNDS_S))
-            per[j] += n
+            if n:
+                per[_FOLD[i]] += n
         prev = acc.get(lab)
         if prev is not None:
             per = [a + b for a, b in zip(prev[0], per)]

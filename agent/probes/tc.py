@@ -330,6 +330,9 @@ def _counter_sums(leaf) -> tuple[tuple[int, int], tuple[int, int]]:
     return (p0, p1), (b0, b1)
 
 
+MIN_READ_GAP_S = 0.05
+
+
 def _reversed(flow: events.FlowKey) -> events.FlowKey:
     r = events.FlowKey.from_buffer_copy(bytes(flow))
     r.saddr[:], r.daddr[:] = list(flow.daddr), list(flow.saddr)
@@ -718,8 +721,11 @@ class TcProbe(Probe):
         return ports.get(sport, ports.get(dport, 0))
 
     def _read(self) -> None:
+        """Fold the maps into the totals; a read younger than MIN_READ_GAP_S
+        is fresh enough (a scrape asks for totals and jitter one after the
+        other: one pass over the maps serves both)."""
         with self._read_lock:
-            if self.bpf is None:
+            if self.bpf is None or time.monotonic() - self._last_read < MIN_READ_GAP_S:
                 return
             now = self._last_read = time.monotonic()
             idle = self._agg.update(now, self._samples())
