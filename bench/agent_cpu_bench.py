@@ -1,0 +1,136 @@
+"""Agent CPU at 1,000 spans/s and 50,000 kernel events/s, as a share of one
+core, side by side with the same agent idle: `spanlet run` in its own process,
+a stand-in CUDA workload launching at a paced rate, and an OTLP client sending
+spans in batches of 100. Two agent settings: launch_events=spanned (the
+default: launches outside a span are counted in the kernel only) and
+launch_events=all (every launch is a ring-buffer record decoded in Python).
+CPU is read from /proc/<agent>/stat.
+
+    sudo .venv/bin/python bench/agent_cpu_bench.py [--seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "kernel")]
+
+import grpc  # noqa: E402
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
+
+import cuda_standin  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spans_request(n: int, rnd: random.Random) -> ExportTraceServiceRequest:
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    rs.resource.attributes.add(key="service.name").value.string_value = "bench"
+    ss = rs.scope_spans.add()
+    now = time.time_ns()
+    for _ in range(n):
+        s = ss.spans.add(name="infer", trace_id=rnd.randbytes(16), span_id=rnd.randbytes(8),
+                         kind=2, start_time_unix_nano=now - 5_000_000, end_time_unix_nano=now)
+        s.attributes.add(key="mm.modality").value.string_value = "text"
+    return req
+
+
+def send_spans(port: int, per_s: int, seconds: float, stop: threading.Event) -> int:
+    stub = trace_service_pb2_grpc.TraceServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    rnd, sent, t0 = random.Random(1), 0, time.monotonic()
+    batch = 100
+    while not stop.is_set() and time.monotonic() - t0 < seconds:
+        stub.Export(spans_request(batch, rnd))
+        sent += batch
+        ahead = sent / per_s - (time.monotonic() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
+    return sent
+
+
+def measure(pid: int, seconds: float) -> float:
+    c0, t0 = cpu_s(pid), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_s(pid) - c0) / (time.monotonic() - t0)
+
+
+def run_once(a, mode: str, standin) -> tuple[float, float, int]:
+    grpc_port, http_port = free_port(), free_port()
+    with cuda_standin.Workload(standin.workload) as w:
+        w.load(standin.lib_dir)
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "agent.cli", "run", "--set", "tc.enabled=false",
+             "--set", "sandbox.enabled=false", "--set", f"gpu.launch_events={mode}",
+             "--set", f"otlp.grpc_port={grpc_port}", "--set", f"otlp.http_port={free_port()}",
+             "--set", f"http_port={http_port}", "--set", "http_address=127.0.0.1"],
+            cwd=REPO, stderr=subprocess.PIPE, text=True)
+        try:
+            for line in agent.stderr:
+                if "spanlet: running" in line:
+                    break
+            threading.Thread(target=lambda: [None for _ in agent.stderr], daemon=True).start()
+            time.sleep(1)
+            idle = measure(agent.pid, a.seconds)
+            stop = threading.Event()
+            sent = [0]
+            t = threading.Thread(target=lambda: sent.__setitem__(
+                0, send_spans(grpc_port, a.spans, a.seconds + 1, stop)))
+            t.start()
+            n = int(a.events * (a.seconds + 1))
+            w.send(f"paced {n} {a.events}", "go")
+            time.sleep(0.5)
+            loaded = measure(agent.pid, a.seconds)
+            w.until("done")
+            stop.set()
+            t.join()
+        finally:
+            agent.terminate()
+            agent.wait(15)
+    return idle, loaded, sent[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--spans", type=int, default=1000)
+    ap.add_argument("--events", type=int, default=50_000)
+    a = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="spanlet-cpu-bench-") as tmp:
+        standin = cuda_standin.build(Path(tmp))
+        for mode in ("spanned", "all"):
+            rows.append((mode, *run_once(a, mode, standin)))
+    print(f"agent CPU as a share of one core, {a.seconds:.0f} s each, "
+          f"{a.spans:,} spans/s + {a.events:,} GPU launches/s:")
+    for mode, idle, loaded, sent in rows:
+        print(f"  launch_events={mode:8s} idle {idle:6.1%}  loaded {loaded:6.1%}  "
+              f"(+{loaded - idle:.1%}; spans sent {sent:,})")
+    print("goal: <= 3% of one core")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
