@@ -3,14 +3,18 @@ then command-line flags, with every default named here and nowhere else."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+import typing
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
 
 ENV_PREFIX = "SPANLET_"
 DEFAULT_CONFIG_FILE = Path("/etc/spanlet/config.yaml")
@@ -185,20 +189,50 @@ class OtlpConfig(_Section):
     max_retry_s: float = Field(default=60.0, ge=0, le=3600)
 
 
-class NvmlConfig(_Section):
-    enabled: bool = True
-    poll_interval_s: float = Field(default=1.0, gt=0, le=60)
-    # Empty: libnvidia-ml.so.1 from the dynamic linker; else an absolute path
-    # (a driver mounted elsewhere, e.g. /usr/local/nvidia/lib64/libnvidia-ml.so.1).
-    library: str = ""
-
-
 class JoinConfig(_Section):
     # Kernel events wait here for their span; bounded in count and age.
     buffer_events: int = Field(default=100_000, ge=100, le=10_000_000)
     ttl_s: float = Field(default=30.0, gt=0, le=3600)
     # Individual kernel events added to a span as span events, at most.
     max_span_events: int = Field(default=32, ge=0, le=10_000)
+
+
+def _section_from(settings_cls: type, name: str, exclude: tuple[str, ...] = ()) -> type[_Section]:
+    """A config section whose keys, types and defaults are those of a settings
+    dataclass of the module that uses them (one place for each default); the
+    dataclass's own checks run at load time, so a bad value names its key."""
+    hints = typing.get_type_hints(settings_cls)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(settings_cls):
+        if f.name in exclude or not f.init:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = Field(default_factory=f.default_factory)
+        if isinstance(default, Mapping):
+            default = Field(default_factory=lambda d=default: dict(d))
+        fields[f.name] = (hints[f.name], default)
+
+    def _check(self):
+        try:
+            settings_cls(**{k: getattr(self, k) for k in fields})
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        return self
+
+    return create_model(name, __base__=_Section,
+                        __validators__={"_check": model_validator(mode="after")(_check)},
+                        **fields)
+
+
+from agent.metrics.serving import ServingSettings  # noqa: E402  (stdlib + protos only)
+from agent.nvml import NvmlSettings  # noqa: E402
+from agent.scheduler import SchedulerThresholds  # noqa: E402
+
+ServingConfig = _section_from(ServingSettings, "ServingConfig", exclude=("window_s",))
+NvmlConfig = _section_from(NvmlSettings, "NvmlConfig")
+SchedulerConfig = _section_from(SchedulerThresholds, "SchedulerConfig")
 
 
 class Config(_Section):
@@ -221,6 +255,8 @@ class Config(_Section):
     otlp: OtlpConfig = OtlpConfig()
     join: JoinConfig = JoinConfig()
     nvml: NvmlConfig = NvmlConfig()
+    serving: ServingConfig = ServingConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
 
     @field_validator("ringbuf_pages")
     @classmethod
@@ -282,6 +318,10 @@ def _describe(err: dict, origins: dict[tuple, str]) -> str:
         if loc[:n] in origins:
             where = origins[loc[:n]]
             break
+    else:  # a whole-section check: the keys set inside it say where it came from
+        inside = sorted({o for k, o in origins.items() if k[:len(loc)] == loc})
+        if inside:
+            where = ", ".join(inside)
     if err["type"] == "extra_forbidden":
         return f"{where}: unknown key '{key}'"
     msg = err["msg"]

@@ -20,11 +20,14 @@ from agent.config import Config
 from agent.join import SpanJoin
 from agent.k8s import K8sEnricher, PodWatcher
 from agent.metrics.engine import MetricEngine
+from agent.metrics.serving import ServingMetrics, ServingSettings
+from agent.scheduler import Scheduler, SchedulerThresholds, WindowInputs
 from agent.nvml import NvmlPoller
 from agent.probes.base import Probe, ProbeStatus
 from prometheus_client import CollectorRegistry
 
 from exporters.otlp_export import OtlpSpanExporter
+from exporters.otlp_metrics import OtlpMetricsExporter
 from exporters.otlp_receiver import OtlpReceiver
 from exporters.prometheus import AgentHttpServer, SpanletCollector
 
@@ -53,8 +56,9 @@ def probe_classes(cfg: Config) -> list[type[Probe]]:
 class SpanPath:
     """OTLP spans in → k8s resource names and kernel facts joined → upstream."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, on_joined: Callable[[list], None] | None = None):
         self.cfg = cfg
+        self.on_joined = on_joined
         self.exporter = OtlpSpanExporter(cfg.otlp)
         self.join = SpanJoin(cfg.join, on_late=self._export_late)
         self.pods = PodWatcher(cfg.node_name)
@@ -77,6 +81,8 @@ class SpanPath:
         cgroups = self.join.join(request.resource_spans)
         for rs, cgroup in zip(request.resource_spans, cgroups):
             self._name_resource(rs, cgroup)
+        if self.on_joined is not None:
+            self.on_joined(request.resource_spans)
         self.exporter.export(request.resource_spans)
         return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
@@ -111,7 +117,12 @@ class Daemon:
     def __init__(self, cfg: Config, sink: Callable[[events._Event], None] | None = None):
         self.cfg = cfg
         self.clock = events.MonotonicClock()
-        self.spans = SpanPath(cfg)
+        self.serving = ServingMetrics(ServingSettings(window_s=cfg.window_s,
+                                                      **cfg.serving.model_dump()),
+                                      start=time.monotonic())
+        self.scheduler = Scheduler(SchedulerThresholds(**cfg.scheduler.model_dump()),
+                                   window_s=cfg.window_s)
+        self.spans = SpanPath(cfg, on_joined=lambda rs: self.serving.observe(rs, time.monotonic()))
         printer = sink
 
         def on_event(ev: events._Event) -> None:
@@ -127,6 +138,7 @@ class Daemon:
         self.registry = CollectorRegistry()
         self.registry.register(SpanletCollector(self.metrics, cfg.node_name))
         self.http: AgentHttpServer | None = None
+        self.metrics_exporter: OtlpMetricsExporter | None = None
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._stopped = False
@@ -171,12 +183,16 @@ class Daemon:
         t.start()
         self._threads.append(t)
         self._start_http()
+        self.metrics_exporter = OtlpMetricsExporter(self.cfg.otlp, source=self.metrics.families,
+                                                    node=self.cfg.node_name,
+                                                    interval_s=self.cfg.window_s)
         return statuses
 
     def _start_http(self) -> None:
         try:
             self.http = AgentHttpServer(self.cfg.http_address, self.cfg.http_port, self.registry,
-                                        ready=lambda: bool(self._threads) and not self._stopped)
+                                        ready=lambda: bool(self._threads) and not self._stopped,
+                                        hints=self.scheduler.hints)
         except OSError as e:
             log.error("HTTP port %s:%d NOT open: %s; no /metrics", self.cfg.http_address,
                       self.cfg.http_port, e)
@@ -201,7 +217,7 @@ class Daemon:
             self.spans.tick()
             if time.monotonic() - last_window >= self.cfg.window_s:
                 last_window = time.monotonic()
-                self.memory_peaks = self.nvml.window()
+                self._close_window()
             for probe in self.probes:
                 if probe.status.attached:
                     try:
@@ -211,6 +227,26 @@ class Daemon:
             if time.monotonic() - last_stats >= 60:
                 last_stats = time.monotonic()
                 self.log_stats()
+
+    def _close_window(self) -> None:
+        """End of a metric window: GPU memory peaks, serving metrics, hints."""
+        try:
+            self.memory_peaks = self.nvml.window()
+            gpus = self.nvml.snapshot()
+            pcie = [r for g in gpus.values() for r in (g.pcie_tx_ratio, g.pcie_rx_ratio)
+                    if r is not None]
+            self.serving.roll(time.monotonic(), {
+                "memory_used_ratio_max": max(self.memory_peaks.values(), default=None),
+                "pcie_ratio_max": max(pcie, default=None)})
+            self.scheduler.update(WindowInputs(
+                request_duration_p95_seconds={m: self.serving.window_quantile(m, 0.95)
+                                              for m in ("text", "image", "audio", "video")},
+                gpu_utilization_ratio={g: s.sm_utilization_ratio for g, s in gpus.items()},
+                gpu_memory_peak_ratio=dict(self.memory_peaks),
+                gpu_memory_free_bytes={g: s.memory_free_bytes for g, s in gpus.items()}),
+                time.time())
+        except Exception:
+            log.exception("closing the metric window failed")
 
     def log_stats(self) -> None:
         spans, evs = self.spans.join.coverage()
@@ -233,6 +269,9 @@ class Daemon:
         deadline = time.monotonic() + self.cfg.shutdown_timeout_s
         for t in self._threads:
             t.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        if self.metrics_exporter is not None:   # its last export reads the maps: before detach
+            self.metrics_exporter.shutdown(
+                timeout_millis=int(max(0.0, min(1.0, deadline - time.monotonic())) * 1000))
         for probe in reversed(self.probes):
             probe.stop()
         log.info("all probes detached")

@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlsplit
 
 import grpc
 import requests
+from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -28,7 +29,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceS
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
 from agent.config import ConfigError, OtlpConfig
-from exporters.otlp_receiver import HTTP_PATH, PROTOBUF, STATUS_DETAILS_KEY, RateLimitedLog
+from exporters.otlp_receiver import PROTOBUF, STATUS_DETAILS_KEY, RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,11 @@ class Upstream:
     client_certificate: str = ""
 
 
-def _env(environ: Mapping[str, str], name: str) -> tuple[str, str] | None:
-    """The TRACES_ form of an OTEL_EXPORTER_OTLP_ variable, else the generic
-    one, as (variable name, value); empty values count as unset."""
-    for var in (f"OTEL_EXPORTER_OTLP_TRACES_{name}", f"OTEL_EXPORTER_OTLP_{name}"):
+def _env(environ: Mapping[str, str], name: str, signal: str = "traces") -> tuple[str, str] | None:
+    """The signal's form of an OTEL_EXPORTER_OTLP_ variable (TRACES_,
+    METRICS_), else the generic one, as (variable name, value); empty values
+    count as unset."""
+    for var in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_{name}", f"OTEL_EXPORTER_OTLP_{name}"):
         value = environ.get(var, "").strip()
         if value:
             return var, value
@@ -102,11 +104,15 @@ def _parse_bool(var: str, value: str) -> bool | None:
     return None
 
 
-def resolve_upstream(cfg: OtlpConfig, environ: Mapping[str, str] = os.environ) -> Upstream | None:
-    """Where and how to export, or None when no endpoint is configured.
+def resolve_upstream(cfg: OtlpConfig, environ: Mapping[str, str] = os.environ,
+                     signal: str = "traces") -> Upstream | None:
+    """Where and how to export `signal` ("traces" or "metrics"), or None when
+    no endpoint is configured.
 
     Explicit configuration wins and the environment fills what it leaves
-    empty, key by key:
+    empty, key by key (shown for traces; for metrics read METRICS_ for
+    TRACES_ and /v1/metrics for /v1/traces; the other signal's forms play
+    no part):
       endpoint   cfg.upstream_endpoint, else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
                  (used as-is), else OTEL_EXPORTER_OTLP_ENDPOINT (for
                  http/protobuf the path /v1/traces is appended to it). A
@@ -127,7 +133,10 @@ def resolve_upstream(cfg: OtlpConfig, environ: Mapping[str, str] = os.environ) -
     The TRACES_ form of a variable wins over the generic one. Invalid values
     in the environment are logged and ignored, as the OTel SDK specification
     asks."""
-    env_protocol = _env(environ, "PROTOCOL")
+    def env(name: str) -> tuple[str, str] | None:
+        return _env(environ, name, signal)
+
+    env_protocol = env("PROTOCOL")
     protocol = cfg.upstream_protocol
     if not protocol and env_protocol:
         var, value = env_protocol
@@ -138,19 +147,20 @@ def resolve_upstream(cfg: OtlpConfig, environ: Mapping[str, str] = os.environ) -
                         var, value, DEFAULT_PROTOCOL)
     protocol = protocol or DEFAULT_PROTOCOL
 
+    signal_endpoint = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
     append_path = False
     if cfg.upstream_endpoint.strip():
         endpoint = cfg.upstream_endpoint.strip()
         append_path = urlsplit(endpoint).path in ("", "/") if "://" in endpoint else True
-    elif environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip():
-        endpoint = environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"].strip()
+    elif environ.get(signal_endpoint, "").strip():
+        endpoint = environ[signal_endpoint].strip()
     elif environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip():
         endpoint = environ["OTEL_EXPORTER_OTLP_ENDPOINT"].strip()
         append_path = True
     else:
         return None
 
-    env_insecure = _env(environ, "INSECURE")
+    env_insecure = env("INSECURE")
     insecure_flag = _parse_bool(*env_insecure) if env_insecure else None
     scheme = endpoint.split("://", 1)[0].lower() if "://" in endpoint else ""
     insecure = scheme == "http" if scheme else bool(insecure_flag)
@@ -159,14 +169,14 @@ def resolve_upstream(cfg: OtlpConfig, environ: Mapping[str, str] = os.environ) -
     else:
         target = endpoint if scheme else ("http://" if insecure else "https://") + endpoint
         if append_path:
-            target = target.rstrip("/") + HTTP_PATH
+            target = target.rstrip("/") + f"/v1/{signal}"
 
-    env_headers = _env(environ, "HEADERS")
+    env_headers = env("HEADERS")
     headers = parse_headers(env_headers[1], env_headers[0]) if env_headers else {}
     headers.update({k.lower(): v for k, v in cfg.upstream_headers.items()})
 
     timeout_s = cfg.upstream_timeout_s
-    env_timeout = _env(environ, "TIMEOUT")
+    env_timeout = env("TIMEOUT")
     if "upstream_timeout_s" not in cfg.model_fields_set and env_timeout:
         var, value = env_timeout
         try:
@@ -178,7 +188,7 @@ def resolve_upstream(cfg: OtlpConfig, environ: Mapping[str, str] = os.environ) -
             log.warning("%s=%r is not a positive number of milliseconds; ignored", var, value)
 
     compression = "none"
-    env_compression = _env(environ, "COMPRESSION")
+    env_compression = env("COMPRESSION")
     if env_compression:
         var, value = env_compression
         if value.lower() in ("gzip", "none"):
@@ -187,7 +197,7 @@ def resolve_upstream(cfg: OtlpConfig, environ: Mapping[str, str] = os.environ) -
             log.warning("%s=%r is not supported (gzip, none); ignored", var, value)
 
     def path(name: str) -> str:
-        found = _env(environ, name)
+        found = env(name)
         return found[1] if found else ""
 
     return Upstream(protocol=protocol, endpoint=target, insecure=insecure,
@@ -204,7 +214,7 @@ class SendResult:
     ok: bool
     retryable: bool = False
     retry_after_s: float | None = None   # server-asked delay (RetryInfo, Retry-After)
-    rejected: int = 0                    # partial success: spans the upstream refused
+    rejected: int = 0                    # partial success: items (spans, points) refused
     message: str = ""
 
 
@@ -216,7 +226,7 @@ def _read_file(path: str) -> bytes | None:
             return f.read()
     except OSError as e:
         raise ConfigError(f"OTLP export TLS file {path!r} "
-                          "(OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE/CLIENT_KEY/CLIENT_CERTIFICATE): "
+                          "(OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]CERTIFICATE/CLIENT_KEY/CLIENT_CERTIFICATE): "
                           f"{e.strerror}") from None
 
 
@@ -235,7 +245,11 @@ def retry_info_delay(status_bytes: bytes) -> float | None:
 
 
 class _GrpcTransport:
-    def __init__(self, up: Upstream) -> None:
+    """One signal's Export over gRPC: `stub_cls` is its service stub and
+    `rejected_field` the count in its response's partial_success."""
+
+    def __init__(self, up: Upstream, stub_cls=TraceServiceStub,
+                 rejected_field: str = "rejected_spans") -> None:
         # Retries are ours (with the spec's rules); grpc's own stay off.
         options = [("grpc.enable_retries", 0)]
         compression = grpc.Compression.Gzip if up.compression == "gzip" else grpc.Compression.NoCompression
@@ -248,10 +262,11 @@ class _GrpcTransport:
                 certificate_chain=_read_file(up.client_certificate))
             self._channel = grpc.secure_channel(up.endpoint, creds, options=options,
                                                 compression=compression)
-        self._stub = TraceServiceStub(self._channel)
+        self._stub = stub_cls(self._channel)
         self._metadata = up.headers
+        self._rejected_field = rejected_field
 
-    def send(self, request: ExportTraceServiceRequest, timeout_s: float) -> SendResult:
+    def send(self, request: Message, timeout_s: float) -> SendResult:
         try:
             response = self._stub.Export(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
@@ -265,7 +280,7 @@ class _GrpcTransport:
             details = e.details() if hasattr(e, "details") else str(e)
             return SendResult(False, retryable, delay, message=f"gRPC {code.name}: {details}")
         ps = response.partial_success
-        return SendResult(True, rejected=ps.rejected_spans, message=ps.error_message)
+        return SendResult(True, rejected=getattr(ps, self._rejected_field), message=ps.error_message)
 
     def close(self) -> None:
         self._channel.close()
@@ -291,7 +306,12 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 
 
 class _HttpTransport:
-    def __init__(self, up: Upstream) -> None:
+    """One signal's Export over HTTP/protobuf: `response_cls` is its Export
+    response and `rejected_field` the count in its partial_success."""
+
+    def __init__(self, up: Upstream, response_cls: type[Message] = ExportTraceServiceResponse,
+                 rejected_field: str = "rejected_spans") -> None:
+        self._response_cls, self._rejected_field = response_cls, rejected_field
         self._url = up.endpoint
         self._gzip = up.compression == "gzip"
         self._session = requests.Session()
@@ -306,7 +326,7 @@ class _HttpTransport:
         if up.client_certificate and up.client_key:
             self._session.cert = (up.client_certificate, up.client_key)
 
-    def send(self, request: ExportTraceServiceRequest, timeout_s: float) -> SendResult:
+    def send(self, request: Message, timeout_s: float) -> SendResult:
         body = request.SerializeToString()
         if self._gzip:
             body = gzip.compress(body, compresslevel=6)
@@ -320,8 +340,8 @@ class _HttpTransport:
             rejected, message = 0, ""
             if r.content and r.headers.get("Content-Type", "").startswith(PROTOBUF):
                 try:
-                    ps = ExportTraceServiceResponse.FromString(r.content).partial_success
-                    rejected, message = ps.rejected_spans, ps.error_message
+                    ps = self._response_cls.FromString(r.content).partial_success
+                    rejected, message = getattr(ps, self._rejected_field), ps.error_message
                 except Exception:
                     pass
             return SendResult(True, rejected=rejected, message=message)
@@ -368,17 +388,135 @@ def split_resource_spans(rs: ResourceSpans, first: int, rest: int) -> list[Resou
     return pieces
 
 
+# ---------------------------------------------------------------------------
+# Sending one request until it gets a final answer (both signals).
+
 @dataclass
 class _Counters:
-    exported: int = 0                 # spans the upstream took
-    rejected_upstream: int = 0        # spans refused in a partial success
+    exported: int = 0                 # items (spans, data points) the upstream took
+    rejected_upstream: int = 0        # items refused in a partial success
     dropped_queue_full: int = 0
     dropped_failed: int = 0           # non-retryable answer, or retries ran out
     dropped_shutdown: int = 0         # still queued at the shutdown deadline, or sent after it
-    retries: int = 0                  # re-sends of a batch
+    retries: int = 0                  # re-sends of a request
     batches: int = 0                  # requests that got a final answer
+    requests_exported: int = 0
+    requests_failed: int = 0          # requests dropped (failed, or cut by the shutdown deadline)
+    settled: int = 0                  # items with a final fate (exported, rejected or dropped)
     retry_delays: deque = field(default_factory=lambda: deque(maxlen=64))
 
+
+class RetryingSender:
+    """Sends one request until it gets a final answer: a retryable failure is
+    retried with exponential backoff and jitter (or after the delay the
+    server asked for) for up to `max_retry_s`, after which the request is
+    dropped and counted, as is a request refused for good.
+
+    `cond` is the owner's condition: every count in `counters` (in `unit`s,
+    the word the log lines use) changes under it, and it is notified when a
+    request is settled. stop_by(deadline) (shutdown) bounds the retries and
+    their waits; after the deadline a request is dropped as "dropped_shutdown"."""
+
+    def __init__(self, upstream: Upstream, transport, cond: threading.Condition, *,
+                 max_retry_s: float, initial_backoff_s: float = INITIAL_BACKOFF_S,
+                 max_backoff_s: float = MAX_BACKOFF_S, unit: str = "spans",
+                 what: str = "OTLP export", logger: logging.Logger = log) -> None:
+        self.upstream, self.transport = upstream, transport
+        self._cond = cond
+        self._max_retry_s = max_retry_s
+        self._initial_backoff_s, self._max_backoff_s = initial_backoff_s, max_backoff_s
+        self._unit, self._what = unit, what
+        self._ratelog = RateLimitedLog(logger)
+        self.deadline: float | None = None   # shutdown deadline (monotonic)
+        self.counters = _Counters()
+
+    def stop_by(self, deadline: float) -> None:
+        with self._cond:
+            self.deadline = deadline
+            self._cond.notify_all()
+
+    def send(self, request: Message, n: int) -> str:
+        """Deliver `request` (`n` units); returns its fate: "exported",
+        "dropped_failed" or "dropped_shutdown". One caller at a time."""
+        try:
+            return self._deliver(request, n)
+        except Exception:   # a bug here must not kill the caller's worker
+            self._ratelog(logging.ERROR, "deliver", "%s failed", self._what, exc_info=True)
+            return self.settle(n, "dropped_failed")
+
+    def settle(self, n: int, outcome: str, rejected: int = 0) -> str:
+        with self._cond:
+            c = self.counters
+            if outcome == "exported":
+                c.exported += n - rejected
+                c.rejected_upstream += rejected
+                c.batches += 1
+                c.requests_exported += 1
+            elif outcome == "dropped_failed":
+                c.dropped_failed += n
+                c.batches += 1
+                c.requests_failed += 1
+            else:
+                c.dropped_shutdown += n
+                c.requests_failed += 1
+            c.settled += n
+            self._cond.notify_all()
+        return outcome
+
+    def _backoff(self, attempt: int) -> float:
+        nominal = min(self._initial_backoff_s * (2 ** attempt), self._max_backoff_s)
+        return nominal * random.uniform(*JITTER)
+
+    def _deliver(self, request: Message, n: int) -> str:
+        give_up = time.monotonic() + self._max_retry_s
+        attempt = 0
+        while True:
+            timeout = self.upstream.timeout_s
+            with self._cond:
+                hard = self.deadline
+            if hard is not None:
+                left = hard - time.monotonic()
+                if left <= 0:
+                    return self.settle(n, "dropped_shutdown")
+                timeout = min(timeout, left)
+            result = self.transport.send(request, timeout)
+            if result.ok:
+                if result.rejected or result.message:
+                    self._ratelog(logging.WARNING, "partial",
+                                  "OTLP upstream rejected %d of %d %s: %s",
+                                  result.rejected, n, self._unit, result.message)
+                return self.settle(n, "exported", min(result.rejected, n))
+            if not result.retryable:
+                self._ratelog(logging.WARNING, "final", "%s of %d %s refused, dropped: %s",
+                              self._what, n, self._unit, result.message)
+                return self.settle(n, "dropped_failed")
+            # A server-given delay is a floor: never sooner than asked, and
+            # still backing off when it keeps failing (a RetryInfo of 0 is common).
+            delay = max(result.retry_after_s or 0.0, self._backoff(attempt))
+            now = time.monotonic()
+            if now + delay > give_up:
+                self._ratelog(logging.WARNING, "gave_up",
+                              "%s of %d %s dropped after %d retries: %s",
+                              self._what, n, self._unit, attempt, result.message)
+                return self.settle(n, "dropped_failed")
+            if hard is not None and now + delay > hard:
+                return self.settle(n, "dropped_shutdown")
+            with self._cond:
+                self.counters.retries += 1
+                self.counters.retry_delays.append(delay)
+                # Woken early only by shutdown, which may shorten the wait.
+                end = now + delay
+                while True:
+                    left = end - time.monotonic()
+                    if self.deadline is not None:
+                        left = min(left, self.deadline - time.monotonic())
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+            attempt += 1
+
+
+# ---------------------------------------------------------------------------
 
 class OtlpSpanExporter:
     """Exports ResourceSpans protos to an upstream OTLP collector.
@@ -403,9 +541,6 @@ class OtlpSpanExporter:
         self._queue_size = cfg.queue_size
         self._batch_size = cfg.batch_size
         self._interval_s = cfg.batch_interval_s
-        self._max_retry_s = cfg.max_retry_s
-        self._initial_backoff_s = initial_backoff_s
-        self._max_backoff_s = max_backoff_s
         self.upstream = resolve_upstream(cfg, environ)
         self.enabled = self.upstream is not None
         self._cond = threading.Condition()
@@ -413,20 +548,23 @@ class OtlpSpanExporter:
         self._queued = 0            # spans in _queue
         self._enqueued_total = 0    # spans ever accepted into the queue
         self._dequeued_total = 0    # spans ever taken out of it
-        self._settled_total = 0     # spans with a final fate (exported, rejected or dropped)
         self._send_through = 0      # send at once until _dequeued_total reaches this
         self._closing = False
         self._deadline: float | None = None   # shutdown deadline (monotonic)
-        self._c = _Counters()
+        self._c = _Counters()       # the sender's, once there is one
         self._ratelog = RateLimitedLog(log)
-        self._transport = None
+        self._sender: RetryingSender | None = None
         self._thread: threading.Thread | None = None
         if not self.enabled:
             log.info("no OTLP upstream configured (upstream_endpoint, OTEL_EXPORTER_OTLP_ENDPOINT): "
                      "span export is off")
             return
         up = self.upstream
-        self._transport = _GrpcTransport(up) if up.protocol == GRPC else _HttpTransport(up)
+        transport = _GrpcTransport(up) if up.protocol == GRPC else _HttpTransport(up)
+        self._sender = RetryingSender(up, transport, self._cond, max_retry_s=cfg.max_retry_s,
+                                      initial_backoff_s=initial_backoff_s,
+                                      max_backoff_s=max_backoff_s)
+        self._c = self._sender.counters
         self._thread = threading.Thread(target=self._run, name="otlp-export", daemon=True)
         self._thread.start()
         log.info("exporting spans over OTLP %s to %s", up.protocol, up.endpoint)
@@ -486,7 +624,7 @@ class OtlpSpanExporter:
             target = self._enqueued_total
             self._send_through = max(self._send_through, target)
             self._cond.notify_all()
-            return self._cond.wait_for(lambda: self._settled_total >= target,
+            return self._cond.wait_for(lambda: self._c.settled >= target,
                                        timeout=max(0.0, deadline - time.monotonic()))
 
     def shutdown(self, timeout_millis: int = 30000) -> None:
@@ -499,12 +637,12 @@ class OtlpSpanExporter:
                 return
             self._closing = True
             self._deadline = time.monotonic() + timeout_millis / 1000.0
-            self._cond.notify_all()
+            self._sender.stop_by(self._deadline)
         # The worker bounds every wait and send by the deadline itself.
         self._thread.join(timeout=max(0.0, self._deadline - time.monotonic()) + 2.0)
         if self._thread.is_alive():
             log.warning("OTLP export worker did not stop by the shutdown deadline")
-        self._transport.close()
+        self._sender.transport.close()
 
     def stats(self) -> dict:
         with self._cond:
@@ -550,11 +688,7 @@ class OtlpSpanExporter:
                         wait = min(wait, self._deadline - now)
                     self._cond.wait(wait)
                 batch, n = self._take_locked()
-            try:
-                self._deliver(batch, n)
-            except Exception:   # a bug here must not kill the worker and stall the queue
-                self._ratelog(logging.ERROR, "deliver", "OTLP export failed", exc_info=True)
-                self._settle(n, "dropped_failed")
+            self._sender.send(batch, n)
 
     def _take_locked(self) -> tuple[ExportTraceServiceRequest, int]:
         request = ExportTraceServiceRequest()
@@ -579,82 +713,8 @@ class OtlpSpanExporter:
             log.warning("OTLP export: %d spans still queued at the shutdown deadline were dropped",
                         self._queued)
             self._c.dropped_shutdown += self._queued
-            self._settled_total += self._queued
+            self._c.settled += self._queued
             self._dequeued_total += self._queued
             self._queue.clear()
             self._queued = 0
             self._cond.notify_all()
-
-    def _settle(self, n: int, outcome: str, rejected: int = 0) -> None:
-        with self._cond:
-            c = self._c
-            if outcome == "exported":
-                c.exported += n - rejected
-                c.rejected_upstream += rejected
-                c.batches += 1
-            elif outcome == "dropped_failed":
-                c.dropped_failed += n
-                c.batches += 1
-            else:
-                c.dropped_shutdown += n
-            self._settled_total += n
-            self._cond.notify_all()
-
-    def _backoff(self, attempt: int) -> float:
-        nominal = min(self._initial_backoff_s * (2 ** attempt), self._max_backoff_s)
-        return nominal * random.uniform(*JITTER)
-
-    def _deliver(self, request: ExportTraceServiceRequest, n: int) -> None:
-        """Send one batch until it gets a final answer, retrying within
-        cfg.max_retry_s (and the shutdown deadline, once there is one)."""
-        give_up = time.monotonic() + self._max_retry_s
-        attempt = 0
-        while True:
-            timeout = self.upstream.timeout_s
-            with self._cond:
-                hard = self._deadline
-            if hard is not None:
-                left = hard - time.monotonic()
-                if left <= 0:
-                    self._settle(n, "dropped_shutdown")
-                    return
-                timeout = min(timeout, left)
-            result = self._transport.send(request, timeout)
-            if result.ok:
-                if result.rejected or result.message:
-                    self._ratelog(logging.WARNING, "partial",
-                                  "OTLP upstream rejected %d of %d spans: %s",
-                                  result.rejected, n, result.message)
-                self._settle(n, "exported", min(result.rejected, n))
-                return
-            if not result.retryable:
-                self._ratelog(logging.WARNING, "final",
-                              "OTLP export of %d spans refused, dropped: %s", n, result.message)
-                self._settle(n, "dropped_failed")
-                return
-            # A server-given delay is a floor: never sooner than asked, and
-            # still backing off when it keeps failing (a RetryInfo of 0 is common).
-            delay = max(result.retry_after_s or 0.0, self._backoff(attempt))
-            now = time.monotonic()
-            if now + delay > give_up:
-                self._ratelog(logging.WARNING, "gave_up",
-                              "OTLP export of %d spans dropped after %d retries: %s",
-                              n, attempt, result.message)
-                self._settle(n, "dropped_failed")
-                return
-            if hard is not None and now + delay > hard:
-                self._settle(n, "dropped_shutdown")
-                return
-            with self._cond:
-                self._c.retries += 1
-                self._c.retry_delays.append(delay)
-                # Woken early only by shutdown, which may shorten the wait.
-                end = now + delay
-                while True:
-                    left = end - time.monotonic()
-                    if self._deadline is not None:
-                        left = min(left, self._deadline - time.monotonic())
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
-            attempt += 1

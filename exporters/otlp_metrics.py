@@ -12,10 +12,13 @@ import threading
 import time
 from dataclasses import replace
 from typing import Callable, Iterable, Mapping, Sequence
+from urllib.parse import urlsplit
 
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_CUMULATIVE
 
 from agent.config import OtlpConfig
@@ -25,7 +28,7 @@ from exporters.otlp_export import (
     HTTP_PROTOBUF,
     INITIAL_BACKOFF_S,
     MAX_BACKOFF_S,
-    OtlpSpanExporter,
+    RetryingSender,
     Upstream,
     _Counters,
     _GrpcTransport,
@@ -48,9 +51,6 @@ NODE_LABEL = "node"
 # becomes "1", "foo_per_bar" becomes "foo/bar"; a plain count has no unit.
 UNITS = {"seconds": "s", "bytes": "By", "ratio": "1", "": ""}
 
-_TRACES_VAR = "OTEL_EXPORTER_OTLP_TRACES_"
-_METRICS_VAR = "OTEL_EXPORTER_OTLP_METRICS_"
-
 try:
     _VERSION = importlib.metadata.version("spanlet")
 except importlib.metadata.PackageNotFoundError:   # running from a bare checkout
@@ -62,37 +62,21 @@ def otlp_unit(unit: str) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Where to send: resolve_upstream's rules with the METRICS_ variables.
-
-def _metrics_view(environ: Mapping[str, str]) -> dict[str, str]:
-    """`environ` as resolve_upstream (which reads the TRACES_ forms) must see
-    it for metrics: each METRICS_ variable in its TRACES_ slot, the real
-    TRACES_ variables hidden."""
-    view = {k: v for k, v in environ.items() if not k.startswith(_TRACES_VAR)}
-    view.update({_TRACES_VAR + k[len(_METRICS_VAR):]: v
-                 for k, v in environ.items() if k.startswith(_METRICS_VAR)})
-    return view
-
+# Where to send: resolve_upstream's rules for the metrics signal.
 
 def resolve_metrics_upstream(cfg: OtlpConfig,
                              environ: Mapping[str, str] = os.environ) -> Upstream | None:
-    """Where and how to export metrics, or None when no endpoint is set.
-
-    The rules of exporters.otlp_export.resolve_upstream, key by key (config
-    first, then the environment), with the METRICS_ forms of the variables:
-    OTEL_EXPORTER_OTLP_METRICS_ENDPOINT is used as-is; OTEL_EXPORTER_OTLP_ENDPOINT
-    and a config endpoint without a path get /v1/metrics (http/protobuf);
-    OTEL_EXPORTER_OTLP_METRICS_{PROTOCOL,HEADERS,TIMEOUT,COMPRESSION,INSECURE,
-    CERTIFICATE,CLIENT_KEY,CLIENT_CERTIFICATE} win over the generic ones, and
-    the TRACES_ forms play no part. A config endpoint is the span upstream's:
-    a path ending in /v1/traces is turned into /v1/metrics; any other path is
-    used as-is (with a warning)."""
-    up = resolve_upstream(cfg, _metrics_view(environ))
-    if up is None or up.protocol != HTTP_PROTOBUF:
-        return up
-    from_config = bool(cfg.upstream_endpoint.strip())
-    if not from_config and environ.get(_METRICS_VAR + "ENDPOINT", "").strip():
-        return up                                       # the signal's own URL: as-is
+    """Where and how to export metrics, or None when no endpoint is set:
+    resolve_upstream(cfg, environ, signal="metrics") (the METRICS_ forms of
+    the variables, /v1/metrics appended where /v1/traces would be), with one
+    rule more: a config endpoint is the span upstream's, so for http/protobuf
+    a path of its own ending in /v1/traces is turned into /v1/metrics; any
+    other path is used as-is (with a warning)."""
+    up = resolve_upstream(cfg, environ, signal="metrics")
+    endpoint = cfg.upstream_endpoint.strip()
+    if (up is None or up.protocol != HTTP_PROTOBUF or "://" not in endpoint
+            or urlsplit(endpoint).path in ("", "/")):
+        return up                       # not the config's own path: resolve_upstream's rules
     if up.endpoint.endswith(TRACES_PATH):
         return replace(up, endpoint=up.endpoint[:-len(TRACES_PATH)] + METRICS_PATH)
     log.warning("otlp.upstream_endpoint %r names a path other than %s; metrics are sent there "
@@ -142,6 +126,9 @@ def families_to_request(families: Sequence[Family], *, start_ns: int, now_ns: in
     for fam in families:
         if not fam.samples:
             continue
+        if fam.type not in ("counter", "gauge", "histogram"):
+            log.warning("%s: metric type %r is not exported", fam.name, fam.type)
+            continue
         metric = sm.metrics.add(name=fam.name, description=fam.help, unit=otlp_unit(fam.unit))
         if fam.type == "counter":
             data = metric.sum
@@ -156,6 +143,10 @@ def families_to_request(families: Sequence[Family], *, start_ns: int, now_ns: in
             attrs = list(s.labels)
             if node and all(k != NODE_LABEL for k, _ in attrs):
                 attrs.append((NODE_LABEL, node))
+            if isinstance(s, HistogramSample) != (fam.type == "histogram"):
+                log.warning("%s: a %s sample in a %s family left out",
+                            fam.name, type(s).__name__, fam.type)
+                continue
             if isinstance(s, HistogramSample):
                 if len(s.bucket_counts) != len(s.bounds) + 1:
                     log.warning("%s: histogram with %d bounds and %d buckets left out",
@@ -174,87 +165,6 @@ def families_to_request(families: Sequence[Family], *, start_ns: int, now_ns: in
         if not data.data_points:
             del sm.metrics[-1]
     return request, points
-
-
-# ---------------------------------------------------------------------------
-# Transports and the retry loop, borrowed from the span exporter.
-
-class _MetricsStub:
-    """MetricsService/Export in the shape _GrpcTransport.send reads: the
-    answer's partial success as the trace service's (rejected_spans carries
-    the rejected data points)."""
-
-    def __init__(self, channel) -> None:
-        self._stub = MetricsServiceStub(channel)
-
-    def Export(self, request, **kw) -> ExportTraceServiceResponse:   # noqa: N802 (gRPC name)
-        ps = self._stub.Export(request, **kw).partial_success
-        answer = ExportTraceServiceResponse()
-        answer.partial_success.rejected_spans = ps.rejected_data_points
-        answer.partial_success.error_message = ps.error_message
-        return answer
-
-
-class _MetricsGrpcTransport(_GrpcTransport):
-    def __init__(self, up: Upstream) -> None:
-        super().__init__(up)
-        self._stub = _MetricsStub(self._channel)
-
-
-# _HttpTransport serves as it is: it posts any message, and an
-# ExportMetricsServiceResponse is read correctly as an ExportTraceServiceResponse
-# (both: partial_success = 1 { int64 rejected_* = 1; string error_message = 2 }).
-
-
-class _Reworded:
-    """The span exporter's log lines, counted in data points of metrics."""
-
-    def __init__(self, ratelog: RateLimitedLog) -> None:
-        self._ratelog = ratelog
-
-    def __call__(self, level: int, key: str, msg: str, *args, exc_info: bool = False) -> None:
-        msg = msg.replace("OTLP export", "OTLP metrics export").replace("spans", "data points")
-        self._ratelog(level, key, msg, *args, exc_info=exc_info)
-
-
-class _Delivery(OtlpSpanExporter):
-    """Only OtlpSpanExporter's send-until-final-answer loop (_deliver with
-    _backoff and _settle): its queue, thread and __init__ are not used.
-    Counts are in data points. `cond` is the owner's condition; setting
-    `_deadline` under it (shutdown) bounds the retries and their waits."""
-
-    def __init__(self, upstream: Upstream, transport, cond: threading.Condition, *,
-                 max_retry_s: float, initial_backoff_s: float, max_backoff_s: float) -> None:
-        # No super().__init__: that would resolve the TRACES_ endpoint and start a span worker.
-        self.upstream = upstream
-        self._transport, self._cond = transport, cond
-        self._max_retry_s = max_retry_s
-        self._initial_backoff_s, self._max_backoff_s = initial_backoff_s, max_backoff_s
-        self._deadline: float | None = None
-        self._c = _Counters()
-        self._settled_total = 0
-        self._ratelog = _Reworded(RateLimitedLog(log))
-        self.requests_exported = self.requests_failed = 0
-        self._outcome = ""
-
-    def _settle(self, n: int, outcome: str, rejected: int = 0) -> None:
-        super()._settle(n, outcome, rejected)
-        with self._cond:
-            self._outcome = outcome
-            if outcome == "exported":
-                self.requests_exported += 1
-            else:
-                self.requests_failed += 1
-
-    def send(self, request: ExportMetricsServiceRequest, points: int) -> str:
-        """"exported", "dropped_failed" or "dropped_shutdown"; one caller at a time."""
-        self._outcome = ""
-        try:
-            self._deliver(request, points)
-        except Exception:   # a bug here must not kill the worker
-            self._ratelog(logging.ERROR, "deliver", "OTLP export failed", exc_info=True)
-            self._settle(points, "dropped_failed")
-        return self._outcome
 
 
 # ---------------------------------------------------------------------------
@@ -291,18 +201,24 @@ class OtlpMetricsExporter:
         self._flush_wanted = self._flush_done = 0
         self._source_errors = 0
         self._ratelog = RateLimitedLog(log)
-        self._transport = None
-        self._delivery: _Delivery | None = None
+        self._sender: RetryingSender | None = None
         self._thread: threading.Thread | None = None
         if not self.enabled:
             log.info("no OTLP upstream configured (upstream_endpoint, "
                      "OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT): metric export is off")
             return
         up = self.upstream
-        self._transport = _MetricsGrpcTransport(up) if up.protocol == GRPC else _HttpTransport(up)
-        self._delivery = _Delivery(up, self._transport, self._cond,
-                                   max_retry_s=min(cfg.max_retry_s, interval_s),
-                                   initial_backoff_s=initial_backoff_s, max_backoff_s=max_backoff_s)
+        if up.protocol == GRPC:
+            transport = _GrpcTransport(up, stub_cls=MetricsServiceStub,
+                                       rejected_field="rejected_data_points")
+        else:
+            transport = _HttpTransport(up, response_cls=ExportMetricsServiceResponse,
+                                       rejected_field="rejected_data_points")
+        self._sender = RetryingSender(up, transport, self._cond,
+                                      max_retry_s=min(cfg.max_retry_s, interval_s),
+                                      initial_backoff_s=initial_backoff_s,
+                                      max_backoff_s=max_backoff_s, unit="data points",
+                                      what="OTLP metrics export", logger=log)
         if source is not None:
             self._thread = threading.Thread(target=self._run, name="otlp-metrics-export", daemon=True)
             self._thread.start()
@@ -345,20 +261,18 @@ class OtlpMetricsExporter:
             if self._closing:
                 return
             self._closing = True
-            self._delivery._deadline = time.monotonic() + timeout_millis / 1000.0
-            self._cond.notify_all()
+            self._sender.stop_by(time.monotonic() + timeout_millis / 1000.0)
         if self._thread is not None:
             self._thread.join(timeout=timeout_millis / 1000.0 + 2.0)
             if self._thread.is_alive():
                 log.warning("OTLP metrics export worker did not stop by the shutdown deadline")
         with self._send_lock:           # an export() in flight ends by the deadline too
-            self._transport.close()
+            self._sender.transport.close()
 
     def stats(self) -> dict:
         """Counts in data points (exported, failed, ...) and requests."""
         with self._cond:
-            d = self._delivery
-            c = d._c if d is not None else _Counters()
+            c = self._sender.counters if self._sender is not None else _Counters()
             return {
                 "enabled": self.enabled,
                 "exported": c.exported,
@@ -366,18 +280,18 @@ class OtlpMetricsExporter:
                 "failed": c.dropped_failed,
                 "dropped_shutdown": c.dropped_shutdown,
                 "retries": c.retries,
-                "requests_exported": d.requests_exported if d else 0,
-                "requests_failed": d.requests_failed if d else 0,
+                "requests_exported": c.requests_exported,
+                "requests_failed": c.requests_failed,
                 "source_errors": self._source_errors,
             }
 
     @property
     def retry_delays(self) -> list[float]:
         """The last planned retry delays in seconds, oldest first."""
-        if self._delivery is None:
+        if self._sender is None:
             return []
         with self._cond:
-            return list(self._delivery._c.retry_delays)
+            return list(self._sender.counters.retry_delays)
 
     # ---- internals ----
 
@@ -388,17 +302,17 @@ class OtlpMetricsExporter:
         if not points:
             return True
         with self._send_lock:
-            return self._delivery.send(request, points) == "exported"
+            return self._sender.send(request, points) == "exported"
 
     def _collect_and_send(self) -> None:
         try:
             families = self.source()
-        except Exception as e:  # a failing source costs one export, not the worker
+            self._send(families, None)
+        except Exception as e:  # a failing source (or a bug) costs one export, not the worker
             with self._cond:
                 self._source_errors += 1
-            self._ratelog(logging.WARNING, "source", "metrics source failed: %s", e)
-            return
-        self._send(families, None)
+            self._ratelog(logging.WARNING, "source", "metrics collection failed: %s", e,
+                          exc_info=True)
 
     def _run(self) -> None:
         next_tick = time.monotonic() + self.interval_s

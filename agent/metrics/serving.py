@@ -1,0 +1,922 @@
+"""Serving-layer metrics (METRICS.md #9-#16) computed from the OTLP spans that the
+receiver has joined to kernel events; one class per metric, named after it.
+
+How the daemon drives it: `observe(resource_spans, now)` after each join (any
+receiver thread), `roll(now, device)` once per window, `families()` at scrape or
+export time. Windows are windows of arrival (the agent's clock), not of span
+timestamps: a span counts in the window in which it reached the agent.
+
+Readings of METRICS.md that the code rests on (every threshold is a field of
+`ServingSettings`):
+
+- A *request* (#9, #12) is a span of kind SERVER whose parent is not a local span:
+  no `parent_span_id`, or span flags with SPAN_FLAGS_CONTEXT_IS_REMOTE (0x200)
+  set. A SERVER span with a parent and without SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE
+  (0x100), i.e. from an SDK that does not say, also counts: SERVER spans are
+  nearly always the entry span of their process, and otherwise every request
+  forwarded by a gateway would be lost. Only a SERVER span whose flags say its
+  parent is local (0x100 set, 0x200 clear) is not a request.
+- Labels: `modality` is `mm.modality` when it is exactly text, image, audio or
+  video (else `other`, as agent/client.py reads it); `slo_class` is `slo.class`
+  when it names a class of `slo_target_s`, `none` when the attribute is absent,
+  `other` for any other value (so a client cannot grow the label set);
+  `namespace`/`pod` are the resource attributes k8s.namespace.name/k8s.pod.name,
+  "" when absent. Free-text label values (namespace, pod, degraded from/to) go
+  through a limiter: at most `max_label_values` live values per label, more fold
+  into "overflow" and are counted; values idle for `series_idle_s` are forgotten,
+  and so are the series that carry them. No span or trace id is ever a label.
+- A span contributes to a metric when it carries that metric's trigger (SERVER
+  root, `first_token` event or TTFT attribute, output tokens, KV-cache ratio,
+  `mm.pts_ns`, `mm.degraded_from`/`_to`, `mm.embedding`). A trigger whose value or
+  companion is missing, of the wrong type, not finite, negative or out of range
+  is rejected and counted by reason (`rejected`, family
+  spanlet_serving_rejected_total); the span's other contributions still count.
+- #10 TTFT: from the span's start to its earliest `first_token` event; the
+  attribute `gen_ai.server.time_to_first_token` (seconds) only for a span
+  without that event. Labels as #9, for any span kind.
+- #11 volatility: per window and series, p99 of the request durations by linear
+  interpolation between closest ranks (numpy's default `method="linear"`,
+  Hyndman-Fan type 7) over the window's durations (a uniform reservoir sample of
+  `max_window_durations` when there are more); then population stddev / mean
+  (ddof=0) of those p99s over the last `volatility_windows` closed windows, those
+  that had requests; present with >= 2 such windows and a mean > 0.
+- #12 compliance: met / requests in the last closed window, a request meets its
+  class when duration <= target; classes without a target (none, other) have no
+  compliance. Absent for a series without requests in that window.
+- #13 TDR = 1 - (sum of `gen_ai.usage.output_tokens` in the window / window
+  length) / `peak_tokens_per_s[model]`, per namespace, pod and model (a pod is
+  one serving instance on its GPUs; summing pods of one model against one
+  peak would be wrong). Absent for models without a configured peak and for a
+  window without tokens of that model (an idle model is not a decayed one). Not
+  clamped: below 0 means the configured peak is too low. Every span carrying the
+  attribute counts, so an application must put it on one span per generation.
+  `bottleneck`: memory_used_ratio_max >= 0.95 -> gpu_memory, else pcie_ratio_max
+  >= 0.85 -> pcie, else the window's max `gen_ai.kv_cache.usage_ratio` of that
+  pod and model (a span carrying it needs `gen_ai.request.model` too) >= 0.70
+  -> kv_cache, else none. A missing (or NaN) input is not past its threshold.
+- #14 Δt = max(0, |pts_audio - pts_video| - δ_sync) in seconds, once per trace:
+  from the first audio and the first video span of the trace that carry
+  `mm.pts_ns`. Clamped at 0, so that the histogram is the delay beyond the
+  tolerance; its first bucket (le=0) counts the pairs within δ_sync. Traces
+  waiting for their partner are evicted after `alignment_ttl_s` or past
+  `alignment_max_pending` and counted (reason alignment_evicted). Labels
+  namespace and pod: each the value both spans agree on, else "".
+- #16 CMSD: per window and pod, the mean of the raw (not normalised) sampled
+  embeddings of each modality (at most `embedding_samples_per_window`, a
+  uniform reservoir sample; the window's first kept embedding fixes its
+  dimension); per pair of modalities present (label `pair`, names sorted, e.g.
+  "image-text") the cosine distance d_w = 1 - cos(mean_a, mean_b); the gauge is
+  the population stddev of d_w over the last `drift_windows` (3) closed
+  windows, those in which d_w was defined, present with >= 2 of them. A pair
+  whose means differ in dimension or has a zero mean is left out of that
+  window and counted.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import threading
+from array import array
+from bisect import bisect_left
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field, fields
+from itertools import combinations
+from types import MappingProxyType
+from typing import Iterable, Mapping
+
+from opentelemetry.proto.common.v1 import common_pb2
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from agent.metrics import Family, HistogramSample, Labels, Sample, labels
+
+MODALITIES = ("text", "image", "audio", "video", "other")
+
+ATTR_MODALITY = "mm.modality"
+ATTR_SLO_CLASS = "slo.class"
+ATTR_MODEL = "gen_ai.request.model"
+ATTR_TTFT = "gen_ai.server.time_to_first_token"
+ATTR_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+ATTR_KV_CACHE = "gen_ai.kv_cache.usage_ratio"
+ATTR_PTS = "mm.pts_ns"
+ATTR_DEGRADED_FROM = "mm.degraded_from"
+ATTR_DEGRADED_TO = "mm.degraded_to"
+ATTR_EMBEDDING = "mm.embedding"
+EVENT_FIRST_TOKEN = "first_token"
+RES_NAMESPACE = "k8s.namespace.name"
+RES_POD = "k8s.pod.name"
+_WANTED = frozenset((ATTR_MODALITY, ATTR_SLO_CLASS, ATTR_MODEL, ATTR_TTFT, ATTR_OUTPUT_TOKENS,
+                     ATTR_KV_CACHE, ATTR_PTS, ATTR_DEGRADED_FROM, ATTR_DEGRADED_TO, ATTR_EMBEDDING))
+
+SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE = trace_pb2.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK   # 0x100
+SPAN_FLAGS_CONTEXT_IS_REMOTE = trace_pb2.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK           # 0x200
+
+SLO_NONE = "none"        # no slo.class attribute
+SLO_OTHER = "other"      # a class without a configured target
+OVERFLOW = "overflow"    # a free-text label value past the limiter's cap
+MAX_LABEL_CHARS = 128
+
+# Why a contribution did not count (label `reason`); all are always exported.
+MISSING_TIMESTAMP = "missing_timestamp"
+END_BEFORE_START = "end_before_start"
+NOT_FINITE = "not_finite"
+NEGATIVE_VALUE = "negative_value"
+OUT_OF_RANGE = "out_of_range"
+WRONG_TYPE = "wrong_type"
+MISSING_ATTRIBUTE = "missing_attribute"
+EMBEDDING_EMPTY = "embedding_empty"
+EMBEDDING_TOO_LARGE = "embedding_too_large"
+EMBEDDING_DIMS_MISMATCH = "embedding_dims_mismatch"
+EMBEDDING_ZERO_NORM = "embedding_zero_norm"
+ALIGNMENT_EVICTED = "alignment_evicted"
+REJECT_REASONS = (MISSING_TIMESTAMP, END_BEFORE_START, NOT_FINITE, NEGATIVE_VALUE, OUT_OF_RANGE,
+                  WRONG_TYPE, MISSING_ATTRIBUTE, EMBEDDING_EMPTY, EMBEDDING_TOO_LARGE,
+                  EMBEDDING_DIMS_MISMATCH, EMBEDDING_ZERO_NORM, ALIGNMENT_EVICTED)
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """Defaults of the `serving` config section; ServingMetrics also takes any
+    object with these attributes (the daemon's cfg.serving)."""
+    # Length of a window; the daemon calls roll() at this period.
+    window_s: float = 10.0
+    # #11: closed windows the p99 volatility looks back over.
+    volatility_windows: int = 12
+    # #12: latency target per SLO class, seconds.
+    slo_target_s: Mapping[str, float] = field(
+        default_factory=lambda: {"gold": 0.2, "silver": 0.5, "bronze": 0.8})
+    # #12: the compliance each class must reach (alert thresholds, not used here).
+    slo_min_compliance_ratio: Mapping[str, float] = field(
+        default_factory=lambda: {"gold": 0.95, "silver": 0.85})
+    # #13: peak output tokens/s per model (gen_ai.request.model); no entry, no TDR.
+    peak_tokens_per_s: Mapping[str, float] = field(default_factory=dict)
+    # #13: the three-level bottleneck rule.
+    memory_bottleneck_ratio: float = 0.95
+    pcie_bottleneck_ratio: float = 0.85
+    kv_cache_bottleneck_ratio: float = 0.70
+    # #14: audio/video sync tolerance, and the bounds on traces awaiting a partner.
+    delta_sync_s: float = 0.0167
+    alignment_ttl_s: float = 30.0
+    alignment_max_pending: int = 10_000
+    # #16: closed windows of the drift stddev; embeddings sampled per window,
+    # modality and pod; the largest embedding accepted.
+    drift_windows: int = 3
+    embedding_samples_per_window: int = 32
+    embedding_max_dims: int = 4096
+    # #9/#10: longer durations are rejected as out_of_range.
+    max_duration_s: float = 86_400.0
+    # #11: request durations kept per series and window (uniform sample beyond).
+    max_window_durations: int = 10_000
+    # Cardinality: live values per free-text label; idle series are dropped.
+    max_label_values: int = 256
+    series_idle_s: float = 3600.0
+    # Histogram upper bounds (seconds). They hold the thresholds of METRICS.md
+    # and the scheduler feed (4/8 ms audio p95, class targets, TTFT 0.4 s,
+    # alignment 20/120 ms) so that those can be read off the buckets.
+    request_duration_bounds_s: tuple[float, ...] = (
+        0.002, 0.004, 0.008, 0.016, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.8,
+        1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
+    time_to_first_token_bounds_s: tuple[float, ...] = (
+        0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+    alignment_delay_bounds_s: tuple[float, ...] = (
+        0.0, 0.005, 0.01, 0.02, 0.04, 0.08, 0.12, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Mapping):
+                object.__setattr__(self, f.name, MappingProxyType(dict(v)))
+            elif isinstance(v, list):
+                object.__setattr__(self, f.name, tuple(v))
+        check_settings(self)
+
+
+def check_settings(s) -> None:
+    """ValueError naming the key for settings no metric could work with."""
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"serving.{key}: {what}")
+    for key in ("window_s", "alignment_ttl_s", "max_duration_s", "series_idle_s"):
+        need(getattr(s, key) > 0, key, "must be > 0")
+    for key in ("volatility_windows", "drift_windows"):
+        need(getattr(s, key) >= 2, key, "must be >= 2 (a stddev needs two windows)")
+    for key in ("alignment_max_pending", "embedding_samples_per_window", "embedding_max_dims",
+                "max_window_durations", "max_label_values"):
+        need(getattr(s, key) >= 1, key, "must be >= 1")
+    for key in ("memory_bottleneck_ratio", "pcie_bottleneck_ratio", "kv_cache_bottleneck_ratio"):
+        need(0 <= getattr(s, key) <= 1, key, "must be in 0..1")
+    need(s.delta_sync_s >= 0, "delta_sync_s", "must be >= 0")
+    for key in ("slo_target_s", "peak_tokens_per_s"):
+        for name, v in getattr(s, key).items():
+            need(math.isfinite(v) and v > 0, f"{key}.{name}", "must be a finite number > 0")
+    for key in ("request_duration_bounds_s", "time_to_first_token_bounds_s",
+                "alignment_delay_bounds_s"):
+        b = list(getattr(s, key))
+        need(bool(b) and all(math.isfinite(x) for x in b)
+             and all(x < y for x, y in zip(b, b[1:])), key,
+             "must be finite upper bounds in strictly ascending order")
+
+
+class _Reject(Exception):
+    """A contribution that does not count; `reason` is one of REJECT_REASONS."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+# -- value checks ----------------------------------------------------------------
+
+def _number(v: common_pb2.AnyValue) -> float:
+    kind = v.WhichOneof("value")
+    if kind == "double_value":
+        x = v.double_value
+    elif kind == "int_value":
+        x = float(v.int_value)
+    else:
+        raise _Reject(WRONG_TYPE)
+    if not math.isfinite(x):
+        raise _Reject(NOT_FINITE)
+    return x
+
+
+def _non_negative(v: common_pb2.AnyValue) -> float:
+    x = _number(v)
+    if x < 0:
+        raise _Reject(NEGATIVE_VALUE)
+    return x
+
+
+def _string(v: common_pb2.AnyValue | None) -> str:
+    if v is None:
+        raise _Reject(MISSING_ATTRIBUTE)
+    if v.WhichOneof("value") != "string_value":
+        raise _Reject(WRONG_TYPE)
+    if not v.string_value:
+        raise _Reject(MISSING_ATTRIBUTE)
+    return v.string_value
+
+
+def _pts_ns(v: common_pb2.AnyValue) -> int | float:
+    """Integers stay integers: an epoch in ns does not fit a double's mantissa."""
+    x = v.int_value if v.WhichOneof("value") == "int_value" else _number(v)
+    if x < 0:
+        raise _Reject(NEGATIVE_VALUE)
+    return x
+
+
+def _seconds_between(start_ns: int, end_ns: int, max_s: float) -> float:
+    if not start_ns or not end_ns:
+        raise _Reject(MISSING_TIMESTAMP)
+    if end_ns < start_ns:
+        raise _Reject(END_BEFORE_START)
+    s = (end_ns - start_ns) / 1e9
+    if s > max_s:
+        raise _Reject(OUT_OF_RANGE)
+    return s
+
+
+def _vector(values) -> array:
+    """An embedding's values as doubles; ints count as numbers."""
+    out = array("d")
+    for v in values:
+        kind = v.WhichOneof("value")
+        if kind == "double_value":
+            x = v.double_value
+        elif kind == "int_value":
+            x = float(v.int_value)
+        else:
+            raise _Reject(WRONG_TYPE)
+        if not math.isfinite(x):
+            raise _Reject(NOT_FINITE)
+        out.append(x)
+    return out
+
+
+def percentile_linear(xs: Iterable[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation between closest
+    ranks: numpy.percentile(xs, q, method="linear")."""
+    s = sorted(xs)
+    h = (len(s) - 1) * q / 100.0
+    lo = math.floor(h)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (h - lo) * (s[hi] - s[lo])
+
+
+def cosine_distance(a, b) -> float:
+    """1 - cos(a, b); raises _Reject for a zero vector."""
+    na = math.sqrt(math.fsum(x * x for x in a))
+    nb = math.sqrt(math.fsum(x * x for x in b))
+    if na == 0 or nb == 0:
+        raise _Reject(EMBEDDING_ZERO_NORM)
+    return 1.0 - math.fsum(x * y for x, y in zip(a, b)) / (na * nb)
+
+
+# -- shared pieces ---------------------------------------------------------------
+
+class _Reservoir:
+    """Uniform sample of at most `cap` items (algorithm R). `slot()` says where
+    the next item goes, or None, before the caller pays for building it."""
+
+    __slots__ = ("cap", "items", "seen")
+
+    def __init__(self, cap: int, items=None):
+        self.cap = cap
+        self.items = [] if items is None else items
+        self.seen = 0
+
+    def slot(self, rng: random.Random) -> int | None:
+        self.seen += 1
+        if len(self.items) < self.cap:
+            return len(self.items)
+        j = rng.randrange(self.seen)
+        return j if j < self.cap else None
+
+    def put(self, slot: int, item) -> None:
+        if slot == len(self.items):
+            self.items.append(item)
+        else:
+            self.items[slot] = item
+
+    def retract(self) -> None:
+        """The item of the last slot() turned out bad: it was never seen."""
+        self.seen -= 1
+
+
+class _Histograms:
+    """Cumulative histograms by label set; series idle past a cutoff are dropped."""
+
+    def __init__(self, bounds: Iterable[float]):
+        self.bounds = tuple(bounds)
+        self._series: dict[Labels, list] = {}     # labels -> [bucket counts, sum, count, last]
+
+    def observe(self, lab: Labels, x: float, now: float) -> None:
+        s = self._series.get(lab)
+        if s is None:
+            s = self._series[lab] = [[0] * (len(self.bounds) + 1), 0.0, 0, now]
+        s[0][bisect_left(self.bounds, x)] += 1    # x <= bound falls in that bound's bucket
+        s[1] += x
+        s[2] += 1
+        s[3] = now
+
+    def expire(self, cutoff: float) -> None:
+        for lab in [k for k, s in self._series.items() if s[3] < cutoff]:
+            del self._series[lab]
+
+    def samples(self) -> list[HistogramSample]:
+        return [HistogramSample(lab, self.bounds, tuple(s[0]), s[1], s[2])
+                for lab, s in sorted(self._series.items())]
+
+
+class _WindowHistory:
+    """The last n closed windows' values per series (None: nothing that window);
+    a series with nothing in all of them is forgotten."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._h: dict[Labels, deque] = {}
+
+    def push(self, values: Mapping[Labels, float]) -> None:
+        for lab in values.keys() - self._h.keys():
+            self._h[lab] = deque(maxlen=self.n)
+        for lab, hist in list(self._h.items()):
+            hist.append(values.get(lab))
+            if all(v is None for v in hist):
+                del self._h[lab]
+
+    def defined(self) -> Iterable[tuple[Labels, list[float]]]:
+        for lab, hist in sorted(self._h.items()):
+            yield lab, [v for v in hist if v is not None]
+
+
+class _LabelLimiter:
+    """At most `cap` live values per free-text label; more fold into OVERFLOW
+    (counted). Values not seen for `idle_s` are forgotten at prune()."""
+
+    def __init__(self, cap: int, idle_s: float):
+        self.cap, self.idle_s = cap, idle_s
+        self._seen: dict[str, dict[str, float]] = {}
+        self.overflows: Counter = Counter()
+
+    def value(self, label: str, value: str, now: float) -> str:
+        value = value[:MAX_LABEL_CHARS]
+        seen = self._seen.setdefault(label, {})
+        if value in seen or len(seen) < self.cap:
+            seen[value] = now
+            return value
+        self.overflows[label] += 1
+        return OVERFLOW
+
+    def prune(self, now: float) -> None:
+        cutoff = now - self.idle_s
+        for seen in self._seen.values():
+            for v in [v for v, t in seen.items() if t < cutoff]:
+                del seen[v]
+
+
+@dataclass(frozen=True, order=True)
+class _Workload:
+    namespace: str
+    pod: str
+
+
+def _agree(a: str, b: str) -> str:
+    return a if a == b else ""
+
+
+# -- one class per metric --------------------------------------------------------
+
+class RequestDurationSeconds:
+    """#9: duration of request (SERVER root) spans; also the window's durations
+    per series, sampled, which #11 and the scheduler feed read."""
+
+    def __init__(self, s, rng: random.Random):
+        self.hist = _Histograms(s.request_duration_bounds_s)
+        self.cap = s.max_window_durations
+        self.rng = rng
+        self.window: dict[Labels, _Reservoir] = {}
+
+    def observe(self, lab: Labels, seconds: float, now: float) -> None:
+        self.hist.observe(lab, seconds, now)
+        r = self.window.get(lab)
+        if r is None:
+            r = self.window[lab] = _Reservoir(self.cap, array("d"))
+        slot = r.slot(self.rng)
+        if slot is not None:
+            r.put(slot, seconds)
+
+    def close_window(self) -> dict[Labels, array]:
+        closed = {lab: r.items for lab, r in self.window.items()}
+        self.window = {}
+        return closed
+
+    def family(self) -> Family:
+        return Family("spanlet_request_duration_seconds", "histogram",
+                      "Duration of server-kind root spans (requests)", "seconds",
+                      self.hist.samples())
+
+
+class TimeToFirstTokenSeconds:
+    """#10: span start to its first `first_token` event, else the attribute."""
+
+    def __init__(self, s):
+        self.hist = _Histograms(s.time_to_first_token_bounds_s)
+        self.max_s = s.max_duration_s
+
+    def observe(self, span: trace_pb2.Span, first_token_ns: int | None,
+                attr: common_pb2.AnyValue | None, lab: Labels, now: float) -> None:
+        self.hist.observe(lab, self.seconds(span.start_time_unix_nano, first_token_ns, attr), now)
+
+    def seconds(self, start_ns: int, first_token_ns: int | None,
+                attr: common_pb2.AnyValue | None) -> float:
+        """From the event when there is one, else from the attribute."""
+        if first_token_ns is not None:
+            if first_token_ns and start_ns and first_token_ns < start_ns:
+                raise _Reject(NEGATIVE_VALUE)
+            return _seconds_between(start_ns, first_token_ns, self.max_s)
+        x = _non_negative(attr)
+        if x > self.max_s:
+            raise _Reject(OUT_OF_RANGE)
+        return x
+
+    def family(self) -> Family:
+        return Family("spanlet_time_to_first_token_seconds", "histogram",
+                      "Span start to the first_token event (or gen_ai.server.time_to_first_token)",
+                      "seconds", self.hist.samples())
+
+
+class P99LatencyVolatilityRatio:
+    """#11: stddev / mean of the per-window p99 of #9 over the last N windows."""
+
+    def __init__(self, s):
+        self.history = _WindowHistory(s.volatility_windows)
+        self.values: list[Sample] = []
+
+    def roll(self, window_durations: Mapping[Labels, array]) -> None:
+        self.history.push({lab: percentile_linear(d, 99) for lab, d in window_durations.items()
+                           if len(d)})
+        self.values = []
+        for lab, p99s in self.history.defined():
+            if len(p99s) >= 2 and (mean := statistics.fmean(p99s)) > 0:
+                self.values.append(Sample(lab, statistics.pstdev(p99s) / mean))
+
+    def family(self) -> Family:
+        return Family("spanlet_p99_latency_volatility_ratio", "gauge",
+                      "Stddev / mean of the per-window p99 request duration over the last windows",
+                      "ratio", list(self.values))
+
+
+class SloComplianceRatio:
+    """#12: share of the window's requests that met their class target."""
+
+    def __init__(self, s):
+        self.targets = s.slo_target_s
+        self.window: dict[Labels, list[int]] = {}    # labels -> [met, requests]
+        self.values: list[Sample] = []
+
+    def observe(self, lab: Labels, slo_class: str, seconds: float) -> None:
+        target = self.targets.get(slo_class)
+        if target is None:
+            return
+        c = self.window.setdefault(lab, [0, 0])
+        c[0] += seconds <= target
+        c[1] += 1
+
+    def roll(self) -> None:
+        self.values = [Sample(lab, met / n) for lab, (met, n) in sorted(self.window.items())]
+        self.window = {}
+
+    def family(self) -> Family:
+        return Family("spanlet_slo_compliance_ratio", "gauge",
+                      "Share of the window's requests that met their SLO class target", "ratio",
+                      list(self.values))
+
+
+class ThroughputDecayRatio:
+    """#13: 1 - observed output tokens/s / the model's configured peak."""
+
+    def __init__(self, s):
+        self.s = s
+        self.tokens: dict[tuple[_Workload, str], float] = {}
+        self.kv_max: dict[tuple[_Workload, str], float] = {}
+        self.values: list[Sample] = []
+
+    def observe(self, w: _Workload, attrs: Mapping[str, common_pb2.AnyValue]) -> None:
+        tokens, kv = attrs.get(ATTR_OUTPUT_TOKENS), attrs.get(ATTR_KV_CACHE)
+        if tokens is None and kv is None:
+            return
+        model = _string(attrs.get(ATTR_MODEL))
+        if model not in self.s.peak_tokens_per_s:
+            return
+        n = None if tokens is None else _non_negative(tokens)
+        r = None if kv is None else _non_negative(kv)
+        if r is not None and r > 1:
+            raise _Reject(OUT_OF_RANGE)
+        key = (w, model)                  # both checked: a span counts whole or not at all
+        if n is not None:
+            self.tokens[key] = self.tokens.get(key, 0.0) + n
+        if r is not None:
+            self.kv_max[key] = max(self.kv_max.get(key, 0.0), r)
+
+    def bottleneck(self, device: Mapping | None, kv: float | None) -> str:
+        device = device or {}
+        mem, pcie = device.get("memory_used_ratio_max"), device.get("pcie_ratio_max")
+        if mem is not None and mem >= self.s.memory_bottleneck_ratio:
+            return "gpu_memory"
+        if pcie is not None and pcie >= self.s.pcie_bottleneck_ratio:
+            return "pcie"
+        if kv is not None and kv >= self.s.kv_cache_bottleneck_ratio:
+            return "kv_cache"
+        return "none"
+
+    def roll(self, length_s: float | None, device: Mapping | None) -> None:
+        self.values = []
+        if length_s is not None and length_s > 0:
+            for (w, model), n in sorted(self.tokens.items()):
+                tdr = 1.0 - (n / length_s) / self.s.peak_tokens_per_s[model]
+                lab = labels(namespace=w.namespace, pod=w.pod, model=model,
+                             bottleneck=self.bottleneck(device, self.kv_max.get((w, model))))
+                self.values.append(Sample(lab, tdr))
+        self.tokens, self.kv_max = {}, {}
+
+    def family(self) -> Family:
+        return Family("spanlet_throughput_decay_ratio", "gauge",
+                      "1 - observed output tokens/s / configured peak tokens/s of the model",
+                      "ratio", list(self.values))
+
+
+class ModalityAlignmentDelaySeconds:
+    """#14: audio/video presentation time skew beyond δ_sync, once per trace."""
+
+    def __init__(self, s):
+        self.s = s
+        self.hist = _Histograms(s.alignment_delay_bounds_s)
+        # trace id -> (arrival, modality, pts_ns, workload) of its first media span
+        self._waiting: OrderedDict[bytes, tuple[float, str, int, _Workload]] = OrderedDict()
+        self._paired: OrderedDict[bytes, float] = OrderedDict()   # traces already measured
+        self.evicted = 0
+
+    def observe(self, trace_id: bytes, modality: str, pts: common_pb2.AnyValue, w: _Workload,
+                now: float) -> None:
+        pts_ns = _pts_ns(pts)
+        if modality not in ("audio", "video"):
+            return
+        if len(trace_id) != 16:
+            raise _Reject(MISSING_ATTRIBUTE)
+        if trace_id in self._paired:
+            return
+        first = self._waiting.get(trace_id)
+        if first is None:
+            self._waiting[trace_id] = (now, modality, pts_ns, w)
+            self.expire(now)
+            return
+        if first[1] == modality:
+            return
+        del self._waiting[trace_id]
+        self._paired[trace_id] = now
+        delay = max(0.0, abs(pts_ns - first[2]) / 1e9 - self.s.delta_sync_s)
+        lab = labels(namespace=_agree(first[3].namespace, w.namespace),
+                     pod=_agree(first[3].pod, w.pod))
+        self.hist.observe(lab, delay, now)
+        self.expire(now)
+
+    def expire(self, now: float) -> None:
+        cutoff, cap = now - self.s.alignment_ttl_s, self.s.alignment_max_pending
+        while self._waiting and (len(self._waiting) > cap
+                                 or next(iter(self._waiting.values()))[0] < cutoff):
+            self._waiting.popitem(last=False)
+            self.evicted += 1
+        while self._paired and (len(self._paired) > cap or next(iter(self._paired.values())) < cutoff):
+            self._paired.popitem(last=False)
+
+    def pending(self) -> int:
+        return len(self._waiting)
+
+    def family(self) -> Family:
+        return Family("spanlet_modality_alignment_delay_seconds", "histogram",
+                      "max(0, |pts_audio - pts_video| - delta_sync) per trace", "seconds",
+                      self.hist.samples())
+
+
+class ModalityDegradationsTotal:
+    """#15: modality fallbacks reported by spans."""
+
+    def __init__(self):
+        self.counts: dict[Labels, list] = {}      # labels -> [count, last seen]
+
+    def observe(self, lab: Labels, now: float) -> None:
+        c = self.counts.setdefault(lab, [0, now])
+        c[0] += 1
+        c[1] = now
+
+    def expire(self, cutoff: float) -> None:
+        for lab in [k for k, c in self.counts.items() if c[1] < cutoff]:
+            del self.counts[lab]
+
+    def family(self) -> Family:
+        return Family("spanlet_modality_degradations_total", "counter",
+                      "Modality fallbacks reported by spans (mm.degraded_from -> mm.degraded_to)",
+                      "", [Sample(lab, c[0]) for lab, c in sorted(self.counts.items())])
+
+
+class EmbeddingDriftScore:
+    """#16: CMSD, stddev over windows of the cosine distance between two
+    modalities' mean embeddings."""
+
+    def __init__(self, s, rng: random.Random):
+        self.s = s
+        self.rng = rng
+        self.window: dict[tuple[_Workload, str], _Reservoir] = {}
+        self.dims: dict[tuple[_Workload, str], int] = {}     # of the window's first kept one
+        self.history = _WindowHistory(s.drift_windows)
+        self.values: list[Sample] = []
+
+    def observe(self, w: _Workload, modality: str, value: common_pb2.AnyValue) -> None:
+        if value.WhichOneof("value") != "array_value":
+            raise _Reject(WRONG_TYPE)
+        raw = value.array_value.values
+        if not raw:
+            raise _Reject(EMBEDDING_EMPTY)
+        if len(raw) > self.s.embedding_max_dims:
+            raise _Reject(EMBEDDING_TOO_LARGE)
+        key = (w, modality)
+        if self.dims.get(key, len(raw)) != len(raw):
+            raise _Reject(EMBEDDING_DIMS_MISMATCH)
+        r = self.window.get(key)
+        if r is None:
+            r = self.window[key] = _Reservoir(self.s.embedding_samples_per_window)
+        slot = r.slot(self.rng)
+        if slot is None:
+            return                      # not sampled: never parsed, the costly part
+        try:
+            r.put(slot, _vector(raw))
+        except _Reject:
+            r.retract()
+            raise
+        self.dims[key] = len(raw)
+
+    def roll(self) -> Counter:
+        """Close the window; returns the pairs left out of it, by reason."""
+        means: dict[_Workload, dict[str, list[float]]] = {}
+        for (w, modality), r in self.window.items():
+            if r.items:
+                n = len(r.items)
+                means.setdefault(w, {})[modality] = [math.fsum(c) / n for c in zip(*r.items)]
+        distances, left_out = {}, Counter()
+        for w, by_modality in means.items():
+            for a, b in combinations(sorted(by_modality), 2):
+                try:
+                    if len(by_modality[a]) != len(by_modality[b]):
+                        raise _Reject(EMBEDDING_DIMS_MISMATCH)
+                    d = cosine_distance(by_modality[a], by_modality[b])
+                except _Reject as r:
+                    left_out[r.reason] += 1
+                    continue
+                distances[labels(namespace=w.namespace, pod=w.pod, pair=f"{a}-{b}")] = d
+        self.history.push(distances)
+        self.values = [Sample(lab, statistics.pstdev(ds))
+                       for lab, ds in self.history.defined() if len(ds) >= 2]
+        self.window, self.dims = {}, {}
+        return left_out
+
+    def family(self) -> Family:
+        return Family("spanlet_embedding_drift_score", "gauge",
+                      "CMSD: stddev over the last windows of the cosine distance between two "
+                      "modalities' mean embeddings", "", list(self.values))
+
+
+# -- the engine ------------------------------------------------------------------
+
+def is_request(span: trace_pb2.Span) -> bool:
+    """A SERVER span whose parent is not a local span (see the module doc)."""
+    if span.kind != trace_pb2.Span.SPAN_KIND_SERVER:
+        return False
+    if not span.parent_span_id or span.flags & SPAN_FLAGS_CONTEXT_IS_REMOTE:
+        return True
+    return not span.flags & SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE
+
+
+def _first_token_ns(span: trace_pb2.Span) -> int | None:
+    """Time of the span's earliest `first_token` event, None without one."""
+    return min((e.time_unix_nano for e in span.events if e.name == EVENT_FIRST_TOKEN),
+               default=None)
+
+
+def _modality(v: common_pb2.AnyValue | None) -> str:
+    if v is not None and v.WhichOneof("value") == "string_value" and v.string_value in MODALITIES:
+        return v.string_value
+    return "other"
+
+
+def _resource_strings(rs: trace_pb2.ResourceSpans) -> tuple[str, str]:
+    ns = pod = ""
+    for kv in rs.resource.attributes:
+        if kv.key == RES_NAMESPACE and kv.value.WhichOneof("value") == "string_value":
+            ns = kv.value.string_value
+        elif kv.key == RES_POD and kv.value.WhichOneof("value") == "string_value":
+            pod = kv.value.string_value
+    return ns, pod
+
+
+class ServingMetrics:
+    """Metrics #9-#16 from joined spans. Thread-safe: one lock around observe,
+    roll and families; a batch holds it ~3 µs per span without triggers, ~20 µs
+    for a request span, ~1 ms per sampled 1024-d embedding (K per window).
+
+    `start`: the beginning of the first window on the caller's clock (the same
+    clock as `now`); without it the first window starts at the first call."""
+
+    def __init__(self, settings=None, start: float | None = None):
+        s = ServingSettings() if settings is None else settings
+        check_settings(s)
+        self.s = s
+        rng = random.Random(0)        # sampling need not be unpredictable, only uniform
+        self._lock = threading.Lock()
+        self._window_start = start
+        self._rejected: Counter = Counter()
+        self._limiter = _LabelLimiter(s.max_label_values, s.series_idle_s)
+        self._last_durations: dict[Labels, array] = {}
+        self._label_cache: dict[tuple[_Workload, str, str], Labels] = {}
+        self.request_duration = RequestDurationSeconds(s, rng)
+        self.time_to_first_token = TimeToFirstTokenSeconds(s)
+        self.volatility = P99LatencyVolatilityRatio(s)
+        self.compliance = SloComplianceRatio(s)
+        self.throughput_decay = ThroughputDecayRatio(s)
+        self.alignment = ModalityAlignmentDelaySeconds(s)
+        self.degradations = ModalityDegradationsTotal()
+        self.drift = EmbeddingDriftScore(s, rng)
+
+    # -- input -------------------------------------------------------------------
+    def observe(self, resource_spans: Iterable[trace_pb2.ResourceSpans], now: float) -> None:
+        with self._lock:
+            if self._window_start is None:
+                self._window_start = now
+            for rs in resource_spans:
+                ns, pod = _resource_strings(rs)
+                w = _Workload(self._limiter.value("namespace", ns, now) if ns else "",
+                              self._limiter.value("pod", pod, now) if pod else "")
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        self._observe_span(span, w, now)
+
+    def _observe_span(self, span: trace_pb2.Span, w: _Workload, now: float) -> None:
+        # Triggers are tested before anything is computed: most spans carry none.
+        attrs = {kv.key: kv.value for kv in span.attributes if kv.key in _WANTED}
+        modality = _modality(attrs.get(ATTR_MODALITY))
+        request, ttft = is_request(span), attrs.get(ATTR_TTFT)
+        first_token = _first_token_ns(span) if span.events else None
+        if request or ttft is not None or first_token is not None:
+            slo_class = self._slo_class(attrs.get(ATTR_SLO_CLASS))
+            lab = self._labels(w, modality, slo_class)
+            if request:
+                self._try(self._observe_request, span, lab, slo_class, now)
+            if ttft is not None or first_token is not None:
+                self._try(self.time_to_first_token.observe, span, first_token, ttft, lab, now)
+        if ATTR_OUTPUT_TOKENS in attrs or ATTR_KV_CACHE in attrs:
+            self._try(self.throughput_decay.observe, w, attrs)
+        if ATTR_PTS in attrs:
+            self._try(self._observe_alignment, span, attrs, w, now)
+        if ATTR_DEGRADED_FROM in attrs or ATTR_DEGRADED_TO in attrs:
+            self._try(self._observe_degradation, attrs, w, now)
+        if ATTR_EMBEDDING in attrs:
+            self._try(self.drift.observe, w, modality, attrs[ATTR_EMBEDDING])
+
+    def _labels(self, w: _Workload, modality: str, slo_class: str) -> Labels:
+        """Labels of #9-#12, cached: bounded by the limiter, emptied at roll."""
+        key = (w, modality, slo_class)
+        lab = self._label_cache.get(key)
+        if lab is None:
+            lab = self._label_cache[key] = labels(namespace=w.namespace, pod=w.pod,
+                                                  modality=modality, slo_class=slo_class)
+        return lab
+
+    def _try(self, contribute, *args) -> None:
+        try:
+            contribute(*args)
+        except _Reject as r:
+            self._rejected[r.reason] += 1
+
+    def _slo_class(self, v: common_pb2.AnyValue | None) -> str:
+        if v is None:
+            return SLO_NONE
+        if v.WhichOneof("value") == "string_value" and v.string_value in self.s.slo_target_s:
+            return v.string_value
+        return SLO_OTHER
+
+    def _observe_request(self, span, lab: Labels, slo_class: str, now: float) -> None:
+        seconds = _seconds_between(span.start_time_unix_nano, span.end_time_unix_nano,
+                                   self.s.max_duration_s)
+        self.request_duration.observe(lab, seconds, now)
+        self.compliance.observe(lab, slo_class, seconds)
+
+    def _observe_alignment(self, span, attrs, w: _Workload, now: float) -> None:
+        if ATTR_MODALITY not in attrs:
+            raise _Reject(MISSING_ATTRIBUTE)
+        self.alignment.observe(bytes(span.trace_id), _modality(attrs[ATTR_MODALITY]),
+                               attrs[ATTR_PTS], w, now)
+
+    def _observe_degradation(self, attrs, w: _Workload, now: float) -> None:
+        src = _string(attrs.get(ATTR_DEGRADED_FROM))
+        dst = _string(attrs.get(ATTR_DEGRADED_TO))
+        lab = labels(namespace=w.namespace, pod=w.pod,
+                     **{"from": self._limiter.value("from", src, now),
+                        "to": self._limiter.value("to", dst, now)})
+        self.degradations.observe(lab, now)
+
+    # -- windows -----------------------------------------------------------------
+    def roll(self, now: float, device: Mapping | None = None) -> None:
+        """Close the window that ends now. `device`: memory_used_ratio_max and
+        pcie_ratio_max of the window from NVML (None or missing: unknown)."""
+        with self._lock:
+            length = None if self._window_start is None else now - self._window_start
+            self._window_start = now
+            self._last_durations = self.request_duration.close_window()
+            self.volatility.roll(self._last_durations)
+            self.compliance.roll()
+            self.throughput_decay.roll(length, device)
+            self._rejected.update(self.drift.roll())
+            self.alignment.expire(now)
+            cutoff = now - self.s.series_idle_s
+            for hist in (self.request_duration.hist, self.time_to_first_token.hist,
+                         self.alignment.hist):
+                hist.expire(cutoff)
+            self.degradations.expire(cutoff)
+            self._limiter.prune(now)
+            self._label_cache = {}
+
+    def window_quantile(self, modality: str, q: float) -> float | None:
+        """The q-th percentile (0..100) of request durations of one modality in
+        the last closed window, all pods and classes together (the scheduler
+        feed's audio p95); None without requests."""
+        with self._lock:
+            pooled = [x for lab, d in self._last_durations.items()
+                      if dict(lab)["modality"] == modality for x in d]
+        return percentile_linear(pooled, q) if pooled else None
+
+    # -- output ------------------------------------------------------------------
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Contributions that did not count since start, by reason (all reasons)."""
+        with self._lock:
+            return self._rejected_locked()
+
+    def _rejected_locked(self) -> dict[str, int]:
+        counts = {r: self._rejected[r] for r in REJECT_REASONS}
+        counts[ALIGNMENT_EVICTED] = self.alignment.evicted
+        return counts
+
+    def families(self) -> list[Family]:
+        with self._lock:
+            rejected = Family("spanlet_serving_rejected_total", "counter",
+                              "Span contributions to the serving metrics that did not count, "
+                              "by reason", "",
+                              [Sample(labels(reason=r), n)
+                               for r, n in self._rejected_locked().items()])
+            overflow = Family("spanlet_serving_label_overflow_total", "counter",
+                              "Label values folded into 'overflow' by the cardinality limit", "",
+                              [Sample(labels(label=k), n)
+                               for k, n in sorted(self._limiter.overflows.items())])
+            return [self.request_duration.family(), self.time_to_first_token.family(),
+                    self.volatility.family(), self.compliance.family(),
+                    self.throughput_decay.family(), self.alignment.family(),
+                    self.degradations.family(), self.drift.family(), rejected, overflow]
