@@ -5,6 +5,7 @@ here), and OTLP spans sent to the agent's receiver, over several windows."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import secrets
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -166,6 +168,14 @@ def test_all_17_metrics_reach_prometheus(tmp_path, nets):
             assert abs(delay - 4 * (0.050 - cfg.serving.delta_sync_s)) < 1e-9
             assert prom.value('sum(spanlet_gpu_kernel_launches_total{api="driver"})') == 4
             assert prom.value("sum(spanlet_sandbox_violations_total)") == 1
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                check = subprocess.run(["promtool", "check", "metrics"], input=r.read(),
+                                       capture_output=True)
+            assert check.returncode == 0 and not (check.stdout + check.stderr).strip(), \
+                check.stdout + check.stderr
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/hints", timeout=5) as r:
+                served = json.load(r)
+            assert set(served["hints"]) == {"audio", "text", "image", "video"}
             hints = agent.scheduler.hints()
             assert set(hints["hints"]) == {"audio", "text", "image", "video"}
             assert prom.query("spanlet_scheduler_batch_size_hint")
