@@ -7,12 +7,14 @@ launches through the stand-in libcuda. Driven on stdin:
                                    launches 10*t + j + 1 kernels and syncs (t+1)*2000 µs
     flush                          export everything, print "flushed"
     exit
-For each span it prints "span SPAN_ID_HEX LAUNCHES SYNC_US".
+For each span it prints "span SPAN_ID_HEX LAUNCHES SYNC_US SYNC_NS_MEASURED" (the
+last: the sync call as timed around it in this process, an upper bound).
 """
 
 import ctypes
 import sys
 import threading
+import time
 
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -45,9 +47,11 @@ def worker(t: int, spans: int, barrier: threading.Barrier) -> None:
         with tracer.start_as_current_span(f"t{t}-s{j}", attributes={"mm.modality": "image"}) as s:
             for _ in range(n):
                 launch(0xF00D, 1, 1, 1, 1, 1, 1, 0, 0, None, None)
+            t0 = time.monotonic_ns()
             sync(sync_us)
+            took = time.monotonic_ns() - t0
         with out_lock:
-            print(f"span {s.get_span_context().span_id:016x} {n} {sync_us}", flush=True)
+            print(f"span {s.get_span_context().span_id:016x} {n} {sync_us} {took}", flush=True)
 
 
 assert marker.active, "marker library not loaded"

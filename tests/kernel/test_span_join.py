@@ -75,20 +75,23 @@ def run(proc, cmd: str, done: str) -> list[str]:
 @pytest.mark.parametrize("threads, spans", [(1, 3), (8, 4)])
 def test_each_span_gets_exactly_its_own_kernel_facts(agent, child, threads, spans):
     proc, pid = child
-    expected = {sid: (int(n), int(us)) for _, sid, n, us in run(proc, f"work {threads} {spans}", "worked")}
+    expected = {sid: (int(n), int(us), int(took))
+                for _, sid, n, us, took in run(proc, f"work {threads} {spans}", "worked")}
     assert len(expected) == threads * spans
-    total = sum(n for n, _ in expected.values())
+    total = sum(n for n, _, _ in expected.values())
     join = agent.spans.join
     # every launch and sync event is buffered before the spans are let go
     wait_for(lambda: join.pending_events() >= total + len(expected), 10, "the kernel events")
     run(proc, "flush", "flushed")
     up = agent.upstream
     wait_for(lambda: len(up.spans) >= len(expected), 10, "the spans upstream")
-    for sid, (n, sync_us) in expected.items():
+    for sid, (n, sync_us, took_ns) in expected.items():
         span, resource = up.spans[sid]
         a = kernel_attrs(span)
         assert a["kernel.gpu.launches"] == n, span.name
-        assert 0.8 * sync_us * 1000 <= a["kernel.gpu.sync_wait_ns"] <= 1.2 * sync_us * 1000 + 2e6
+        # at least the requested sleep, at most what the caller timed around the call
+        # (a loaded machine stretches the sleep, never shrinks it)
+        assert sync_us * 1000 <= a["kernel.gpu.sync_wait_ns"] <= took_ns
         names = {e.name for e in span.events}
         assert names <= {"kernel.gpu.launch", "kernel.gpu.sync_wait"}
         res = {kv.key: kv.value.string_value for kv in resource.attributes}
