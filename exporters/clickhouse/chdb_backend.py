@@ -1,0 +1,158 @@
+"""The embedded store: ClickHouse in-process through chdb, with its data
+directory on the node's disk, behind the Backend interface.
+
+chdb runs one embedded server per process: a second ChdbBackend on another
+path can only be opened after the first was closed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from typing import Any, Sequence
+
+from exporters.clickhouse import BackendError
+from exporters.clickhouse import schema
+
+_DT64 = re.compile(r"^(?:LowCardinality\()?(?:Nullable\()?DateTime64\((\d)")
+_ARRAY_DT64 = re.compile(r"^Array\(DateTime64\((\d)")
+
+# Inserted DateTime64 text is UTC (see _utc_text), results are too; JSON
+# output for query() with 64-bit integers and decimals as numbers, so that
+# UInt64 and Int64 come back as Python ints.
+_SESSION_SETTINGS = ("session_timezone = 'UTC'",
+                     "output_format_json_quote_64bit_integers = 0",
+                     "output_format_json_quote_decimals = 0")
+
+
+def _utc_text(ns: int) -> str:
+    """Epoch nanoseconds → 'YYYY-MM-DD hh:mm:ss.fffffffff' in UTC: the one
+    DateTime64 text ClickHouse parses exactly (a bare number is read as
+    seconds, a short digit string as a date)."""
+    sec, frac = divmod(int(ns), 1_000_000_000)
+    t = time.gmtime(sec)
+    return (f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d} "
+            f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}.{frac:09d}")
+
+
+class ChdbBackend:
+    """Backend over an embedded chdb session at `path` (created if missing;
+    persistent across restarts). Thread-safe: every call holds one lock."""
+
+    name = "chdb"
+
+    def __init__(self, path: str, database: str = "spanlet", ttl_days: int = 7):
+        self.target = schema.Target(database=database, ttl_days=ttl_days)
+        self.path = os.path.abspath(path)
+        os.makedirs(self.path, exist_ok=True)
+        self._lock = threading.Lock()
+        self._types: dict[str, dict[str, str]] = {}
+        try:
+            from chdb import session as chdb_session
+            self._session = chdb_session.Session(self.path)
+            for setting in _SESSION_SETTINGS:
+                self._session.query(f"SET {setting}")
+        except Exception as e:   # chdb raises RuntimeError/ChdbError
+            raise BackendError(f"cannot open chdb at {self.path}: {e}") from e
+        self._closed = False
+
+    # -- Backend ------------------------------------------------------------
+
+    def ensure_schema(self, upto: int = schema.SCHEMA_VERSION) -> int:
+        """Apply the forward migrations up to `upto` (default: all)."""
+        with self._lock:
+            self._types.clear()
+            return schema.migrate(self._query_locked, self.target, upto)
+
+    def schema_version(self) -> int:
+        with self._lock:
+            return schema.current_version(self._query_locked, self.target)
+
+    def insert(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """INSERT rows (values as schema.py's conventions say) as
+        JSONCompactEachRow data: every value is JSON-encoded, never spliced
+        into SQL text."""
+        if not rows:
+            return
+        schema.check_identifier(table, "table name")
+        with self._lock:
+            self._check_open()
+            types = self._column_types_locked(table)
+            convert = []
+            for i, col in enumerate(columns):
+                ctype = types.get(col)
+                if ctype is None:
+                    raise BackendError(f"{table} has no column {col!r}")
+                if _DT64.match(ctype):
+                    convert.append((i, False))
+                elif _ARRAY_DT64.match(ctype):
+                    convert.append((i, True))
+            width = len(columns)
+            lines = []
+            dumps = json.dumps
+            for row in rows:
+                if len(row) != width:
+                    raise BackendError(f"row of {len(row)} values for {width} columns")
+                if convert:
+                    row = list(row)
+                    for i, is_array in convert:
+                        v = row[i]
+                        row[i] = [_utc_text(x) for x in v] if is_array else _utc_text(v)
+                lines.append(dumps(row, ensure_ascii=False))
+            cols = ", ".join(schema.quote_identifier(c) for c in columns)
+            sql = (f"INSERT INTO {self.target.database}.{table} ({cols}) "
+                   f"FORMAT JSONCompactEachRow\n" + "\n".join(lines))
+            self._run_locked(sql, "CSV")
+
+    def query(self, sql: str) -> list[tuple]:
+        with self._lock:
+            return self._query_locked(sql)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._session.close()
+            except Exception:
+                pass
+
+    # -- internals ----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError("chdb backend is closed")
+
+    def _run_locked(self, sql: str, fmt: str):
+        self._check_open()
+        try:
+            return self._session.query(sql, fmt)
+        except Exception as e:
+            raise BackendError(str(e).strip().splitlines()[0] if str(e).strip() else repr(e)) from e
+
+    def _query_locked(self, sql: str) -> list[tuple]:
+        stripped = sql.strip().rstrip(";")
+        head = stripped.split(None, 1)[0].upper() if stripped else ""
+        if head in ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXISTS", "EXPLAIN"):
+            res = self._run_locked(stripped, "JSONCompact")
+            data = res.bytes()
+            if not data:
+                return []
+            return [tuple(r) for r in json.loads(data)["data"]]
+        self._run_locked(stripped, "CSV")
+        return []
+
+    def _column_types_locked(self, table: str) -> dict[str, str]:
+        types = self._types.get(table)
+        if types is None:
+            rows = self._query_locked(
+                "SELECT name, type FROM system.columns WHERE database = "
+                f"{schema.quote_string(self.target.database)} AND table = {schema.quote_string(table)}")
+            if not rows:
+                raise BackendError(f"no table {self.target.database}.{table}")
+            types = dict(rows)
+            self._types[table] = types
+        return types

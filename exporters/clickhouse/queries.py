@@ -1,0 +1,143 @@
+"""The queries that dashboards and `spanlet inspect` run on the store: each a
+SQL builder (text only, every value quoted as a literal) and a function that
+runs it on a Backend and returns dicts. Timestamps come back as int epoch ns
+(toUnixTimestamp64Nano), the same from either backend."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from exporters.clickhouse import Backend
+from exporters.clickhouse.schema import (
+    KERNEL_EVENTS,
+    TRACES,
+    check_identifier,
+    quote_string,
+)
+
+POD_ATTRIBUTE = "k8s.pod.name"
+NAMESPACE_ATTRIBUTE = "k8s.namespace.name"
+GPU_STALL_ATTRIBUTE = "kernel.gpu.sync_wait_ns"
+
+
+def _ns(value: int) -> str:
+    return f"fromUnixTimestamp64Nano(toInt64({int(value)}))"
+
+
+def _limit(n: int) -> int:
+    n = int(n)
+    if n < 1:
+        raise ValueError("limit must be >= 1")
+    return n
+
+
+def _time_window(since_ns: int | None, until_ns: int | None) -> list[str]:
+    where = []
+    if since_ns is not None:
+        where.append(f"Timestamp >= {_ns(since_ns)}")
+    if until_ns is not None:
+        where.append(f"Timestamp < {_ns(until_ns)}")
+    return where
+
+
+def _run(backend: Backend, built: tuple[str, Sequence[str]]) -> list[dict]:
+    sql, names = built
+    return [dict(zip(names, row)) for row in backend.query(sql)]
+
+
+# ---------------------------------------------------------------------------
+
+SPAN_FIELDS = ("ts_ns", "trace_id", "span_id", "parent_span_id", "service", "name",
+               "duration_ns", "status", "kernel")
+
+
+def recent_pod_spans_sql(database: str, pod: str, namespace: str | None = None, *,
+                         since_ns: int | None = None, until_ns: int | None = None,
+                         limit: int = 100) -> tuple[str, tuple[str, ...]]:
+    """The pod's most recent spans, newest first, with their kernel.* facts
+    (a Map of the kernel.* SpanAttributes)."""
+    check_identifier(database, "database name")
+    where = [f"ResourceAttributes[{quote_string(POD_ATTRIBUTE)}] = {quote_string(pod)}"]
+    if namespace is not None:
+        where.append(f"ResourceAttributes[{quote_string(NAMESPACE_ATTRIBUTE)}] = "
+                     f"{quote_string(namespace)}")
+    where += _time_window(since_ns, until_ns)
+    sql = (
+        "SELECT toUnixTimestamp64Nano(Timestamp), TraceId, SpanId, ParentSpanId, ServiceName, "
+        "SpanName, Duration, StatusCode, "
+        "mapFilter((k, v) -> startsWith(k, 'kernel.'), SpanAttributes)\n"
+        f"FROM {database}.{TRACES} FINAL\n"
+        f"WHERE {' AND '.join(where)}\n"
+        f"ORDER BY Timestamp DESC, SpanId\nLIMIT {_limit(limit)}")
+    return sql, SPAN_FIELDS
+
+
+def recent_pod_spans(backend: Backend, database: str, pod: str, namespace: str | None = None,
+                     **kw) -> list[dict]:
+    return _run(backend, recent_pod_spans_sql(database, pod, namespace, **kw))
+
+
+# ---------------------------------------------------------------------------
+
+STALL_FIELDS = ("ts_ns", "trace_id", "span_id", "service", "name", "duration_ns",
+                "gpu_sync_wait_ns", "pod")
+
+
+def slowest_gpu_stall_spans_sql(database: str, *, service: str | None = None,
+                                pod: str | None = None, since_ns: int | None = None,
+                                until_ns: int | None = None,
+                                limit: int = 20) -> tuple[str, tuple[str, ...]]:
+    """Spans with the longest GPU synchronisation wait (kernel.gpu.sync_wait_ns),
+    longest first."""
+    check_identifier(database, "database name")
+    stall = f"toUInt64OrZero(SpanAttributes[{quote_string(GPU_STALL_ATTRIBUTE)}])"
+    where = [f"{stall} > 0"]
+    if service is not None:
+        where.append(f"ServiceName = {quote_string(service)}")
+    if pod is not None:
+        where.append(f"ResourceAttributes[{quote_string(POD_ATTRIBUTE)}] = {quote_string(pod)}")
+    where += _time_window(since_ns, until_ns)
+    sql = (
+        "SELECT toUnixTimestamp64Nano(Timestamp), TraceId, SpanId, ServiceName, SpanName, "
+        f"Duration, {stall} AS stall, ResourceAttributes[{quote_string(POD_ATTRIBUTE)}]\n"
+        f"FROM {database}.{TRACES} FINAL\n"
+        f"WHERE {' AND '.join(where)}\n"
+        f"ORDER BY stall DESC, Timestamp DESC, SpanId\nLIMIT {_limit(limit)}")
+    return sql, STALL_FIELDS
+
+
+def slowest_gpu_stall_spans(backend: Backend, database: str, **kw) -> list[dict]:
+    return _run(backend, slowest_gpu_stall_spans_sql(database, **kw))
+
+
+# ---------------------------------------------------------------------------
+
+VIOLATION_FIELDS = ("ts_ns", "namespace", "pod", "container", "pid", "tid", "cgroup_id",
+                    "rule", "action", "addr", "len", "pool_id", "pool_max_bytes", "prot",
+                    "fd", "trace_id", "span_id")
+
+
+def sandbox_violations_sql(database: str, *, pod: str | None = None,
+                           namespace: str | None = None, since_ns: int | None = None,
+                           until_ns: int | None = None,
+                           limit: int = 100) -> tuple[str, tuple[str, ...]]:
+    """Sandbox violations, newest first."""
+    check_identifier(database, "database name")
+    where = ["Kind = 'SANDBOX'"]
+    if pod is not None:
+        where.append(f"K8sPodName = {quote_string(pod)}")
+    if namespace is not None:
+        where.append(f"K8sNamespace = {quote_string(namespace)}")
+    where += _time_window(since_ns, until_ns)
+    sql = (
+        "SELECT toUnixTimestamp64Nano(Timestamp), K8sNamespace, K8sPodName, K8sContainerName, "
+        "Pid, Tid, CgroupId, Rule, Action, Addr, Len, PoolId, PoolMaxBytes, Prot, Fd, "
+        "TraceId, SpanId\n"
+        f"FROM {database}.{KERNEL_EVENTS} FINAL\n"
+        f"WHERE {' AND '.join(where)}\n"
+        f"ORDER BY Timestamp DESC, Tid\nLIMIT {_limit(limit)}")
+    return sql, VIOLATION_FIELDS
+
+
+def sandbox_violations(backend: Backend, database: str, **kw) -> list[dict]:
+    return _run(backend, sandbox_violations_sql(database, **kw))

@@ -1,0 +1,265 @@
+"""What the agent has → rows of the store's tables: OTLP ResourceSpans →
+otel_traces (as the OpenTelemetry Collector's ClickHouse exporter writes
+them), decoded kernel events → kernel_events, metric Families →
+metric_samples. Values follow schema.py's conventions (DateTime64 as int ns)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from decimal import Decimal
+from typing import Any, Callable, Iterable, Mapping
+
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from agent import events
+
+# ---------------------------------------------------------------------------
+# otel_traces
+
+TRACE_COLUMNS = (
+    "Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind",
+    "ServiceName", "ResourceAttributes", "ScopeName", "ScopeVersion", "SpanAttributes",
+    "Duration", "StatusCode", "StatusMessage",
+    "Events.Timestamp", "Events.Name", "Events.Attributes",
+    "Links.TraceId", "Links.SpanId", "Links.TraceState", "Links.Attributes",
+)
+
+# The collector's traceutil.SpanKindStr / StatusCodeStr: the proto enum names.
+SPAN_KINDS = {v: k for k, v in trace_pb2.Span.SpanKind.items()}
+STATUS_CODES = {v: k for k, v in trace_pb2.Status.StatusCode.items()}
+
+
+def _go_float(f: float) -> str:
+    """strconv.FormatFloat(f, 'f', -1, 64), which pcommon's AsString uses:
+    the shortest exact digits, never an exponent."""
+    if math.isnan(f):
+        return "NaN"
+    if math.isinf(f):
+        return "+Inf" if f > 0 else "-Inf"
+    text = format(Decimal(repr(f)), "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return text
+
+
+def _raw(v: AnyValue) -> Any:
+    """pcommon Value.AsRaw, for the JSON of arrays and maps."""
+    which = v.WhichOneof("value")
+    if which == "array_value":
+        return [_raw(x) for x in v.array_value.values]
+    if which == "kvlist_value":
+        return {kv.key: _raw(kv.value) for kv in v.kvlist_value.values}
+    if which == "bytes_value":
+        return base64.b64encode(v.bytes_value).decode()
+    if which is None:
+        return None
+    return getattr(v, which)
+
+
+def attribute_string(v: AnyValue) -> str:
+    """pcommon Value.AsString: the text the collector stores in the Map."""
+    which = v.WhichOneof("value")
+    if which == "string_value":
+        return v.string_value
+    if which == "int_value":
+        return str(v.int_value)
+    if which == "bool_value":
+        return "true" if v.bool_value else "false"
+    if which == "double_value":
+        return _go_float(v.double_value)
+    if which == "bytes_value":
+        return base64.b64encode(v.bytes_value).decode()
+    if which in ("array_value", "kvlist_value"):
+        # Go's json.Marshal: compact, map keys sorted, no HTML escaping
+        # differences that matter for attribute text.
+        return json.dumps(_raw(v), separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+    return ""
+
+
+def attributes_map(kvs) -> dict[str, str]:
+    return {kv.key: attribute_string(kv.value) for kv in kvs}
+
+
+def _hex_or_empty(raw: bytes) -> str:
+    """traceutil.TraceIDToHexOrEmptyString: '' for an empty (all-zero) id."""
+    return raw.hex() if raw and any(raw) else ""
+
+
+def span_rows(resource_spans: Iterable[trace_pb2.ResourceSpans]) -> list[list]:
+    """One otel_traces row (in TRACE_COLUMNS order) per span."""
+    out = []
+    for rs in resource_spans:
+        res_attrs = attributes_map(rs.resource.attributes)
+        service = ""
+        for kv in rs.resource.attributes:
+            if kv.key == "service.name":
+                service = kv.value.string_value
+                break
+        for ss in rs.scope_spans:
+            scope_name, scope_version = ss.scope.name, ss.scope.version
+            for span in ss.spans:
+                start, end = span.start_time_unix_nano, span.end_time_unix_nano
+                out.append([
+                    start,
+                    _hex_or_empty(span.trace_id),
+                    _hex_or_empty(span.span_id),
+                    _hex_or_empty(span.parent_span_id),
+                    span.trace_state,
+                    span.name,
+                    SPAN_KINDS.get(span.kind, ""),
+                    service,
+                    res_attrs,
+                    scope_name,
+                    scope_version,
+                    attributes_map(span.attributes),
+                    max(0, end - start),
+                    STATUS_CODES.get(span.status.code, ""),
+                    span.status.message,
+                    [e.time_unix_nano for e in span.events],
+                    [e.name for e in span.events],
+                    [attributes_map(e.attributes) for e in span.events],
+                    [_hex_or_empty(lk.trace_id) for lk in span.links],
+                    [_hex_or_empty(lk.span_id) for lk in span.links],
+                    [lk.trace_state for lk in span.links],
+                    [attributes_map(lk.attributes) for lk in span.links],
+                ])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# kernel_events
+
+KERNEL_EVENT_COLUMNS = (
+    "Timestamp", "Kind", "Pid", "Tid", "CgroupId", "TraceId", "SpanId", "Modality",
+    "HeaderFlags", "K8sNamespace", "K8sPodName", "K8sContainerName",
+    "Api", "Entry", "Func", "Stream", "DurationNs", "Grid", "Block", "SharedMem",
+    "Rule", "Action", "Addr", "Len", "PoolMaxBytes", "Prot", "MapFlags", "PoolId", "Fd",
+    "SrcAddr", "DstAddr", "SrcPort", "DstPort", "L4Proto", "Ifindex", "Direction",
+    "ProtoClass", "Method", "PathHash", "TraceFlags", "RequestBytes", "ResponseBytes",
+    "Node",     # schema v2
+)
+_KE_INDEX = {c: i for i, c in enumerate(KERNEL_EVENT_COLUMNS)}
+_KE_DEFAULTS = [0] * len(KERNEL_EVENT_COLUMNS)
+for _c in ("Kind", "TraceId", "SpanId", "Modality", "K8sNamespace", "K8sPodName",
+           "K8sContainerName", "Api", "Entry", "Rule", "Action", "SrcAddr", "DstAddr",
+           "Direction", "ProtoClass", "Node"):
+    _KE_DEFAULTS[_KE_INDEX[_c]] = ""
+_KE_DEFAULTS[_KE_INDEX["Grid"]] = []
+_KE_DEFAULTS[_KE_INDEX["Block"]] = []
+
+
+def _enum_name(enum_cls, value: int) -> str:
+    try:
+        return enum_cls(value).name
+    except ValueError:
+        return str(value)
+
+
+# Pod of a cgroup: cgroup_id → (namespace, pod, container), or None.
+PodResolver = Callable[[int], "tuple[str, str, str] | None"]
+
+
+def kernel_event_row(ev: events._Event, resolve: PodResolver | None = None,
+                     node: str = "") -> list:
+    """One kernel_events row (KERNEL_EVENT_COLUMNS order) for a decoded event."""
+    d = ev.as_dict()
+    row = list(_KE_DEFAULTS)
+    ix = _KE_INDEX
+
+    def put(col, value):
+        row[ix[col]] = value
+
+    put("Timestamp", d["ts_ns"])
+    put("Kind", d["kind"])
+    put("Pid", d["pid"])
+    put("Tid", d["tid"])
+    put("CgroupId", d["cgroup_id"])
+    put("TraceId", d["trace_id"] if int(d["trace_id"], 16) else "")
+    put("SpanId", d["span_id"] if int(d["span_id"], 16) else "")
+    put("Modality", d["modality"])
+    put("HeaderFlags", ev.hdr.flags)
+    put("Node", node)
+    if resolve is not None:
+        pod = resolve(d["cgroup_id"])
+        if pod:
+            put("K8sNamespace", pod[0])
+            put("K8sPodName", pod[1])
+            put("K8sContainerName", pod[2])
+    kind = ev.hdr.kind
+    if kind in (events.Kind.GPU_LAUNCH, events.Kind.GPU_SYNC):
+        put("Api", _enum_name(events.Api, d["api"]))
+        put("Entry", _enum_name(events.Entry, d["entry"]))
+        put("Stream", d["stream"])
+        put("DurationNs", d["duration_ns"])
+        if kind == events.Kind.GPU_LAUNCH:
+            put("Func", d["func"])
+            put("Grid", list(d["grid"]))
+            put("Block", list(d["block"]))
+            put("SharedMem", d["shared_mem"])
+    elif kind == events.Kind.SANDBOX:
+        put("Rule", _enum_name(events.Rule, d["rule"]))
+        put("Action", _enum_name(events.Action, d["action"]))
+        put("Addr", d["addr"])
+        put("Len", d["len"])
+        put("PoolMaxBytes", d["pool_max_bytes"])
+        put("Prot", d["prot"])
+        put("MapFlags", d["flags"])
+        put("PoolId", d["pool_id"])
+        put("Fd", d["fd"])
+    elif "flow" in d:
+        flow = d["flow"]
+        put("SrcAddr", flow["src"])
+        put("DstAddr", flow["dst"])
+        put("SrcPort", flow["sport"])
+        put("DstPort", flow["dport"])
+        put("L4Proto", flow["l4proto"])
+        if kind == events.Kind.HTTP:
+            put("Ifindex", d["ifindex"])
+            put("Direction", _enum_name(events.Direction, d["direction"]))
+            put("Method", d["method"])
+            put("PathHash", d["path_hash"])
+            put("TraceFlags", d["trace_flags"])
+        elif kind == events.Kind.FLOW:
+            put("Ifindex", d["ifindex"])
+            put("Direction", _enum_name(events.Direction, d["direction"]))
+            put("ProtoClass", _enum_name(events.Proto, d["proto_class"]))
+        elif kind == events.Kind.HTTP_BYTES:
+            req, other = ev.rx_tx()
+            put("Direction", _enum_name(events.Direction, d["req_dir"] & 1))
+            put("RequestBytes", req)
+            put("ResponseBytes", other)
+    return row
+
+
+def kernel_event_rows(evs: Iterable[events._Event], resolve: PodResolver | None = None,
+                      node: str = "") -> list[list]:
+    return [kernel_event_row(ev, resolve, node) for ev in evs]
+
+
+# ---------------------------------------------------------------------------
+# metric_samples
+
+METRIC_COLUMNS = ("Timestamp", "MetricName", "MetricType", "Unit", "Labels", "Value",
+                  "Count", "Sum", "Bounds", "BucketCounts")
+
+
+def metric_rows(families: Iterable, ts_ns: int) -> list[list]:
+    """One metric_samples row per series of each Family (agent.metrics), all
+    stamped with the window's time `ts_ns`."""
+    from agent.metrics import HistogramSample
+
+    out = []
+    for fam in families:
+        for s in fam.samples:
+            labels: Mapping[str, str] = {k: str(v) for k, v in sorted(s.labels)}
+            if isinstance(s, HistogramSample):
+                out.append([ts_ns, fam.name, fam.type, fam.unit, labels, 0.0,
+                            int(s.count), float(s.sum), [float(b) for b in s.bounds],
+                            [int(c) for c in s.bucket_counts]])
+            else:
+                out.append([ts_ns, fam.name, fam.type, fam.unit, labels, float(s.value),
+                            0, 0.0, [], []])
+    return out

@@ -1,0 +1,325 @@
+"""The store's tables as one DDL text each, for the embedded chdb backend and a
+ClickHouse server or cluster alike, and the versioned forward migrations that
+ensure_schema() applies at start-up.
+
+Value conventions of the rows given to Backend.insert (both backends):
+DateTime64(9) values (and arrays of them) are int nanoseconds since the epoch,
+Map values are dict[str, str], Array values are lists."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+TRACES = "otel_traces"
+KERNEL_EVENTS = "kernel_events"
+METRIC_SAMPLES = "metric_samples"
+SCHEMA_VERSION_TABLE = "schema_version"
+DATA_TABLES = (TRACES, KERNEL_EVENTS, METRIC_SAMPLES)
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_identifier(name: str, what: str = "identifier") -> str:
+    """Database, cluster and table names are spliced into DDL: only plain
+    identifiers are accepted, never quoted text."""
+    if not isinstance(name, str) or not _IDENT.match(name):
+        raise ValueError(f"invalid {what} {name!r}: letters, digits and _ only")
+    return name
+
+
+def quote_string(value: str) -> str:
+    """A ClickHouse string literal for any text."""
+    return "'" + (value.replace("\\", "\\\\").replace("'", "\\'").replace("\0", "\\0")
+                  .replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")) + "'"
+
+
+def quote_identifier(name: str) -> str:
+    """A back-quoted identifier (column names such as `Events.Timestamp`)."""
+    return "`" + name.replace("\\", "\\\\").replace("`", "\\`") + "`"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the tables live: database, retention and the optional cluster."""
+
+    database: str = "spanlet"
+    ttl_days: int = 7
+    cluster: str | None = None
+
+    def __post_init__(self):
+        check_identifier(self.database, "database name")
+        if self.cluster is not None:
+            check_identifier(self.cluster, "cluster name")
+        if not isinstance(self.ttl_days, int) or self.ttl_days < 1:
+            raise ValueError(f"ttl_days must be a positive int, not {self.ttl_days!r}")
+
+
+# ---------------------------------------------------------------------------
+# Table bodies: columns, indexes and the sorting/partitioning/TTL clauses. One
+# text per table; {engine} and {ttl_days} are the only holes.
+
+# The OpenTelemetry Collector ClickHouse exporter's traces table, column for
+# column (exporter/clickhouseexporter/internal/sql_templates/traces_table.sql:
+# Duration UInt64, ScopeName/ScopeVersion columns, Events/Links Nested, i.e.
+# Events.Timestamp Array(DateTime64(9)) ...). Differences, on purpose:
+# ReplacingMergeTree ORDER BY (TraceId, SpanId) where the collector has
+# MergeTree ORDER BY (ServiceName, SpanName, toDateTime(Timestamp)), so that a
+# retried insert never duplicates a span; a minmax index on Timestamp and a set
+# index on ServiceName recover some of the pruning of the collector's order.
+_TRACES_BODY = """(
+    Timestamp DateTime64(9) CODEC(Delta, ZSTD(1)),
+    TraceId String CODEC(ZSTD(1)),
+    SpanId String CODEC(ZSTD(1)),
+    ParentSpanId String CODEC(ZSTD(1)),
+    TraceState String CODEC(ZSTD(1)),
+    SpanName LowCardinality(String) CODEC(ZSTD(1)),
+    SpanKind LowCardinality(String) CODEC(ZSTD(1)),
+    ServiceName LowCardinality(String) CODEC(ZSTD(1)),
+    ResourceAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
+    ScopeName String CODEC(ZSTD(1)),
+    ScopeVersion String CODEC(ZSTD(1)),
+    SpanAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
+    Duration UInt64 CODEC(ZSTD(1)),
+    StatusCode LowCardinality(String) CODEC(ZSTD(1)),
+    StatusMessage String CODEC(ZSTD(1)),
+    Events Nested (
+        Timestamp DateTime64(9),
+        Name LowCardinality(String),
+        Attributes Map(LowCardinality(String), String)
+    ) CODEC(ZSTD(1)),
+    Links Nested (
+        TraceId String,
+        SpanId String,
+        TraceState String,
+        Attributes Map(LowCardinality(String), String)
+    ) CODEC(ZSTD(1)),
+    INDEX idx_res_attr_key mapKeys(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_res_attr_value mapValues(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_span_attr_key mapKeys(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_span_attr_value mapValues(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_duration Duration TYPE minmax GRANULARITY 1,
+    INDEX idx_timestamp Timestamp TYPE minmax GRANULARITY 1,
+    INDEX idx_service ServiceName TYPE set(0) GRANULARITY 1
+) ENGINE = {engine}
+PARTITION BY toDate(Timestamp)
+ORDER BY (TraceId, SpanId)
+TTL toDateTime(Timestamp) + toIntervalDay({ttl_days})
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1"""
+
+# One row per ring-buffer event. Payload as flat typed columns (not a Map):
+# the structs are fixed by bpf/spanlet.h and change only with a migration;
+# columns a kind does not have hold their default, which a columnar store keeps
+# for next to nothing; sums and filters (DurationNs, Rule) stay numeric.
+# The dedupe key is the event's identity (kind, cgroup, ns timestamp, task,
+# flow): a retried batch collapses, two real events never share it.
+_KERNEL_EVENTS_BODY = """(
+    Timestamp DateTime64(9) CODEC(Delta, ZSTD(1)),
+    Kind LowCardinality(String),
+    Pid UInt32,
+    Tid UInt32,
+    CgroupId UInt64,
+    TraceId String CODEC(ZSTD(1)),
+    SpanId String CODEC(ZSTD(1)),
+    Modality LowCardinality(String),
+    HeaderFlags UInt8,
+    K8sNamespace LowCardinality(String),
+    K8sPodName LowCardinality(String),
+    K8sContainerName LowCardinality(String),
+    Api LowCardinality(String),
+    Entry LowCardinality(String),
+    Func UInt64,
+    Stream UInt64,
+    DurationNs UInt64,
+    Grid Array(UInt32),
+    Block Array(UInt32),
+    SharedMem UInt32,
+    Rule LowCardinality(String),
+    Action LowCardinality(String),
+    Addr UInt64,
+    Len UInt64,
+    PoolMaxBytes UInt64,
+    Prot UInt32,
+    MapFlags UInt32,
+    PoolId UInt32,
+    Fd Int32,
+    SrcAddr String,
+    DstAddr String,
+    SrcPort UInt16,
+    DstPort UInt16,
+    L4Proto UInt8,
+    Ifindex UInt32,
+    Direction LowCardinality(String),
+    ProtoClass LowCardinality(String),
+    Method UInt8,
+    PathHash UInt32,
+    TraceFlags UInt8,
+    RequestBytes UInt64,
+    ResponseBytes UInt64,
+    INDEX idx_trace_id TraceId TYPE bloom_filter(0.001) GRANULARITY 1,
+    INDEX idx_timestamp Timestamp TYPE minmax GRANULARITY 1
+) ENGINE = {engine}
+PARTITION BY toDate(Timestamp)
+ORDER BY (Kind, CgroupId, Timestamp, Pid, Tid, SrcAddr, SrcPort, DstAddr, DstPort)
+TTL toDateTime(Timestamp) + toIntervalDay({ttl_days})
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1"""
+
+# One row per series per window. Histograms keep their buckets in the row
+# (Bounds without +Inf, BucketCounts per bucket, not cumulative, len(Bounds)+1),
+# as the collector's histogram table does; Value is 0 for them. Dashboards read
+# one metric over a time range grouped by labels: ORDER BY (MetricName,
+# LabelsHash, Timestamp); a retried window replaces itself.
+_METRIC_SAMPLES_BODY = """(
+    Timestamp DateTime64(9) CODEC(Delta, ZSTD(1)),
+    MetricName LowCardinality(String),
+    MetricType LowCardinality(String),
+    Unit LowCardinality(String),
+    Labels Map(LowCardinality(String), String) CODEC(ZSTD(1)),
+    LabelsHash UInt64 MATERIALIZED cityHash64(mapKeys(Labels), mapValues(Labels)),
+    Value Float64 CODEC(ZSTD(1)),
+    Count UInt64,
+    Sum Float64,
+    Bounds Array(Float64) CODEC(ZSTD(1)),
+    BucketCounts Array(UInt64) CODEC(ZSTD(1))
+) ENGINE = {engine}
+PARTITION BY toDate(Timestamp)
+ORDER BY (MetricName, LabelsHash, Timestamp)
+TTL toDateTime(Timestamp) + toIntervalDay({ttl_days})
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1"""
+
+_SCHEMA_VERSION_BODY = """(
+    Version UInt32,
+    Description String,
+    AppliedAt DateTime64(3) DEFAULT now64(3)
+) ENGINE = {engine}
+ORDER BY Version"""
+
+TABLE_BODIES = {
+    TRACES: _TRACES_BODY,
+    KERNEL_EVENTS: _KERNEL_EVENTS_BODY,
+    METRIC_SAMPLES: _METRIC_SAMPLES_BODY,
+}
+
+# Distributed sharding keys: a trace on one shard (so that its spans' retries
+# meet and collapse there), an event with its span, a series on one shard.
+SHARDING_KEYS = {
+    TRACES: "cityHash64(TraceId)",
+    KERNEL_EVENTS: "cityHash64(TraceId, CgroupId)",
+    METRIC_SAMPLES: "cityHash64(MetricName, mapKeys(Labels), mapValues(Labels))",
+}
+
+
+def _on_cluster(t: Target) -> str:
+    return f" ON CLUSTER {t.cluster}" if t.cluster else ""
+
+
+def _engine(t: Target, table: str, local_name: str, replacing: bool = True,
+            shared: bool = False) -> str:
+    kind = "ReplacingMergeTree" if replacing else "MergeTree"
+    if not t.cluster:
+        return f"{kind}()"
+    # {shard} and {replica} are the server's macros; `shared` tables (the
+    # version bookkeeping) have one replica set across all shards.
+    shard = "" if shared else "{shard}/"
+    path = f"/clickhouse/tables/{shard}{t.database}/{local_name}"
+    return f"Replicated{kind}({quote_string(path)}, '{{replica}}')"
+
+
+def create_database(t: Target) -> str:
+    return f"CREATE DATABASE IF NOT EXISTS {t.database}{_on_cluster(t)}"
+
+
+def create_table(table: str, t: Target) -> list[str]:
+    """The statements that create one data table: the table itself, or in
+    cluster mode the replicated `<table>_local` and a Distributed `<table>`."""
+    body = TABLE_BODIES[table]
+    if not t.cluster:
+        return [f"CREATE TABLE IF NOT EXISTS {t.database}.{table}\n"
+                + body.format(engine=_engine(t, table, table), ttl_days=t.ttl_days)]
+    local = f"{table}_local"
+    return [
+        f"CREATE TABLE IF NOT EXISTS {t.database}.{local}{_on_cluster(t)}\n"
+        + body.format(engine=_engine(t, table, local), ttl_days=t.ttl_days),
+        f"CREATE TABLE IF NOT EXISTS {t.database}.{table}{_on_cluster(t)}"
+        f" AS {t.database}.{local}\n"
+        f"ENGINE = Distributed({t.cluster}, {t.database}, {local}, {SHARDING_KEYS[table]})",
+    ]
+
+
+def create_schema_version_table(t: Target) -> str:
+    return (f"CREATE TABLE IF NOT EXISTS {t.database}.{SCHEMA_VERSION_TABLE}{_on_cluster(t)}\n"
+            + _SCHEMA_VERSION_BODY.format(
+                engine=_engine(t, SCHEMA_VERSION_TABLE, SCHEMA_VERSION_TABLE, shared=True)))
+
+
+def add_column(table: str, column_ddl: str, t: Target) -> list[str]:
+    """ALTER ... ADD COLUMN on the table, and in cluster mode on the local
+    table first, then on the Distributed one over it."""
+    names = [f"{table}_local", table] if t.cluster else [table]
+    return [f"ALTER TABLE {t.database}.{n}{_on_cluster(t)} ADD COLUMN IF NOT EXISTS {column_ddl}"
+            for n in names]
+
+
+# ---------------------------------------------------------------------------
+# Migrations: forward only; a migration's statements are idempotent (IF NOT
+# EXISTS) so that a crash between them and the version row is repaired by
+# running them again.
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    description: str
+    statements: Callable[[Target], list[str]]
+
+
+def _v1(t: Target) -> list[str]:
+    out: list[str] = []
+    for table in DATA_TABLES:
+        out.extend(create_table(table, t))
+    return out
+
+
+def _v2(t: Target) -> list[str]:
+    return add_column(KERNEL_EVENTS, "Node LowCardinality(String) DEFAULT ''", t)
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "initial: otel_traces, kernel_events, metric_samples", _v1),
+    Migration(2, "kernel_events.Node", _v2),
+)
+SCHEMA_VERSION = MIGRATIONS[-1].version
+
+
+def all_statements(t: Target, upto: int = SCHEMA_VERSION) -> list[str]:
+    """Every statement of a fresh install up to `upto` (for review and for the
+    parser test)."""
+    out = [create_database(t), create_schema_version_table(t)]
+    for m in MIGRATIONS:
+        if m.version <= upto:
+            out.extend(m.statements(t))
+    return out
+
+
+def current_version(query: Callable[[str], list[tuple]], t: Target) -> int:
+    rows = query(f"SELECT max(Version) FROM {t.database}.{SCHEMA_VERSION_TABLE}")
+    return int(rows[0][0]) if rows and rows[0][0] is not None else 0
+
+
+def migrate(query: Callable[[str], list[tuple]], t: Target, upto: int = SCHEMA_VERSION) -> int:
+    """Bring the database to version `upto`: create the database and the
+    bookkeeping table, run each missing migration in order and record it.
+    `query` runs one statement (Backend.query). Returns the version reached."""
+    if upto > SCHEMA_VERSION:
+        raise ValueError(f"no migration to version {upto} (latest {SCHEMA_VERSION})")
+    query(create_database(t))
+    query(create_schema_version_table(t))
+    version = current_version(query, t)
+    for m in MIGRATIONS:
+        if version < m.version <= upto:
+            for stmt in m.statements(t):
+                query(stmt)
+            query(f"INSERT INTO {t.database}.{SCHEMA_VERSION_TABLE} (Version, Description) "
+                  f"VALUES ({m.version}, {quote_string(m.description)})")
+            version = m.version
+    return version

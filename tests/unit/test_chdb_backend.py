@@ -1,0 +1,341 @@
+"""The embedded chdb store, for real, in temporary directories: enriched spans,
+kernel events and metric samples are read back exactly as written (ids,
+nanosecond timestamps, attributes); a retried batch leaves one copy after a
+final merge; data survive a restart; inserts from many threads all land; the
+dashboards' queries return exactly the expected rows."""
+
+from __future__ import annotations
+
+import ctypes as C
+import threading
+import time
+
+import pytest
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from agent import events, join
+from agent.metrics import Family, HistogramSample, Sample, labels
+from exporters.clickhouse import BackendError, queries, rows
+from exporters.clickhouse.chdb_backend import ChdbBackend
+
+DB = "spanlet"
+NOW = time.time_ns() - 600 * 1_000_000_000   # recent (inside the TTL), fixed for the run
+
+
+@pytest.fixture
+def backend(tmp_path):
+    b = ChdbBackend(str(tmp_path / "store"), database=DB)
+    try:
+        b.ensure_schema()
+        yield b
+    finally:
+        b.close()
+
+
+# -- builders ---------------------------------------------------------------
+
+def _event(cls, kind, ts, *, pid=100, tid=101, cgroup=7, trace=b"", span=0, **fields):
+    ev = cls()
+    ev.hdr.kind = kind
+    ev.hdr.pid, ev.hdr.tid, ev.hdr.cgroup_id = pid, tid, cgroup
+    ev.hdr.ts_ns = ts
+    if trace:
+        ev.hdr.trace_id = (C.c_uint8 * 16)(*trace)
+    ev.hdr.span_id = span
+    ev.hdr.modality = events.Modality.image
+    for k, v in fields.items():
+        setattr(ev, k, v)
+    ev.epoch_ns = ts
+    return ev
+
+
+def _flow(src, dst, sport, dport):
+    f = events.FlowKey()
+    f.saddr = (C.c_uint8 * 16)(*bytes(map(int, src.split("."))))
+    f.daddr = (C.c_uint8 * 16)(*bytes(map(int, dst.split("."))))
+    f.sport, f.dport, f.l4proto, f.family = sport, dport, 6, 4
+    return f
+
+
+TRACE = bytes(range(1, 17))
+SPAN = 0x0102030405060708
+
+
+def _kernel_events():
+    t = NOW
+    return [
+        _event(events.GpuLaunch, events.Kind.GPU_LAUNCH, t + 1, trace=TRACE, span=SPAN, func=0xdeadbeef, stream=3,
+               duration_ns=1234, grid=(C.c_uint32 * 3)(4, 5, 6),
+               block=(C.c_uint32 * 3)(32, 1, 1), shared_mem=4096,
+               api=events.Api.driver, entry=events.Entry.cuLaunchKernel),
+        _event(events.GpuSync, events.Kind.GPU_SYNC, t + 2, trace=TRACE, span=SPAN, stream=3, duration_ns=5000,
+               api=events.Api.runtime, entry=events.Entry.cudaStreamSynchronize),
+        _event(events.SandboxViolation, events.Kind.SANDBOX, t + 3, pid=200, tid=201, cgroup=8, addr=2**64 - 4096,
+               len=1 << 20, pool_max_bytes=1 << 30, prot=3, flags=0x22, pool_id=9, fd=-1,
+               rule=events.Rule.oversize, action=events.Action.kill),
+        _event(events.HttpRequest, events.Kind.HTTP, t + 4, tid=0, flow=_flow("10.0.0.1", "10.0.0.2", 40000, 80),
+               ifindex=3, path_hash=0xabcdef01, method=1, direction=events.Direction.ingress,
+               trace_flags=1),
+        _event(events.HttpBytes, events.Kind.HTTP_BYTES, t + 5, tid=0, flow=_flow("10.0.0.1", "10.0.0.2", 40000, 80),
+               bytes=(C.c_uint64 * 2)(700, 9000), req_dir=0),
+        _event(events.FlowSeen, events.Kind.FLOW, t + 6, tid=0, flow=_flow("10.0.0.3", "10.0.0.4", 5000, 443),
+               ifindex=4, proto_class=events.Proto.http2, direction=events.Direction.egress),
+    ]
+
+
+def _enriched_spans(n=3, pod="web-0", stalls=(5000, 0, 777), t0=NOW):
+    """ResourceSpans whose spans went through the span join (kernel.* facts)."""
+    rs = trace_pb2.ResourceSpans()
+    for k, v in (("service.name", "frontend"), ("k8s.pod.name", pod),
+                 ("k8s.namespace.name", "prod")):
+        rs.resource.attributes.add(key=k).value.string_value = v
+    ss = rs.scope_spans.add()
+    ss.scope.name, ss.scope.version = "spanlet", "0.1"
+    for i in range(n):
+        span = ss.spans.add()
+        span.trace_id = bytes([0xA0 + i]) + pod.encode()[:1] + bytes(14)
+        span.span_id = (0x1000 + i).to_bytes(8, "big") if pod == "web-0" else \
+            (0x2000 + i).to_bytes(8, "big")
+        span.parent_span_id = bytes(8) if i == 0 else b"\x00" * 7 + b"\x01"
+        span.name = f"GET /item/{i}"
+        span.kind = trace_pb2.Span.SPAN_KIND_SERVER
+        span.start_time_unix_nano = t0 + i * 1_000_000 + 123_456_789
+        span.end_time_unix_nano = span.start_time_unix_nano + 2_000_000 + i
+        span.trace_state = "a=b"
+        span.status.code = trace_pb2.Status.STATUS_CODE_ERROR if i == 1 else 0
+        span.status.message = "boom 'quoted'" if i == 1 else ""
+        span.attributes.add(key="http.method").value.string_value = "GET"
+        span.attributes.add(key="ratio").value.double_value = 0.25
+        span.attributes.add(key="cached").value.bool_value = True
+        arr = span.attributes.add(key="list").value.array_value
+        arr.values.add().int_value = 1
+        arr.values.add().string_value = "x"
+        facts = join.Facts(trace_id=span.trace_id, first_ns=span.start_time_unix_nano)
+        if stalls[i % len(stalls)]:
+            facts.add(_event(events.GpuSync, events.Kind.GPU_SYNC, span.start_time_unix_nano + 10,
+                             trace=span.trace_id, span=int.from_bytes(span.span_id, "big"),
+                             duration_ns=stalls[i % len(stalls)]), cap=4)
+        facts.add(_event(events.GpuLaunch, events.Kind.GPU_LAUNCH, span.start_time_unix_nano + 20, duration_ns=300,
+                         grid=(C.c_uint32 * 3)(1, 1, 1), block=(C.c_uint32 * 3)(64, 1, 1)),
+                  cap=4)
+        join.apply_facts(span, facts)
+        link = span.links.add()
+        link.trace_id, link.span_id, link.trace_state = TRACE, SPAN.to_bytes(8, "big"), "l=1"
+        link.attributes.add(key="n").value.int_value = -5
+    return [rs]
+
+
+SPAN_SELECT = (
+    "SELECT toUnixTimestamp64Nano(Timestamp), TraceId, SpanId, ParentSpanId, TraceState, "
+    "SpanName, SpanKind, ServiceName, ResourceAttributes, ScopeName, ScopeVersion, "
+    "SpanAttributes, Duration, StatusCode, StatusMessage, "
+    "arrayMap(x -> toUnixTimestamp64Nano(x), `Events.Timestamp`), `Events.Name`, "
+    "`Events.Attributes`, `Links.TraceId`, `Links.SpanId`, `Links.TraceState`, "
+    "`Links.Attributes` FROM spanlet.otel_traces ORDER BY Timestamp")
+
+
+def _insert_spans(b, resource_spans):
+    b.insert("otel_traces", rows.TRACE_COLUMNS, rows.span_rows(resource_spans))
+
+
+# -- tests ------------------------------------------------------------------
+
+def test_enriched_spans_read_back_exactly(backend):
+    rs = _enriched_spans()
+    written = rows.span_rows(rs)
+    _insert_spans(backend, rs)
+    got = [list(r) for r in backend.query(SPAN_SELECT)]
+    assert got == written
+    first = dict(zip(rows.TRACE_COLUMNS, got[0]))
+    # Independent of rows.py: the collector's text forms.
+    span = rs[0].scope_spans[0].spans[0]
+    assert first["Timestamp"] == span.start_time_unix_nano == NOW + 123_456_789
+    assert first["TraceId"] == span.trace_id.hex() and len(first["TraceId"]) == 32
+    assert first["SpanId"] == "0000000000001000"
+    assert first["ParentSpanId"] == ""                      # all-zero id → ''
+    assert first["SpanKind"] == "SPAN_KIND_SERVER"
+    assert first["StatusCode"] == "STATUS_CODE_UNSET"
+    assert first["Duration"] == 2_000_000
+    assert first["ServiceName"] == "frontend"
+    assert first["SpanAttributes"] == {
+        "http.method": "GET", "ratio": "0.25", "cached": "true", "list": '[1,"x"]',
+        "kernel.gpu.launches": "1", "kernel.gpu.launch_ns": "300",
+        "kernel.gpu.sync_wait_ns": "5000"}
+    assert first["Events.Name"] == ["kernel.gpu.sync_wait", "kernel.gpu.launch"]
+    assert first["Events.Timestamp"] == [span.start_time_unix_nano + 10,
+                                         span.start_time_unix_nano + 20]
+    assert first["Events.Attributes"][0]["duration_ns"] == "5000"
+    assert first["Links.TraceId"] == [TRACE.hex()]
+    assert first["Links.Attributes"] == [{"n": "-5"}]
+    second = dict(zip(rows.TRACE_COLUMNS, got[1]))
+    assert second["StatusCode"] == "STATUS_CODE_ERROR"
+    assert second["StatusMessage"] == "boom 'quoted'"
+    assert "kernel.gpu.sync_wait_ns" not in second["SpanAttributes"]
+
+
+def test_kernel_events_read_back_exactly(backend):
+    evs = _kernel_events()
+    written = rows.kernel_event_rows(evs, resolve=lambda cg: ("ns", f"pod-{cg}", "c"),
+                                     node="node-1")
+    backend.insert("kernel_events", rows.KERNEL_EVENT_COLUMNS, written)
+    cols = ", ".join(f"`{c}`" if c != "Timestamp" else "toUnixTimestamp64Nano(Timestamp)"
+                     for c in rows.KERNEL_EVENT_COLUMNS)
+    got = [list(r) for r in backend.query(
+        f"SELECT {cols} FROM spanlet.kernel_events ORDER BY Timestamp")]
+    assert got == written
+    by_kind = {r[1]: dict(zip(rows.KERNEL_EVENT_COLUMNS, r)) for r in got}
+    launch = by_kind["GPU_LAUNCH"]
+    assert (launch["Timestamp"], launch["TraceId"], launch["SpanId"]) == (
+        NOW + 1, TRACE.hex(), "0102030405060708")
+    assert (launch["Api"], launch["Entry"], launch["Func"], launch["Grid"], launch["Block"],
+            launch["SharedMem"], launch["Modality"]) == (
+        "driver", "cuLaunchKernel", 0xdeadbeef, [4, 5, 6], [32, 1, 1], 4096, "image")
+    assert by_kind["GPU_SYNC"]["DurationNs"] == 5000
+    sb = by_kind["SANDBOX"]
+    assert (sb["Rule"], sb["Action"], sb["Addr"], sb["Fd"], sb["MapFlags"], sb["K8sPodName"],
+            sb["TraceId"], sb["SpanId"]) == ("oversize", "kill", 2**64 - 4096, -1, 0x22,
+                                             "pod-8", "", "")
+    http = by_kind["HTTP"]
+    assert (http["SrcAddr"], http["DstAddr"], http["SrcPort"], http["DstPort"],
+            http["PathHash"], http["Direction"]) == ("10.0.0.1", "10.0.0.2", 40000, 80,
+                                                     0xabcdef01, "ingress")
+    assert (by_kind["HTTP_BYTES"]["RequestBytes"], by_kind["HTTP_BYTES"]["ResponseBytes"]) == (
+        700, 9000)
+    assert (by_kind["FLOW"]["ProtoClass"], by_kind["FLOW"]["Node"]) == ("http2", "node-1")
+
+
+def test_metric_samples_read_back_exactly(backend):
+    fams = [
+        Family("spanlet_gpu_launches_total", "counter", "launches", "",
+               [Sample(labels(pod="a", namespace="n"), 12.0),
+                Sample(labels(pod="b", namespace="n"), 2.5e-9)]),
+        Family("spanlet_request_duration_seconds", "histogram", "latency", "seconds",
+               [HistogramSample(labels(route="/x"), (0.1, 0.5), (3, 1, 2), 4.25, 6)]),
+    ]
+    written = rows.metric_rows(fams, NOW)
+    backend.insert("metric_samples", rows.METRIC_COLUMNS, written)
+    got = [list(r) for r in backend.query(
+        "SELECT toUnixTimestamp64Nano(Timestamp), MetricName, MetricType, Unit, Labels, Value, "
+        "Count, Sum, Bounds, BucketCounts FROM spanlet.metric_samples "
+        "ORDER BY MetricName, Labels['pod']")]
+    assert got == written
+    assert got[0][4] == {"namespace": "n", "pod": "a"} and got[1][5] == 2.5e-9
+    assert got[2][8:] == [[0.1, 0.5], [3, 1, 2]] and got[2][6:8] == [6, 4.25]
+
+
+def test_retried_batch_leaves_one_copy(backend):
+    rs = _enriched_spans()
+    evs = rows.kernel_event_rows(_kernel_events())
+    for _ in range(2):
+        _insert_spans(backend, rs)
+        backend.insert("kernel_events", rows.KERNEL_EVENT_COLUMNS, evs)
+    for table in ("otel_traces", "kernel_events"):
+        backend.query(f"OPTIMIZE TABLE spanlet.{table} FINAL")
+    assert backend.query("SELECT count(), uniqExact(TraceId, SpanId) FROM spanlet.otel_traces") \
+        == [(3, 3)]
+    assert backend.query("SELECT count() FROM spanlet.kernel_events") == [(len(evs),)]
+    # A span re-sent with the same ids but more facts replaces the old copy.
+    later = _enriched_spans(stalls=(6000, 0, 777))
+    _insert_spans(backend, later)
+    assert backend.query(
+        "SELECT SpanAttributes['kernel.gpu.sync_wait_ns'] FROM spanlet.otel_traces FINAL "
+        "WHERE SpanId = '0000000000001000'") == [("6000",)]
+
+
+def test_data_survive_restart(tmp_path):
+    path = str(tmp_path / "store")
+    b = ChdbBackend(path)
+    try:
+        b.ensure_schema()
+        _insert_spans(b, _enriched_spans())
+    finally:
+        b.close()
+    with pytest.raises(BackendError):
+        b.query("SELECT 1")                       # closed
+    b = ChdbBackend(path)
+    try:
+        assert b.ensure_schema() == 2
+        assert b.query("SELECT count() FROM spanlet.otel_traces") == [(3,)]
+    finally:
+        b.close()
+
+
+def test_values_are_never_spliced_into_sql(backend):
+    evil = "x'); DROP TABLE spanlet.otel_traces; --\\' \n\t\0 ✓"
+    backend.insert("otel_traces", ["Timestamp", "TraceId", "SpanId", "SpanName",
+                                   "SpanAttributes"],
+                   [[NOW, "t", "s", evil, {evil: evil}]])
+    assert backend.query("SELECT SpanName, SpanAttributes FROM spanlet.otel_traces") == [
+        (evil, {evil: evil})]
+
+
+def test_concurrent_inserts_all_land(backend):
+    errors = []
+
+    def worker(w):
+        try:
+            for k in range(10):
+                backend.insert("kernel_events", ["Timestamp", "Kind", "Tid", "CgroupId"],
+                               [[NOW + i, "GPU_SYNC", w, k] for i in range(100)])
+                backend.query("SELECT count() FROM spanlet.kernel_events")
+        except Exception as e:   # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert backend.query("SELECT count(), uniqExact(Tid, CgroupId, Timestamp) "
+                         "FROM spanlet.kernel_events") == [(8000, 8000)]
+
+
+# -- queries ----------------------------------------------------------------
+
+@pytest.fixture
+def populated(backend):
+    _insert_spans(backend, _enriched_spans(3, "web-0", stalls=(5000, 0, 777)))
+    _insert_spans(backend, _enriched_spans(2, "web-1", stalls=(90_000, 10), t0=NOW + 10**9))
+    resolve = lambda cg: ("prod", f"pod-{cg}", "main")   # noqa: E731
+    backend.insert("kernel_events", rows.KERNEL_EVENT_COLUMNS,
+                   rows.kernel_event_rows(_kernel_events(), resolve=resolve))
+    backend.insert("kernel_events", rows.KERNEL_EVENT_COLUMNS,   # a retry of the violation
+                   rows.kernel_event_rows(_kernel_events()[2:3], resolve=resolve))
+    return backend
+
+
+def test_recent_pod_spans(populated):
+    got = queries.recent_pod_spans(populated, DB, "web-0", "prod", limit=2)
+    assert [(r["span_id"], r["name"]) for r in got] == [
+        ("0000000000001002", "GET /item/2"), ("0000000000001001", "GET /item/1")]
+    assert got[0]["kernel"] == {"kernel.gpu.launches": "1", "kernel.gpu.launch_ns": "300",
+                                "kernel.gpu.sync_wait_ns": "777"}
+    assert got[0]["ts_ns"] == NOW + 2_000_000 + 123_456_789
+    assert got[0]["duration_ns"] == 2_000_002 and got[1]["status"] == "STATUS_CODE_ERROR"
+    assert queries.recent_pod_spans(populated, DB, "web-0", "other-ns") == []
+    assert queries.recent_pod_spans(populated, DB, "x' OR '1'='1") == []
+    since = queries.recent_pod_spans(populated, DB, "web-0", since_ns=NOW + 1_000_000 + 123_456_789)
+    assert [r["span_id"] for r in since] == ["0000000000001002", "0000000000001001"]
+
+
+def test_slowest_gpu_stall_spans(populated):
+    got = queries.slowest_gpu_stall_spans(populated, DB, limit=3)
+    assert [(r["pod"], r["span_id"], r["gpu_sync_wait_ns"]) for r in got] == [
+        ("web-1", "0000000000002000", 90_000), ("web-0", "0000000000001000", 5000),
+        ("web-0", "0000000000001002", 777)]
+    only = queries.slowest_gpu_stall_spans(populated, DB, pod="web-1", service="frontend")
+    assert [r["gpu_sync_wait_ns"] for r in only] == [90_000, 10]
+
+
+def test_sandbox_violations(populated):
+    got = queries.sandbox_violations(populated, DB)
+    assert got == [{
+        "ts_ns": NOW + 3, "namespace": "prod", "pod": "pod-8", "container": "main",
+        "pid": 200, "tid": 201, "cgroup_id": 8, "rule": "oversize", "action": "kill",
+        "addr": 2**64 - 4096, "len": 1 << 20, "pool_id": 9, "pool_max_bytes": 1 << 30,
+        "prot": 3, "fd": -1, "trace_id": "", "span_id": ""}]
+    assert queries.sandbox_violations(populated, DB, pod="pod-8", namespace="prod",
+                                      since_ns=NOW + 3) == got
+    assert queries.sandbox_violations(populated, DB, pod="pod-7") == []
+    assert queries.sandbox_violations(populated, DB, until_ns=NOW + 3) == []

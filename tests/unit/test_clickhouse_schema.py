@@ -1,0 +1,152 @@
+"""The store's DDL and migrations: every statement (single node and cluster
+mode) is accepted by ClickHouse's own parser; a fresh database gets the exact
+collector column set; a database at schema v1 with rows in it is brought to the
+current version without losing them; names and literals cannot inject SQL."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from exporters.clickhouse import BackendError
+from exporters.clickhouse import schema
+from exporters.clickhouse.chdb_backend import ChdbBackend
+
+# The collector exporter's otel_traces columns (traces_table.sql), in order.
+COLLECTOR_TRACE_COLUMNS = [
+    ("Timestamp", "DateTime64(9)"), ("TraceId", "String"), ("SpanId", "String"),
+    ("ParentSpanId", "String"), ("TraceState", "String"),
+    ("SpanName", "LowCardinality(String)"), ("SpanKind", "LowCardinality(String)"),
+    ("ServiceName", "LowCardinality(String)"),
+    ("ResourceAttributes", "Map(LowCardinality(String), String)"),
+    ("ScopeName", "String"), ("ScopeVersion", "String"),
+    ("SpanAttributes", "Map(LowCardinality(String), String)"),
+    ("Duration", "UInt64"), ("StatusCode", "LowCardinality(String)"),
+    ("StatusMessage", "String"),
+    ("Events.Timestamp", "Array(DateTime64(9))"),
+    ("Events.Name", "Array(LowCardinality(String))"),
+    ("Events.Attributes", "Array(Map(LowCardinality(String), String))"),
+    ("Links.TraceId", "Array(String)"), ("Links.SpanId", "Array(String)"),
+    ("Links.TraceState", "Array(String)"),
+    ("Links.Attributes", "Array(Map(LowCardinality(String), String))"),
+]
+
+
+@pytest.fixture
+def backend(tmp_path):
+    b = ChdbBackend(str(tmp_path / "db"), database="spanlet", ttl_days=3)
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+def _columns(b, table):
+    return b.query("SELECT name, type FROM system.columns WHERE database = 'spanlet' "
+                   f"AND table = '{table}' ORDER BY position")
+
+
+def test_cluster_ddl_each_statement_parses(backend):
+    t = schema.Target(database="obs", ttl_days=30, cluster="prod_cluster")
+    stmts = schema.all_statements(t)
+    # database, schema_version, 3 x (local + Distributed), v2: 2 ALTERs
+    assert len(stmts) == 1 + 1 + 6 + 2
+    for stmt in stmts:
+        formatted = backend.query(f"SELECT formatQuery({schema.quote_string(stmt)})")[0][0]
+        assert "ON CLUSTER prod_cluster" in formatted, stmt
+    text = "\n".join(stmts)
+    for table in schema.DATA_TABLES:
+        assert f"CREATE TABLE IF NOT EXISTS obs.{table}_local ON CLUSTER prod_cluster" in text
+        assert (f"ENGINE = Distributed(prod_cluster, obs, {table}_local, "
+                f"{schema.SHARDING_KEYS[table]})") in text
+    assert text.count("ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/obs/") == 3
+    assert "ReplicatedReplacingMergeTree('/clickhouse/tables/obs/schema_version', '{replica}')" in text
+    assert "toIntervalDay(30)" in text
+    assert "ALTER TABLE obs.kernel_events_local ON CLUSTER prod_cluster ADD COLUMN" in text
+
+
+def test_single_node_ddl_parses_and_has_no_cluster(backend):
+    for stmt in schema.all_statements(schema.Target()):
+        backend.query(f"SELECT formatQuery({schema.quote_string(stmt)})")
+        assert "CLUSTER" not in stmt and "Replicated" not in stmt and "Distributed" not in stmt
+
+
+def test_fresh_schema_has_collector_columns_and_engines(backend):
+    assert backend.ensure_schema() == schema.SCHEMA_VERSION == 2
+    assert _columns(backend, "otel_traces") == COLLECTOR_TRACE_COLUMNS
+    rows = dict(backend.query(
+        "SELECT name, engine || '|' || sorting_key || '|' || partition_key FROM system.tables "
+        "WHERE database = 'spanlet'"))
+    assert rows["otel_traces"] == "ReplacingMergeTree|TraceId, SpanId|toDate(Timestamp)"
+    assert rows["kernel_events"].startswith("ReplacingMergeTree|Kind, CgroupId, Timestamp")
+    assert rows["metric_samples"] == ("ReplacingMergeTree|MetricName, LabelsHash, Timestamp|"
+                                      "toDate(Timestamp)")
+    ddl = backend.query("SELECT create_table_query FROM system.tables WHERE database = 'spanlet' "
+                        "AND name = 'otel_traces'")[0][0]
+    assert "TTL toDateTime(Timestamp) + toIntervalDay(3)" in ddl
+    assert ("Node", "LowCardinality(String)") in _columns(backend, "kernel_events")
+    # Idempotent: a second start-up applies nothing.
+    assert backend.ensure_schema() == 2
+    assert backend.query("SELECT Version FROM spanlet.schema_version ORDER BY Version") == [(1,), (2,)]
+
+
+def test_v1_database_with_rows_is_migrated_without_loss(tmp_path):
+    # Recent timestamps: older rows would (rightly) be dropped by the TTL.
+    t0 = time.time_ns() - 3_600_000_000_000 + 1
+    path = str(tmp_path / "db")
+    b = ChdbBackend(path)
+    try:
+        assert b.ensure_schema(upto=1) == 1
+        assert "Node" not in dict(_columns(b, "kernel_events"))
+        b.insert("kernel_events", ["Timestamp", "Kind", "Pid", "Tid", "CgroupId", "DurationNs"],
+                 [[t0 + i, "GPU_SYNC", 10, 11 + i, 99, 1000 * i]
+                  for i in range(5)])
+        b.insert("otel_traces", ["Timestamp", "TraceId", "SpanId"],
+                 [[t0, "ab" * 16, "cd" * 8]])
+    finally:
+        b.close()
+    # Restart on the same directory: start-up migration to the current version.
+    b = ChdbBackend(path)
+    try:
+        assert b.schema_version() == 1
+        assert b.ensure_schema() == 2
+        assert b.query("SELECT toUnixTimestamp64Nano(Timestamp), Tid, DurationNs, Node "
+                       "FROM spanlet.kernel_events ORDER BY Tid") == [
+            (t0 + i, 11 + i, 1000 * i, "") for i in range(5)]
+        assert b.query("SELECT TraceId, SpanId FROM spanlet.otel_traces") == [("ab" * 16, "cd" * 8)]
+        b.insert("kernel_events", ["Timestamp", "Kind", "Node"],
+                 [[t0 + 100, "FLOW", "node-a"]])
+        assert b.query("SELECT Node, count() FROM spanlet.kernel_events GROUP BY Node "
+                       "ORDER BY Node") == [("", 5), ("node-a", 1)]
+    finally:
+        b.close()
+
+
+def test_identifiers_are_checked():
+    for bad in ("a-b", "x; DROP TABLE y", "", "1abc", "a.b", "a`b"):
+        with pytest.raises(ValueError):
+            schema.Target(database=bad)
+        with pytest.raises(ValueError):
+            schema.Target(cluster=bad)
+    with pytest.raises(ValueError):
+        schema.Target(ttl_days=0)
+    with pytest.raises(ValueError):
+        schema.migrate(lambda sql: [], schema.Target(), upto=schema.SCHEMA_VERSION + 1)
+
+
+def test_quote_string_round_trips_any_text(backend):
+    nasty = "it's \\ a \"test\"\n\t\r\0 `x` '); DROP TABLE t; -- ünïcode ✓"
+    assert backend.query(f"SELECT {schema.quote_string(nasty)}") == [(nasty,)]
+
+
+def test_unknown_table_and_bad_sql_are_backend_errors(backend):
+    backend.ensure_schema()
+    with pytest.raises(BackendError):
+        backend.query("SELECT * FROM spanlet.nope")
+    with pytest.raises(BackendError):
+        backend.insert("nope", ["a"], [[1]])
+    with pytest.raises(BackendError):
+        backend.insert("otel_traces", ["NoSuchColumn"], [[1]])
+    with pytest.raises(BackendError):   # a string into a UInt64 column
+        backend.insert("otel_traces", ["Timestamp", "Duration"], [[1, "not a number"]])
