@@ -197,6 +197,33 @@ class JoinConfig(_Section):
     max_span_events: int = Field(default=32, ge=0, le=10_000)
 
 
+class StoreConfig(_Section):
+    enabled: bool = True
+    # chdb: embedded, under data_dir/chdb (nothing to install or run);
+    # clickhouse: a server or cluster through clickhouse-connect.
+    backend: Literal["chdb", "clickhouse"] = "chdb"
+    url: str = ""                       # clickhouse: http(s)://host:8123
+    database: str = "spanlet"
+    user: str = ""
+    # A mounted secret holding the password; never logged.
+    password_file: str = ""
+    ca_file: str = ""
+    # A cluster name: ON CLUSTER DDL, Replicated local tables, Distributed tables.
+    cluster: str = ""
+    ttl_days: int = Field(default=7, ge=1, le=3650)
+    batch_rows: int = Field(default=10_000, ge=1, le=1_000_000)
+    batch_interval_s: float = Field(default=1.0, gt=0, le=60)
+    queue_rows: int = Field(default=200_000, ge=1, le=100_000_000)
+    # On-disk spool (data_dir/spool) for what the store cannot take now.
+    spool_max_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
+
+    @model_validator(mode="after")
+    def _server_needs_url(self) -> "StoreConfig":
+        if self.backend == "clickhouse" and not self.url:
+            raise ValueError("backend clickhouse needs url (http[s]://host:8123)")
+        return self
+
+
 def _section_from(settings_cls: type, name: str, exclude: tuple[str, ...] = ()) -> type[_Section]:
     """A config section whose keys, types and defaults are those of a settings
     dataclass of the module that uses them (one place for each default); the
@@ -256,6 +283,7 @@ class Config(_Section):
     join: JoinConfig = JoinConfig()
     nvml: NvmlConfig = NvmlConfig()
     serving: ServingConfig = ServingConfig()
+    store: StoreConfig = StoreConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
     @field_validator("ringbuf_pages")

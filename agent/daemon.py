@@ -9,6 +9,8 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
+from pathlib import Path
 from typing import Callable
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -113,6 +115,80 @@ class SpanPath:
         self.exporter.shutdown(timeout_millis=remaining_ms)
 
 
+class StorePath:
+    """Spans, kernel events and metric samples into ClickHouse (embedded chdb
+    by default) through one sink: batched, retried, spooled to disk."""
+
+    def __init__(self, cfg: Config, enricher: K8sEnricher):
+        self.cfg = cfg
+        self.enricher = enricher
+        self.sink = None
+        # decoded events wait here (reader threads append) until the next refresh
+        self._events: deque = deque(maxlen=cfg.store.queue_rows)
+        self.events_overflow = 0
+
+    def start(self) -> None:
+        from exporters.clickhouse import rows
+        from exporters.clickhouse.sink import ClickHouseSink
+
+        st, data = self.cfg.store, Path(self.cfg.data_dir)
+        self.rows = rows
+        try:
+            if st.backend == "chdb":
+                from exporters.clickhouse.chdb_backend import ChdbBackend
+                (data / "chdb").mkdir(parents=True, exist_ok=True)
+                backend = ChdbBackend(str(data / "chdb"), database=st.database, ttl_days=st.ttl_days)
+                where = f"embedded chdb in {data / 'chdb'}"
+            else:
+                from exporters.clickhouse.http_backend import HttpBackend
+                backend = HttpBackend(st.url, database=st.database, user=st.user or None,
+                                      password_file=st.password_file or None,
+                                      ca_file=st.ca_file or None, ttl_days=st.ttl_days,
+                                      cluster=st.cluster or None)
+                where = f"ClickHouse at {st.url}" + (f" (cluster {st.cluster})" if st.cluster else "")
+            self.sink = ClickHouseSink(backend, batch_rows=st.batch_rows,
+                                       batch_interval_s=st.batch_interval_s, queue_rows=st.queue_rows,
+                                       spool_dir=data / "spool", spool_max_bytes=st.spool_max_bytes)
+        except Exception as e:  # the store is one consumer: the agent runs without it
+            log.error("store NOT started: %s", e)
+            return
+        log.info("store: %s, database %s", where, st.database)
+
+    def _resolve(self, cgroup_id: int) -> tuple[str, str, str]:
+        a = self.enricher.attributes(cgroup_id) if cgroup_id else {}
+        return (a.get("k8s.namespace.name", ""), a.get("k8s.pod.name", ""),
+                a.get("k8s.container.name", ""))
+
+    def add_event(self, ev: events._Event) -> None:
+        if self.sink is not None:
+            if len(self._events) == self._events.maxlen:
+                self.events_overflow += 1
+            self._events.append(ev)
+
+    def add_spans(self, resource_spans) -> None:
+        if self.sink is not None:
+            self.sink.write("otel_traces", self.rows.TRACE_COLUMNS, self.rows.span_rows(resource_spans))
+
+    def add_metrics(self, families) -> None:
+        if self.sink is not None:
+            self.sink.write("metric_samples", self.rows.METRIC_COLUMNS,
+                            self.rows.metric_rows(families, time.time_ns()))
+
+    def tick(self) -> None:
+        if self.sink is None or not self._events:
+            return
+        batch = []
+        while self._events:
+            batch.append(self._events.popleft())
+        self.sink.write("kernel_events", self.rows.KERNEL_EVENT_COLUMNS,
+                        self.rows.kernel_event_rows(batch, self._resolve, self.cfg.node_name))
+
+    def stop(self, deadline: float) -> None:
+        if self.sink is not None:
+            self.tick()
+            self.sink.shutdown(max(0.1, deadline - time.monotonic()))
+
+
 class Daemon:
     def __init__(self, cfg: Config, sink: Callable[[events._Event], None] | None = None):
         self.cfg = cfg
@@ -122,11 +198,14 @@ class Daemon:
                                       start=time.monotonic())
         self.scheduler = Scheduler(SchedulerThresholds(**cfg.scheduler.model_dump()),
                                    window_s=cfg.window_s)
-        self.spans = SpanPath(cfg, on_joined=lambda rs: self.serving.observe(rs, time.monotonic()))
+        self.spans = SpanPath(cfg, on_joined=self._on_joined)
+        self.store = StorePath(cfg, self.spans.enricher) if cfg.store.enabled else None
         printer = sink
 
         def on_event(ev: events._Event) -> None:
             self.spans.join.add_event(ev)
+            if self.store is not None:
+                self.store.add_event(ev)
             if printer is not None:
                 printer(ev)
 
@@ -143,6 +222,11 @@ class Daemon:
         self._threads: list[threading.Thread] = []
         self._stopped = False
 
+    def _on_joined(self, resource_spans) -> None:
+        self.serving.observe(resource_spans, time.monotonic())
+        if self.store is not None:
+            self.store.add_spans(resource_spans)
+
     # -- start-up ----------------------------------------------------------------
     def check_node(self) -> kernel.Headers:
         """Root, mounts and headers; raises kernel.EnvironmentProblem."""
@@ -154,6 +238,8 @@ class Daemon:
         return headers
 
     def start(self) -> list[ProbeStatus]:
+        if self.store is not None:
+            self.store.start()
         self.spans.start()
         self.nvml.start()
         owner, *rest = [cls(self.cfg, sink=self.sink, clock=self.clock)
@@ -215,6 +301,8 @@ class Daemon:
         last_stats = last_window = time.monotonic()
         while not self.stopping.wait(interval):
             self.spans.tick()
+            if self.store is not None:
+                self.store.tick()
             if time.monotonic() - last_window >= self.cfg.window_s:
                 last_window = time.monotonic()
                 self._close_window()
@@ -245,6 +333,8 @@ class Daemon:
                 gpu_memory_peak_ratio=dict(self.memory_peaks),
                 gpu_memory_free_bytes={g: s.memory_free_bytes for g, s in gpus.items()}),
                 time.time())
+            if self.store is not None:
+                self.store.add_metrics(self.metrics.families())
         except Exception:
             log.exception("closing the metric window failed")
 
@@ -277,6 +367,8 @@ class Daemon:
         log.info("all probes detached")
         self.nvml.stop(timeout_s=max(0.1, min(1.0, deadline - time.monotonic())))
         self.spans.stop(deadline)
+        if self.store is not None:
+            self.store.stop(deadline)
 
     def run_until_signal(self) -> None:
         def on_signal(signum, _frame):

@@ -83,7 +83,8 @@ def run_once(a, mode: str, standin) -> tuple[float, float, int]:
         w.load(standin.lib_dir)
         agent = subprocess.Popen(
             [sys.executable, "-m", "agent.cli", "run", "--set", "tc.enabled=false",
-             "--set", "sandbox.enabled=false", "--set", f"gpu.launch_events={mode}",
+             "--set", "sandbox.enabled=false", "--set", "store.enabled=false",
+             "--set", f"gpu.launch_events={mode}",
              "--set", f"otlp.grpc_port={grpc_port}", "--set", f"otlp.http_port={free_port()}",
              "--set", f"http_port={http_port}", "--set", "http_address=127.0.0.1"],
             cwd=REPO, stderr=subprocess.PIPE, text=True)

@@ -76,7 +76,7 @@ def main() -> int:
             port = s.getsockname()[1]
         cfg = config.load(env={}, overrides=[
             f"tc.netns={server.name}", "tc.interfaces=scs0", "http_address=127.0.0.1",
-            f"http_port={port}", "otlp.grpc_port=0", "otlp.http_port=0"])
+            f"http_port={port}", "store.enabled=false", "otlp.grpc_port=0", "otlp.http_port=0"])
         agent = Daemon(cfg)
         agent.check_node()
         agent.start()

@@ -146,6 +146,7 @@ def test_run_attaches_reads_and_detaches(tmp_path, node, pool_prefix, sig):
     standin = cuda_standin.build(tmp_path / "cuda")
     config = tmp_path / "spanlet.yaml"
     config.write_text(
+        f"data_dir: {tmp_path / 'data'}\n"
         "tc:\n  interfaces: [sla0, nosuch0]\n"
         f"sandbox:\n  prefixes: [{pool_prefix}/]\n"
         "gpu:\n  launch_events: all\n")
@@ -156,6 +157,7 @@ def test_run_attaches_reads_and_detaches(tmp_path, node, pool_prefix, sig):
             agent.wait_log("spanlet: running")
             log = "\n".join(agent.log)
             assert "kernel headers: " in log
+            assert f"store: embedded chdb in {tmp_path / 'data' / 'chdb'}" in log
             if ctypes.util.find_library("nvidia-ml") is None:   # no GPU driver here
                 assert log.count("NVML not available") == 1, log
             for probe in ("span_ctx", "mmap_sandbox", "gpu_launch"):

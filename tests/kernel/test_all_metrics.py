@@ -123,7 +123,7 @@ def test_all_17_metrics_reach_prometheus(tmp_path, nets):
         "tc.jss_window_s=30", f"sandbox.prefixes=[{pool_dir}/]", f"nvml.library={nvml}",
         "nvml.poll_interval_s=0.2", "window_s=1", "discovery.interval_s=0.2",
         "serving.peak_tokens_per_s={model-a: 1000}", "http_address=127.0.0.1",
-        f"http_port={port}", "otlp.grpc_port=0", "otlp.http_port=0"])
+        f"http_port={port}", "store.enabled=false", "otlp.grpc_port=0", "otlp.http_port=0"])
     agent = prom = None
     try:
         with cuda_standin.Workload(standin.workload) as w:

@@ -55,7 +55,7 @@ def test_server_span_carries_its_requests_bytes(nets):
     up.rx.start()
     cfg = config.load(env={}, overrides=[
         "sandbox.enabled=false", "gpu.enabled=false", f"tc.netns={server.name}",
-        "tc.interfaces=hjs0", "otlp.grpc_port=0", "otlp.http_port=0",
+        "tc.interfaces=hjs0", "store.enabled=false", "otlp.grpc_port=0", "otlp.http_port=0",
         "otlp.upstream_protocol=grpc", f"otlp.upstream_endpoint={up.endpoint()}",
         "otlp.batch_interval_s=0.1"])
     agent = Daemon(cfg)

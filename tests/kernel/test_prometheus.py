@@ -94,7 +94,7 @@ def test_prometheus_scrapes_exact_kernel_metrics(tmp_path, nets, pool_dir):
     port = free_port()
     cfg = config.load(env={}, overrides=[
         f"tc.netns={b.name}", "tc.interfaces=pmb0", f"sandbox.prefixes=[{pool_dir}/]",
-        "http_address=127.0.0.1", f"http_port={port}", "otlp.grpc_port=0", "otlp.http_port=0",
+        "http_address=127.0.0.1", f"http_port={port}", "store.enabled=false", "otlp.grpc_port=0", "otlp.http_port=0",
         "discovery.interval_s=0.2"])
     with cuda_standin.Workload(standin.workload) as w:
         w.load(standin.lib_dir)

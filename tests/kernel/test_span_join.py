@@ -26,7 +26,7 @@ def agent(tmp_path):
     up.rx.start()
     cfg = config.load(env={}, overrides=[
         "tc.enabled=false", "sandbox.enabled=false", "discovery.interval_s=0.2",
-        "otlp.grpc_port=0", "otlp.http_port=0", "otlp.upstream_protocol=grpc",
+        "store.enabled=false", "otlp.grpc_port=0", "otlp.http_port=0", "otlp.upstream_protocol=grpc",
         f"otlp.upstream_endpoint={up.endpoint()}", "otlp.batch_interval_s=0.1"])
     d = Daemon(cfg)
     d.check_node()

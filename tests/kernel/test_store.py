@@ -1,0 +1,74 @@
+"""A running agent writes enriched spans, kernel events and metric samples into
+its embedded ClickHouse (real chdb); read back exactly after it stops."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+import cuda_standin
+from agent import config
+from agent.daemon import Daemon
+from exporters.clickhouse.chdb_backend import ChdbBackend
+from otlp_upstream import wait_for
+
+pytestmark = pytest.mark.kernel
+
+
+def test_agent_writes_spans_events_and_metrics_to_chdb(tmp_path):
+    standin = cuda_standin.build(tmp_path / "cuda")
+    data = tmp_path / "data"
+    cfg = config.load(env={}, overrides=[
+        f"data_dir={data}", "tc.enabled=false", "sandbox.enabled=false",
+        "gpu.launch_events=all", "window_s=1", "discovery.interval_s=0.2",
+        "http_port=0", "otlp.grpc_port=0", "otlp.http_port=0", "store.batch_interval_s=0.2"])
+    rnd = random.Random(3)
+    now = time.time_ns()
+    spans = [(rnd.randbytes(16), rnd.randbytes(8), now - 7_123_456_789 + i) for i in range(5)]
+    with cuda_standin.Workload(standin.workload) as w:
+        w.load(standin.lib_dir)
+        agent = Daemon(cfg)
+        agent.check_node()
+        agent.start()
+        try:
+            gpu = next(p for p in agent.probes if p.name == "gpu_launch")
+            wait_for(lambda: sum(l.pid == w.pid for l in gpu.libraries()) == 2, 5, "GPU probe")
+            w.run("cu 6 2 1 1 32 1 1 0 0")
+            req = ExportTraceServiceRequest()
+            ss = req.resource_spans.add().scope_spans.add()
+            for trace, sid, start in spans:
+                s = ss.spans.add(trace_id=trace, span_id=sid, name="infer",
+                                 kind=trace_pb2.Span.SPAN_KIND_SERVER,
+                                 start_time_unix_nano=start, end_time_unix_nano=start + 1_000_003)
+                s.attributes.add(key="mm.modality").value.string_value = "text"
+            stub = trace_service_pb2_grpc.TraceServiceStub(
+                grpc.insecure_channel(f"127.0.0.1:{agent.spans.receiver.grpc_port}"))
+            stub.Export(req)
+            stub.Export(req)                          # a retried export: one copy stored
+            wait_for(lambda: agent.store.sink.stats()["rows_written"] >= 10 + 6, 20, "rows stored")
+            time.sleep(1.5)                           # a window closes: metric samples
+        finally:
+            agent.stop()
+    db = ChdbBackend(str(data / "chdb"))
+    try:
+        db.query("OPTIMIZE TABLE spanlet.otel_traces FINAL")
+        got = db.query("SELECT TraceId, SpanId, toUnixTimestamp64Nano(Timestamp), Duration, "
+                       "SpanKind, SpanAttributes['mm.modality'] FROM spanlet.otel_traces "
+                       "ORDER BY Timestamp")
+        assert got == [(t.hex(), s.hex(), start, 1_000_003, "SPAN_KIND_SERVER", "text")
+                       for t, s, start in spans]
+        launches = db.query("SELECT count(), min(Grid[1]), max(Block[1]) FROM spanlet.kernel_events "
+                            f"WHERE Kind = 'GPU_LAUNCH' AND Pid = {w.pid}")
+        assert launches == [(6, 2, 32)]
+        samples = db.query("SELECT max(Value) FROM spanlet.metric_samples "
+                           "WHERE MetricName = 'spanlet_gpu_kernel_launches_total' "
+                           "AND Labels['api'] = 'driver'")
+        assert samples[0][0] >= 6
+    finally:
+        db.close()
