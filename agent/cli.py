@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="print the exact C compiled for each enabled probe, with its flags, and exit")
     run.add_argument("--print-events", action="store_true",
                      help="print every decoded kernel event as one JSON line on stdout")
+    from agent import inspect as inspect_mod
+    inspect_mod.add_parser(sub)
     return p
 
 
@@ -79,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
         return _run(args)
+    if args.command == "inspect":
+        from agent import inspect as inspect_mod
+        return inspect_mod.run(args)
     return EXIT_START_REFUSED
 
 

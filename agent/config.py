@@ -275,6 +275,8 @@ class Config(_Section):
     # Length of a metric window (gauges such as the GPU memory peak).
     window_s: float = Field(default=10.0, gt=0, le=3600)
     shutdown_timeout_s: float = Field(default=5.0, gt=0, le=60)
+    # Unix socket (0600, root only) of the admin API read by `spanlet inspect`.
+    admin_socket: str = "/run/spanlet/admin.sock"
     tc: TcConfig = TcConfig()
     sandbox: SandboxConfig = SandboxConfig()
     gpu: GpuConfig = GpuConfig()

@@ -18,6 +18,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from agent import events, kernel
+from agent.admin import AdminServer
 from agent.config import Config
 from agent.join import SpanJoin
 from agent.k8s import K8sEnricher, PodWatcher
@@ -202,8 +203,11 @@ class Daemon:
         self.store = StorePath(cfg, self.spans.enricher) if cfg.store.enabled else None
         printer = sink
 
+        self.admin = AdminServer(self)
+
         def on_event(ev: events._Event) -> None:
             self.spans.join.add_event(ev)
+            self.admin.on_event(ev)
             if self.store is not None:
                 self.store.add_event(ev)
             if printer is not None:
@@ -269,6 +273,7 @@ class Daemon:
         t.start()
         self._threads.append(t)
         self._start_http()
+        self.admin.start()
         self.metrics_exporter = OtlpMetricsExporter(self.cfg.otlp, source=self.metrics.families,
                                                     node=self.cfg.node_name,
                                                     interval_s=self.cfg.window_s)
@@ -354,6 +359,7 @@ class Daemon:
             return
         self._stopped = True
         self.stopping.set()
+        self.admin.stop()
         if self.http is not None:
             self.http.stop()
         deadline = time.monotonic() + self.cfg.shutdown_timeout_s

@@ -1,0 +1,484 @@
+"""The running agent's admin API for `spanlet inspect`: a Unix socket (mode 0600,
+root only), one JSON request and one JSON answer per connection, served by one
+thread; plus the small bounded rings (recent violations, recently joined spans,
+launch counts per process) that the kernel maps alone cannot answer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections import Counter, deque
+from pathlib import Path
+from typing import Any, Callable
+
+from agent import events
+
+log = logging.getLogger("spanlet.admin")
+
+PROTOCOL = 1                    # bumped when an answer's fields change incompatibly
+MAX_REQUEST = 64 * 1024
+RING_VIOLATIONS = 256
+RING_SPANS = 512
+MAX_PIDS = 4096                 # processes whose launches are counted from events
+RATE_WINDOW_S = 10.0
+
+# The alert thresholds of daemonset/prometheus-rules.yaml, per metric of
+# METRICS.md (tests/unit/test_inspect_render.py checks they agree with that
+# file): (metric, how the value now is read, comparison, thresholds). The
+# thresholds are {"": t} or, where the rules differ by a label, {"label=value": t}.
+#   gauge_max / gauge_min: the largest / smallest sample; pNN: that quantile of
+#   the cumulative (since start) histogram; total: the counter's sum.
+THRESHOLDS: list[tuple[str, str, str, dict[str, float]]] = [
+    ("spanlet_gpu_kernel_launches_total", "total", "", {}),
+    ("spanlet_gpu_sync_wait_seconds", "p99", ">", {"": 0.05}),
+    ("spanlet_network_bytes_total", "total", "", {}),
+    ("spanlet_jitter_sensitivity_score", "gauge_max", ">", {"": 0.08}),
+    ("spanlet_sandbox_violations_total", "total", ">", {"": 0.0}),
+    ("spanlet_gpu_utilization_ratio", "gauge_max", "", {}),
+    ("spanlet_gpu_memory_peak_ratio", "gauge_max", ">", {"": 0.87}),
+    ("spanlet_gpu_pcie_utilization_ratio", "gauge_max", ">", {"": 0.85}),
+    ("spanlet_request_duration_seconds", "p95", ">",
+     {"slo_class=gold": 0.2, "slo_class=silver": 0.5, "slo_class=bronze": 0.8}),
+    ("spanlet_time_to_first_token_seconds", "p95", ">", {"": 0.4}),
+    ("spanlet_p99_latency_volatility_ratio", "gauge_max", ">", {"": 0.032}),
+    ("spanlet_slo_compliance_ratio", "gauge_min", "<",
+     {"slo_class=gold": 0.95, "slo_class=silver": 0.85, "slo_class=bronze": 0.75}),
+    ("spanlet_throughput_decay_ratio", "gauge_max", ">", {"": 0.45}),
+    ("spanlet_modality_alignment_delay_seconds", "p95", ">", {"": 0.02}),
+    # its alert is on the rate (> 0.05/s over 5m), which one reading cannot give
+    ("spanlet_modality_degradations_total", "total", "", {}),
+    ("spanlet_embedding_drift_score", "gauge_max", ">", {"": 0.018}),
+    ("spanlet_span_kernel_coverage_ratio", "gauge_min", "<", {"": 0.95}),
+]
+
+_RULES = {r.value: r.name for r in events.Rule}
+_ACTIONS = {a.value: a.name for a in events.Action}
+
+
+def quantile(q: float, bounds, bucket_counts) -> float | None:
+    """Prometheus-style histogram_quantile over non-cumulative buckets
+    (the last bucket is +Inf): linear within the bucket."""
+    total = sum(bucket_counts)
+    if not total:
+        return None
+    rank, seen, lower = q * total, 0, 0.0
+    for i, n in enumerate(bucket_counts):
+        if i >= len(bounds):           # in +Inf: the largest finite bound
+            return bounds[-1] if bounds else None
+        if seen + n >= rank and n:
+            return lower + (bounds[i] - lower) * (rank - seen) / n
+        seen += n
+        lower = bounds[i]
+    return bounds[-1] if bounds else None
+
+
+def _read(how: str, samples) -> float | None:
+    if not samples:
+        return None
+    if how == "total":
+        return float(sum(s.value for s in samples))
+    if how == "gauge_max":
+        return max(s.value for s in samples)
+    if how == "gauge_min":
+        return min(s.value for s in samples)
+    bounds = samples[0].bounds
+    buckets = [0] * (len(bounds) + 1)
+    for s in samples:
+        if s.bounds == bounds:
+            buckets = [a + b for a, b in zip(buckets, s.bucket_counts)]
+    return quantile(int(how[1:]) / 100, bounds, buckets)
+
+
+def metric_rows(families) -> list[dict]:
+    """The 17 metrics now against their thresholds: one row each; where the
+    threshold depends on a label, `by` has one entry per value and the row
+    shows the first breaching one (else the first with a value)."""
+    by_name = {f.name: f for f in families}
+    rows = []
+    for name, how, op, thresholds in THRESHOLDS:
+        fam = by_name.get(name)
+        samples = list(fam.samples) if fam else []
+        by = []
+        for where, threshold in (thresholds or {"": None}).items():
+            k, _, v = where.partition("=")
+            mine = [s for s in samples if not k or dict(s.labels).get(k) == v]
+            value = _read(how, mine)
+            breach = value is not None and threshold is not None and \
+                (value > threshold if op == ">" else value < threshold)
+            by.append({"where": where, "value": value, "threshold": threshold,
+                       "breach": breach, "series": len(mine)})
+        shown = next((b for b in by if b["breach"]), None) or \
+            next((b for b in by if b["value"] is not None), by[0])
+        rows.append({"metric": name, "stat": how, "op": op, "value": shown["value"],
+                     "threshold": shown["threshold"], "where": shown["where"],
+                     "breach": any(b["breach"] for b in by), "series": len(samples),
+                     "by": by if len(by) > 1 else []})
+    return rows
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _any_value(v) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind in ("string_value", "int_value", "double_value",
+                                        "bool_value") else None
+
+
+class AdminState:
+    """What inspect needs beyond the daemon's own readers, fed by the daemon's
+    event sink and by the span path; every collection is bounded."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.violations: deque = deque(maxlen=RING_VIOLATIONS)
+        self.spans: deque = deque(maxlen=RING_SPANS)
+        self.launches_by_pid: Counter = Counter()
+        self.launch_pids_dropped = 0
+
+    def on_event(self, ev: events._Event) -> None:
+        kind = ev.hdr.kind
+        if kind == events.Kind.SANDBOX:
+            with self._lock:
+                self.violations.append(ev)
+        elif kind == events.Kind.GPU_LAUNCH:
+            pid = ev.hdr.pid
+            with self._lock:
+                if pid in self.launches_by_pid or len(self.launches_by_pid) < MAX_PIDS:
+                    self.launches_by_pid[pid] += 1
+                else:
+                    self.launch_pids_dropped += 1
+
+    def on_joined(self, resource_spans) -> None:
+        now = time.time_ns()
+        rows = []
+        for rs in resource_spans:
+            res = {kv.key: _any_value(kv.value) for kv in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    attrs = {kv.key: kv.value.int_value for kv in s.attributes
+                             if kv.key.startswith("kernel.")}
+                    rows.append({
+                        "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
+                        "name": s.name, "service": res.get("service.name") or "",
+                        "namespace": res.get("k8s.namespace.name") or "",
+                        "pod": res.get("k8s.pod.name") or "",
+                        "start_unix_ns": s.start_time_unix_nano,
+                        "duration_s": max(0, s.end_time_unix_nano - s.start_time_unix_nano) / 1e9,
+                        "received_unix_ns": now,
+                        "gpu_launches": attrs.get("kernel.gpu.launches", 0),
+                        "gpu_sync_wait_s": attrs.get("kernel.gpu.sync_wait_ns", 0) / 1e9,
+                        "rx_bytes": attrs.get("kernel.net.rx_bytes", 0),
+                        "tx_bytes": attrs.get("kernel.net.tx_bytes", 0),
+                        "violations": attrs.get("kernel.sandbox.violations", 0)})
+        with self._lock:
+            self.spans.extend(rows)
+
+    def snapshot(self):
+        with self._lock:
+            return list(self.violations), list(self.spans), Counter(self.launches_by_pid)
+
+
+class AdminServer:
+    """Serves the daemon's state on cfg.admin_socket; start() and stop() are
+    called by the daemon, stop() is safe twice."""
+
+    def __init__(self, daemon, path: str | None = None):
+        self.daemon = daemon
+        self.path = Path(path or daemon.cfg.admin_socket)
+        self.state = AdminState()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._made_dir = False               # removed at stop when empty
+        self._started = time.monotonic()
+        self._history: deque = deque()     # (monotonic, {probe: (read, dropped)})
+        self.handlers: dict[str, Callable[[dict], dict]] = {
+            "summary": self.summary, "spans": self.spans, "flows": self.flows,
+            "sandbox": self.sandbox, "gpu": self.gpu, "hints": self.hints}
+
+    # -- life cycle ------------------------------------------------------------
+    def start(self) -> None:
+        # the span path tells us about joined spans: chain onto its callback
+        spans = getattr(self.daemon, "spans", None)
+        if spans is not None:
+            previous = spans.on_joined
+
+            def on_joined(resource_spans, _prev=previous):
+                if _prev is not None:
+                    _prev(resource_spans)
+                try:
+                    self.state.on_joined(resource_spans)
+                except Exception:
+                    log.exception("admin: recording joined spans failed")
+            spans.on_joined = on_joined
+        try:
+            self._sock = self._bind()
+        except OSError as e:
+            log.error("admin socket %s NOT open: %s; `spanlet inspect` will not work", self.path, e)
+            return
+        self._thread = threading.Thread(target=self._serve, name="admin", daemon=True)
+        self._thread.start()
+        log.info("admin socket on %s", self.path)
+
+    def _bind(self) -> socket.socket:
+        if not self.path.parent.exists():
+            self.path.parent.mkdir(parents=True, mode=0o755)
+            self._made_dir = True
+        if self.path.exists() or self.path.is_symlink():
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.settimeout(1.0)
+                probe.connect(str(self.path))
+            except OSError:
+                self.path.unlink()           # left by an agent that died
+            else:
+                raise OSError(f"another agent answers on {self.path}")
+            finally:
+                probe.close()
+        # bound under a temporary name, made 0600, then renamed: the final path
+        # is never reachable with a looser mode
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        if tmp.exists():
+            tmp.unlink()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.bind(str(tmp))
+            os.chmod(tmp, 0o600)
+            os.rename(tmp, self.path)
+            s.listen(16)
+            s.settimeout(1.0)
+        except OSError:
+            s.close()
+            tmp.unlink(missing_ok=True)
+            raise
+        return s
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            try:
+                self.path.unlink()
+                if self._made_dir:
+                    self.path.parent.rmdir()
+            except OSError:
+                pass
+
+    def on_event(self, ev: events._Event) -> None:
+        self.state.on_event(ev)
+
+    # -- serving ---------------------------------------------------------------
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                time.sleep(0.1)
+                continue
+            try:
+                self._answer(conn)
+            except Exception:
+                log.exception("admin: answering a request failed")
+            finally:
+                conn.close()
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(5.0)
+        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+        if uid not in (0, os.geteuid()):     # the file mode already says so
+            conn.sendall(json.dumps({"ok": False, "error": "permission denied"}).encode())
+            return
+        buf = b""
+        while b"\n" not in buf and len(buf) < MAX_REQUEST:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            buf += chunk
+        try:
+            req = json.loads(buf.split(b"\n", 1)[0] or b"{}")
+            op = req.get("op", "summary")
+            handler = self.handlers[op]
+            answer = {"ok": True, "protocol": PROTOCOL, "op": op,
+                      "node": self.daemon.cfg.node_name, "time_unix_ns": time.time_ns(),
+                      "data": handler(req.get("args") or {})}
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
+            answer = {"ok": False, "protocol": PROTOCOL, "error": f"bad request: {e!r}"}
+        except Exception as e:
+            log.exception("admin: %s failed", buf[:200])
+            answer = {"ok": False, "protocol": PROTOCOL, "error": f"{type(e).__name__}: {e}"}
+        conn.sendall(json.dumps(answer, default=str).encode() + b"\n")
+
+    def _sample(self) -> None:
+        now = time.monotonic()
+        if self._history and now - self._history[-1][0] < 0.9:
+            return
+        counts = {p.name: (p.events_read, p.events_dropped())
+                  for p in self.daemon.probes if p.status.attached}
+        self._history.append((now, counts))
+        while len(self._history) > 2 and self._history[1][0] <= now - RATE_WINDOW_S:
+            self._history.popleft()
+
+    def _probe(self, name: str):
+        return next((p for p in self.daemon.probes if p.name == name and p.status.attached), None)
+
+    def _pod(self, cgroup_id: int) -> dict:
+        if not cgroup_id:
+            return {"namespace": "", "pod": "", "container": ""}
+        a = self.daemon.spans.enricher.attributes(cgroup_id)
+        return {"namespace": a.get("k8s.namespace.name", ""), "pod": a.get("k8s.pod.name", ""),
+                "container": a.get("k8s.container.name", "")}
+
+    # -- answers ---------------------------------------------------------------
+    def summary(self, args: dict) -> dict:
+        d = self.daemon
+        self._sample()
+        now = time.monotonic()
+        t0, first = self._history[0] if self._history else (self._started, {})
+        probes = []
+        for p in d.probes:
+            st = p.status
+            read = p.events_read if st.attached else 0
+            dropped = p.events_dropped() if st.attached else 0
+            dt = now - t0
+            r0, d0 = first.get(p.name, (0, 0))
+            probes.append({
+                "name": p.name, "attached": bool(st.attached), "reason": st.reason or "",
+                "attachments": len(st.attachments),
+                "failed_attachments": list(st.failed_attachments),
+                "events_read": read, "events_dropped": dropped,
+                "decode_errors": getattr(p, "decode_errors", 0),
+                "events_per_s": (read - r0) / dt if dt > 0.5 else None,
+                "drops_per_s": (dropped - d0) / dt if dt > 0.5 else None})
+        span_cov, event_cov = d.spans.join.coverage()
+        nv = d.nvml.status
+        exporters = [{"name": "otlp_receiver", "enabled": True, "stats": d.spans.receiver.stats()},
+                     {"name": "otlp_span_export", **_export_health(d.spans.exporter.stats())}]
+        if d.store is not None:
+            sink = d.store.sink
+            st = sink.stats() if sink is not None else {}
+            exporters.append({"name": "store", "enabled": sink is not None, "stats": st,
+                              "events_overflow": d.store.events_overflow})
+        return {
+            "uptime_s": now - self._started,
+            "probes": probes,
+            "nvml": {"available": nv.available, "reason": nv.reason, "gpus": nv.gpus},
+            "join": {"span_coverage": span_cov, "event_coverage": event_cov,
+                     "pending_events": d.spans.join.pending_events(),
+                     **d.spans.join.stats.as_dict()},
+            "exporters": exporters,
+            "metrics": metric_rows(d.metrics.families()),
+        }
+
+    def spans(self, args: dict) -> dict:
+        pod, slowest = args.get("pod") or None, args.get("slowest")
+        limit = int(args.get("limit") or 50)
+        _, spans, _ = self.state.snapshot()
+        if pod:
+            spans = [s for s in spans if s["pod"] == pod]
+        if slowest:
+            spans = sorted(spans, key=lambda s: s["duration_s"], reverse=True)[:int(slowest)]
+        else:
+            spans = spans[::-1][:limit]            # newest first
+        return {"source": "ring", "ring_size": RING_SPANS, "spans": spans}
+
+    def flows(self, args: dict) -> dict:
+        tc = self._probe("tc_classify")
+        if tc is None:
+            return {"attached": False, "flows": [], "jss": []}
+        jitter = tc.jitter()
+        flows = []
+        for f in tc.flows():
+            j = jitter.get((f["protocol"], f["modality"]))
+            flows.append({**f, "jss": j.jss if j is not None else None})
+        flows.sort(key=lambda f: -sum(f["bytes"].values()))
+        return {"attached": True, "flows": flows,
+                "jss": [{"protocol": p, "modality": m, "jss": j.jss,
+                         "media_packets": j.media_packets, "late_packets": j.late_packets}
+                        for (p, m), j in sorted(jitter.items())],
+                "totals": [{"direction": d, "protocol": p, "modality": m,
+                            "packets": v[0], "bytes": v[1]}
+                           for (d, p, m), v in sorted(tc.totals().items())]}
+
+    def sandbox(self, args: dict) -> dict:
+        sb = self._probe("mmap_sandbox")
+        recent, _, _ = self.state.snapshot()
+        out = []
+        for ev in reversed(recent):
+            pool = sb.pool_path(ev.pool_id) if sb is not None else None
+            out.append({"time_unix_ns": ev.epoch_ns, "pid": ev.hdr.pid, "comm": _comm(ev.hdr.pid),
+                        "cgroup_id": ev.hdr.cgroup_id, **self._pod(ev.hdr.cgroup_id),
+                        "pool": pool or f"#{ev.pool_id}", "pool_id": ev.pool_id,
+                        "rule": _RULES.get(ev.rule, "unknown"),
+                        "action": _ACTIONS.get(ev.action, "unknown"),
+                        "len": ev.len, "prot": ev.prot})
+        totals = []
+        if sb is not None:
+            totals = [{"cgroup_id": cg, **self._pod(cg), "rule": rule, "action": action, "count": n}
+                      for (cg, rule, action), n in sorted(sb.violations().items())]
+        return {"attached": sb is not None,
+                "mode": self.daemon.cfg.sandbox.mode, "ring_size": RING_VIOLATIONS,
+                "violations": out, "totals": totals}
+
+    def gpu(self, args: dict) -> dict:
+        d = self.daemon
+        gp = self._probe("gpu_launch")
+        devices = []
+        for uuid, g in sorted(d.nvml.snapshot().items(), key=lambda kv: kv[1].index):
+            devices.append({"gpu": uuid, "index": g.index, "name": g.name,
+                            "sm_utilization_ratio": g.sm_utilization_ratio,
+                            "memory_used_bytes": g.memory_used_bytes,
+                            "memory_total_bytes": g.memory_total_bytes,
+                            "memory_used_ratio": g.memory_used_ratio,
+                            "memory_peak_ratio": d.memory_peaks.get(uuid),
+                            "pcie_tx_ratio": g.pcie_tx_ratio, "pcie_rx_ratio": g.pcie_rx_ratio})
+        _, _, by_pid = self.state.snapshot()
+        top = int(args.get("top") or 10)
+        processes = [{"pid": pid, "comm": _comm(pid), "launches": n}
+                     for pid, n in by_pid.most_common(top)]
+        cgroups = []
+        libraries = []
+        if gp is not None:
+            launches = gp.launches()
+            waits = gp.sync_wait()
+            for key in sorted(set(launches) | set(waits), key=lambda k: -launches.get(k, 0)):
+                cg, modality, api = key
+                count, total_ns = waits.get(key, (0, 0))
+                cgroups.append({"cgroup_id": cg, **self._pod(cg), "modality": modality.name,
+                                "api": api.name, "launches": launches.get(key, 0),
+                                "syncs": count, "sync_wait_s": total_ns / 1e9})
+            libraries = [{"pid": lib.pid, "path": lib.path, "api": lib.api.name,
+                          "symbols": lib.symbols, "missing": lib.missing}
+                         for lib in gp.libraries()]
+        nv = d.nvml.status
+        return {"attached": gp is not None, "launch_events": d.cfg.gpu.launch_events,
+                "nvml": {"available": nv.available, "reason": nv.reason},
+                "devices": devices, "processes": processes, "by_cgroup": cgroups,
+                "libraries": libraries}
+
+    def hints(self, args: dict) -> dict:
+        return self.daemon.scheduler.hints()
+
+
+def _export_health(stats: dict) -> dict:
+    return {"enabled": stats.get("enabled", False), "queue": stats.get("queue_spans", 0),
+            "queue_capacity": stats.get("queue_capacity", 0), "stats": stats}
+

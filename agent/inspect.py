@@ -1,0 +1,333 @@
+"""`spanlet inspect`: asks the running agent's admin socket (agent/admin.py) one
+question and shows the answer as rich tables, as a live view (--watch) or as
+JSON (--json) for scripts."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import socket
+import sys
+import time
+from datetime import datetime, timezone
+
+EXIT_OK = 0
+EXIT_NOT_RUNNING = 3      # no socket, or nothing listening on it
+EXIT_PERMISSION = 4       # the socket is root's (mode 0600)
+EXIT_BAD_ANSWER = 5       # not JSON, wrong shape, no answer in time, or the agent's own error
+
+TIMEOUT_S = 10.0
+
+
+class InspectError(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def ask(path: str, op: str, args: dict | None = None, timeout: float = TIMEOUT_S) -> dict:
+    """One request, one answer; raises InspectError with the exit code."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        try:
+            s.connect(path)
+        except FileNotFoundError:
+            raise InspectError(EXIT_NOT_RUNNING,
+                               f"agent not running: no admin socket at {path}") from None
+        except PermissionError:
+            raise InspectError(EXIT_PERMISSION,
+                               f"permission denied on {path}: run as root (sudo, or kubectl exec "
+                               "into the spanlet container)") from None
+        except ConnectionRefusedError:
+            raise InspectError(EXIT_NOT_RUNNING,
+                               f"agent not running: nothing listens on {path}") from None
+        except OSError as e:
+            if e.errno in (errno.ENOTSOCK, errno.ENOTDIR):
+                raise InspectError(EXIT_NOT_RUNNING, f"agent not running: {path} is not a socket") from None
+            raise InspectError(EXIT_NOT_RUNNING, f"cannot reach the agent at {path}: {e.strerror}") from None
+        try:
+            s.sendall(json.dumps({"op": op, "args": args or {}}).encode() + b"\n")
+            buf = b""
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+        except socket.timeout:
+            raise InspectError(EXIT_BAD_ANSWER, f"bad answer: the agent did not answer within "
+                                                f"{timeout:g} s") from None
+        except OSError as e:
+            raise InspectError(EXIT_BAD_ANSWER, f"bad answer: connection failed: {e.strerror}") from None
+    finally:
+        s.close()
+    try:
+        answer = json.loads(buf)
+    except (ValueError, UnicodeDecodeError):
+        raise InspectError(EXIT_BAD_ANSWER,
+                           f"bad answer: not JSON ({len(buf)} bytes from {path})") from None
+    if not isinstance(answer, dict) or "ok" not in answer:
+        raise InspectError(EXIT_BAD_ANSWER, "bad answer: not a spanlet admin answer")
+    if not answer["ok"]:
+        err = str(answer.get("error", "unknown error"))
+        if err == "permission denied":
+            raise InspectError(EXIT_PERMISSION, f"permission denied by the agent on {path}")
+        raise InspectError(EXIT_BAD_ANSWER, f"bad answer: the agent says: {err}")
+    if not isinstance(answer.get("data"), dict) or answer.get("op") != op:
+        raise InspectError(EXIT_BAD_ANSWER, "bad answer: no data for this question")
+    return answer
+
+
+# -- rendering ------------------------------------------------------------------
+
+def _num(v, fmt: str = "{:.3g}") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return fmt.format(v)
+    return str(v)
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _when(ns) -> str:
+    if not ns:
+        return "-"
+    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%H:%M:%S")
+
+
+def _table(title: str, *cols: str, **kw):
+    from rich.table import Table
+    t = Table(title=title, title_justify="left", expand=False, **kw)
+    for c in cols:
+        t.add_column(c, overflow="fold")
+    return t
+
+
+def render(op: str, answer: dict):
+    """A rich renderable for one answer."""
+    from rich.console import Group
+    from rich.text import Text
+    d = answer["data"]
+    head = Text(f"spanlet on {answer.get('node', '?')}  {_when(answer.get('time_unix_ns'))} UTC",
+                style="bold")
+    parts = [head] + {"summary": _summary, "spans": _spans, "flows": _flows,
+                      "sandbox": _sandbox, "gpu": _gpu, "hints": _hints}[op](d)
+    return Group(*parts)
+
+
+def _summary(d: dict) -> list:
+    from rich.text import Text
+    out = []
+    t = _table("Probes", "probe", "state", "ev/s", "drop/s", "read", "dropped")
+    notes = []
+    for p in d["probes"]:
+        state = Text("attached", style="green") if p["attached"] else Text("NOT attached", style="bold red")
+        if p["attached"] and p["failed_attachments"]:
+            state = Text(f"attached, {len(p['failed_attachments'])} failed", style="yellow")
+        t.add_row(p["name"], state, _num(p["events_per_s"], "{:.1f}"),
+                  _num(p["drops_per_s"], "{:.1f}"), str(p["events_read"]),
+                  Text(str(p["events_dropped"]), style="red" if p["events_dropped"] else ""))
+        if not p["attached"]:
+            notes.append(f"{p['name']}: {p['reason']}")
+        for f in p["failed_attachments"]:
+            notes.append(f"{p['name']}: {f}")
+    nv = d["nvml"]
+    t.add_row("nvml", Text(f"{nv['gpus']} GPU(s)", style="green") if nv["available"]
+              else Text("unavailable", style="yellow"), "", "", "", "")
+    if not nv["available"] and nv["reason"]:
+        notes.append(f"nvml: {nv['reason']}")
+    out.append(t)
+    for n in notes:
+        out.append(Text("  " + n, style="dim"))
+    j = d["join"]
+    cov = j["span_coverage"]
+    out.append(Text.assemble(
+        "Join: span coverage ", Text(_pct(cov), style="bold red" if cov is not None and cov < 0.95 else ""),
+        f", event coverage {_pct(j['event_coverage'])}, pending {j['pending_events']} events, "
+        f"{j['spans_in']} spans in, {j['events_evicted']} events evicted"))
+    e = _table("Exporters", "exporter", "state", "queue", "sent", "dropped")
+    for x in d["exporters"]:
+        st = x.get("stats", {})
+        if x["name"] == "otlp_receiver":
+            e.add_row("otlp receiver", "listening", "-", str(st.get("spans_accepted", 0)),
+                      str(sum(st.get("spans_rejected", {}).values())))
+        elif x["name"] == "otlp_span_export":
+            dropped = sum(st.get(k, 0) for k in ("dropped_queue_full", "dropped_failed",
+                                                 "dropped_shutdown"))
+            e.add_row("otlp export", "on" if x["enabled"] else "off (no endpoint)",
+                      f"{x['queue']}/{x['queue_capacity']}", str(st.get("exported", 0)),
+                      Text(str(dropped), style="red" if dropped else ""))
+        else:
+            e.add_row(x["name"], "on" if x["enabled"] else Text("NOT started", style="red"),
+                      str(st.get("queued_rows", "-")), str(st.get("rows_written", "-")),
+                      str(st.get("dropped_rows_total", "-")))
+    out.append(e)
+    m = _table("Metrics now (breaches in red)", "metric", "stat", "now", "alert if")
+    for r in d["metrics"]:
+        name = r["metric"].removeprefix("spanlet_")
+        cond = f"{r['op']} {r['threshold']:g}" if r["threshold"] is not None else "-"
+        if r["where"]:
+            cond += f" ({r['where']})"
+        style = "bold red" if r["breach"] else ""
+        m.add_row(Text(name, style=style), r["stat"], Text(_num(r["value"]), style=style), cond)
+    out.append(m)
+    return out
+
+
+def _spans(d: dict) -> list:
+    t = _table(f"Recent spans (from the agent's ring of the last {d['ring_size']})",
+               "time", "pod / service", "span", "dur s", "launch", "stall s", "rx/tx", "viol")
+    for s in d["spans"]:
+        t.add_row(_when(s["received_unix_ns"]), s["pod"] or s["service"] or "-", s["name"],
+                  f"{s['duration_s']:.3f}", str(s["gpu_launches"]), f"{s['gpu_sync_wait_s']:.3f}",
+                  f"{_bytes(s['rx_bytes'])}/{_bytes(s['tx_bytes'])}", str(s["violations"]))
+    return [t]
+
+
+def _flows(d: dict) -> list:
+    from rich.text import Text
+    if not d["attached"]:
+        return [Text("tc_classify is not attached: no flows", style="yellow")]
+    t = _table("Flows (by bytes)", "flow", "proto", "modality", "bytes in/out", "jitter ms", "JSS")
+    for f in d["flows"]:
+        ends = f"{f['src']}:{f['sport']} > {f['dst']}:{f['dport']}"
+        jit = max(f["jitter_ms"].values()) if f["jitter_ms"] else None
+        b = f["bytes"]
+        t.add_row(ends, f["protocol"], f["modality"],
+                  "/".join(_bytes(v) for v in b.values()), _num(jit, "{:.2f}"),
+                  Text(_num(f["jss"]), style="bold red" if (f["jss"] or 0) > 0.08 else ""))
+    return [t]
+
+
+def _sandbox(d: dict) -> list:
+    t = _table(f"Sandbox violations (mode {d['mode']}; last {d['ring_size']} kept)",
+               "time", "pid", "pod", "pool", "rule", "action")
+    for v in d["violations"]:
+        who = f"{v['namespace']}/{v['pod']}" if v["pod"] else f"cgroup {v['cgroup_id']}"
+        t.add_row(_when(v["time_unix_ns"]), f"{v['pid']} {v['comm']}", who, v["pool"], v["rule"],
+                  v["action"])
+    s = _table("Totals since start", "pod / cgroup", "rule", "action", "count")
+    for x in d["totals"]:
+        s.add_row(f"{x['namespace']}/{x['pod']}" if x["pod"] else f"cgroup {x['cgroup_id']}",
+                  x["rule"], x["action"], str(x["count"]))
+    return [t, s]
+
+
+def _gpu(d: dict) -> list:
+    from rich.text import Text
+    out = []
+    if d["devices"]:
+        t = _table("GPUs", "#", "name", "SM util", "mem used", "mem peak", "PCIe tx/rx")
+        for g in d["devices"]:
+            t.add_row(str(g["index"]), g["name"] or g["gpu"], _pct(g["sm_utilization_ratio"]),
+                      _pct(g["memory_used_ratio"]),
+                      Text(_pct(g["memory_peak_ratio"]),
+                           style="bold red" if (g["memory_peak_ratio"] or 0) > 0.87 else ""),
+                      f"{_pct(g['pcie_tx_ratio'])}/{_pct(g['pcie_rx_ratio'])}")
+        out.append(t)
+    else:
+        out.append(Text(f"NVML: {d['nvml']['reason'] or 'no GPUs'}", style="yellow"))
+    p = _table(f"Top processes by launches (launch events: {d['launch_events']})",
+               "pid", "command", "launches")
+    for x in d["processes"]:
+        p.add_row(str(x["pid"]), x["comm"], str(x["launches"]))
+    out.append(p)
+    c = _table("Launches and sync waits by pod", "pod / cgroup", "modality", "api", "launches",
+               "syncs", "wait s")
+    for x in d["by_cgroup"]:
+        c.add_row(f"{x['namespace']}/{x['pod']}" if x["pod"] else f"cgroup {x['cgroup_id']}",
+                  x["modality"], x["api"], str(x["launches"]), str(x["syncs"]),
+                  f"{x['sync_wait_s']:.3f}")
+    out.append(c)
+    return out
+
+
+def _hints(d: dict) -> list:
+    t = _table(f"Scheduler hints (window {d['window_s']:g} s)", "modality", "batch", "range",
+               "rule fired", "missing inputs")
+    for m, h in d["hints"].items():
+        rng = "-" if not h["batch_range"] else f"{h['batch_range'][0]}-{h['batch_range'][1]}"
+        t.add_row(m, str(h["batch_size"]), rng, h["rule"], ", ".join(h["missing"]) or "-")
+    return [t]
+
+
+# -- command ----------------------------------------------------------------------
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="show what the running agent sees (its admin socket)")
+    p.add_argument("what", nargs="?", default="summary",
+                   choices=["summary", "spans", "flows", "sandbox", "gpu", "hints"])
+    p.add_argument("--socket", metavar="PATH",
+                   help="admin socket (default: admin_socket of the config: $SPANLET_ADMIN_SOCKET, "
+                        "--config, else /run/spanlet/admin.sock)")
+    p.add_argument("--config", metavar="FILE", help="read admin_socket from this config file")
+    p.add_argument("--pod", help="spans: only this pod's")
+    p.add_argument("--slowest", type=int, metavar="N", help="spans: the N slowest")
+    p.add_argument("--json", action="store_true", help="print the agent's answer as JSON")
+    p.add_argument("--watch", action="store_true", help="refresh the view until Ctrl-C")
+    p.add_argument("--interval", type=float, default=2.0, help="--watch refresh period, s")
+
+
+def _socket_path(args) -> str:
+    if args.socket:
+        return args.socket
+    from agent import config as config_mod
+    try:
+        return config_mod.load(args.config).admin_socket
+    except config_mod.ConfigError:
+        return config_mod.Config.model_fields["admin_socket"].default
+
+
+def run(args) -> int:
+    path = _socket_path(args)
+    req = {}
+    if args.what == "spans":
+        req = {"pod": args.pod, "slowest": args.slowest}
+    try:
+        if args.json:
+            while True:
+                print(json.dumps(ask(path, args.what, req), sort_keys=True), flush=True)
+                if not args.watch:
+                    return EXIT_OK
+                time.sleep(args.interval)
+        from rich.console import Console
+        console = Console()
+        answer = ask(path, args.what, req)
+        if not args.watch:
+            console.print(render(args.what, answer))
+            return EXIT_OK
+        from rich.live import Live
+        with Live(render(args.what, answer), console=console, screen=False,
+                  auto_refresh=False) as live:
+            while True:
+                time.sleep(args.interval)
+                live.update(render(args.what, ask(path, args.what, req)), refresh=True)
+    except InspectError as e:
+        print(f"spanlet inspect: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        print(f"spanlet inspect: bad answer: unexpected shape ({type(e).__name__}: {e})",
+              file=sys.stderr)
+        return EXIT_BAD_ANSWER
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="spanlet")
+    add_parser(p.add_subparsers(dest="command", required=True))
+    return run(p.parse_args(argv))
