@@ -256,7 +256,7 @@ class AdminServer:
             os.chmod(tmp, 0o600)
             os.rename(tmp, self.path)
             s.listen(16)
-            s.settimeout(1.0)
+            s.settimeout(0.1)  # how soon stop() is noticed
         except OSError:
             s.close()
             tmp.unlink(missing_ok=True)

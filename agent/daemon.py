@@ -116,6 +116,15 @@ class SpanPath:
         self.exporter.shutdown(timeout_millis=remaining_ms)
 
 
+def _in_parallel(fns: list[Callable[[], None]], timeout_s: float) -> None:
+    threads = [threading.Thread(target=fn, name="stop", daemon=True) for fn in fns]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
 class StorePath:
     """Spans, kernel events and metric samples into ClickHouse (embedded chdb
     by default) through one sink: batched, retried, spooled to disk."""
@@ -354,27 +363,40 @@ class Daemon:
 
     # -- shutdown ----------------------------------------------------------------
     def stop(self) -> None:
-        """Stop polling, detach every probe (span-context owner last); safe twice."""
+        """Stop polling, detach every probe (span-context owner last), flush
+        the exporters with the time that remains; safe twice."""
         if self._stopped:
             return
         self._stopped = True
         self.stopping.set()
-        self.admin.stop()
-        if self.http is not None:
-            self.http.stop()
         deadline = time.monotonic() + self.cfg.shutdown_timeout_s
-        for t in self._threads:
-            t.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+
+        def left(cap: float) -> float:
+            return max(0.0, min(cap, deadline - time.monotonic()))
+
+        phases = [("admin API", self.admin.stop)]
+        if self.http is not None:
+            phases.append(("HTTP port", self.http.stop))
+        phases.append(("readers", lambda: [t.join(timeout=left(1.0)) for t in self._threads]))
         if self.metrics_exporter is not None:   # its last export reads the maps: before detach
-            self.metrics_exporter.shutdown(
-                timeout_millis=int(max(0.0, min(1.0, deadline - time.monotonic())) * 1000))
-        for probe in reversed(self.probes):
-            probe.stop()
-        log.info("all probes detached")
-        self.nvml.stop(timeout_s=max(0.1, min(1.0, deadline - time.monotonic())))
-        self.spans.stop(deadline)
+            phases.append(("metrics export", lambda: self.metrics_exporter.shutdown(
+                timeout_millis=int(left(1.0) * 1000))))
+        # Detaching waits on the kernel (RCU grace periods per tracepoint and
+        # uprobe): the probes detach side by side, the span-context owner last.
+        owner, rest = self.probes[:1], self.probes[1:]
+        phases.append(("probes", lambda: _in_parallel([p.stop for p in rest], left(4.0))))
+        phases += [(f"probe {p.name}", p.stop) for p in owner]
+        phases.append(("NVML", lambda: self.nvml.stop(timeout_s=max(0.1, left(1.0)))))
+        phases.append(("span path", lambda: self.spans.stop(deadline)))
         if self.store is not None:
-            self.store.stop(deadline)
+            phases.append(("store", lambda: self.store.stop(deadline)))
+        for name, fn in phases:
+            t0 = time.monotonic()
+            fn()
+            log.debug("stopped %s in %.0f ms", name, (time.monotonic() - t0) * 1000)
+        log.info("stopped: all probes detached, exporters flushed")
+        log.debug("threads left: %s", [t.name for t in threading.enumerate()
+                                      if t is not threading.current_thread()])
 
     def run_until_signal(self) -> None:
         def on_signal(signum, _frame):
@@ -383,6 +405,6 @@ class Daemon:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        while not self.stopping.wait(0.5):
+        while not self.stopping.wait(0.1):
             pass
         self.stop()

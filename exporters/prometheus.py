@@ -103,7 +103,8 @@ class AgentHttpServer(ThreadingHTTPServer):
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.serve_forever, name="http", daemon=True)
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="http", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
