@@ -210,3 +210,19 @@ class Capture:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@contextlib.contextmanager
+def linked(prefix: str, a_if: str, a_ip: str, b_if: str, b_ip: str):
+    """Two namespaces <prefix>a-…, <prefix>b-… joined by a veth (a_if in the
+    first, b_if in the second); both removed on exit, whatever happened."""
+    a = Namespace(f"{prefix}a")
+    b = None
+    try:
+        b = Namespace(f"{prefix}b")
+        veth_pair(a, a_if, a_ip, b, b_if, b_ip)
+        yield a, b
+    finally:
+        a.close()
+        if b is not None:
+            b.close()

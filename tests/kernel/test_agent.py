@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import cuda_standin
-from netns import Namespace, veth_pair
+from netns import Namespace, linked
 
 pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,14 +112,8 @@ class Agent:
 @pytest.fixture
 def node(tmp_path):
     """A namespace with one veth (the agent's node) and a peer namespace."""
-    host = Namespace("spanlet-agent")
-    peer = Namespace("spanlet-peer")
-    try:
-        veth_pair(host, "sla0", "169.254.91.1", peer, "slb0", "169.254.91.2")
-        yield host, peer
-    finally:
-        host.close()
-        peer.close()
+    with linked("spanlet-ag", "sla0", "169.254.91.1", "slb0", "169.254.91.2") as pair:
+        yield pair
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 import cuda_standin
 from agent import config
 from agent.daemon import Daemon
-from netns import Namespace, socket_in, veth_pair
+from netns import linked, socket_in
 from otlp_upstream import wait_for
 from test_prometheus import Prometheus, free_port
 
@@ -102,13 +102,8 @@ def window_spans(rnd: random.Random, durations_ms: list[float], embed_shift: flo
 
 @pytest.fixture
 def nets():
-    a, b = Namespace("spanlet-ama"), Namespace("spanlet-amb")
-    try:
-        veth_pair(a, "ama0", "169.254.97.1", b, "amb0", "169.254.97.2")
-        yield a, b
-    finally:
-        a.close()
-        b.close()
+    with linked("spanlet-am", "ama0", "169.254.97.1", "amb0", "169.254.97.2") as pair:
+        yield pair
 
 
 def test_all_17_metrics_reach_prometheus(tmp_path, nets):

@@ -16,7 +16,7 @@ import pytest
 
 from agent import config
 from agent.daemon import Daemon
-from netns import Capture, Namespace, socket_in, veth_pair
+from netns import Capture, linked, socket_in
 from otlp_upstream import Upstream, kernel_attrs, wait_for
 
 pytestmark = pytest.mark.kernel
@@ -40,13 +40,8 @@ def read_response(sock, size: int) -> None:
 
 @pytest.fixture
 def nets():
-    client, server = Namespace("spanlet-hjc"), Namespace("spanlet-hjs")
-    try:
-        veth_pair(client, "hjc0", CLIENT, server, "hjs0", SERVER)
-        yield client, server
-    finally:
-        client.close()
-        server.close()
+    with linked("spanlet-hj", "hjc0", CLIENT, "hjs0", SERVER) as pair:
+        yield pair
 
 
 def test_server_span_carries_its_requests_bytes(nets):

@@ -22,7 +22,7 @@ import pytest
 import cuda_standin
 from agent import config
 from agent.daemon import Daemon
-from netns import Namespace, socket_in, veth_pair
+from netns import linked, socket_in
 from otlp_upstream import wait_for
 
 pytestmark = pytest.mark.kernel
@@ -69,13 +69,8 @@ class Prometheus:
 
 @pytest.fixture
 def nets():
-    a, b = Namespace("spanlet-pma"), Namespace("spanlet-pmb")
-    try:
-        veth_pair(a, "pma0", "169.254.94.1", b, "pmb0", "169.254.94.2")
-        yield a, b
-    finally:
-        a.close()
-        b.close()
+    with linked("spanlet-pm", "pma0", "169.254.94.1", "pmb0", "169.254.94.2") as pair:
+        yield pair
 
 
 @pytest.fixture
