@@ -199,3 +199,53 @@ def test_run_attaches_reads_and_detaches(tmp_path, node, pool_prefix, sig):
     uprobes = Path("/sys/kernel/tracing/uprobe_events").read_text()
     assert f"bcc_{agent.proc.pid}" not in uprobes
     assert not list(Path("/sys/fs/bpf/spanlet").glob(f"{agent.proc.pid}-*"))
+
+
+def test_restart_after_sigkill_leaves_nothing_of_the_dead_agent(tmp_path, node, pool_prefix):
+    """SIGKILL leaves the dead agent's TC filters and pin behind (the kernel
+    keeps a filter's program alive); the next agent removes them at start,
+    re-attaches every probe, and a process that ran through both is traced."""
+    host, _peer = node
+    standin = cuda_standin.build(tmp_path / "cuda")
+    config = tmp_path / "spanlet.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'data'}\ntc:\n  interfaces: [sla0]\n"
+                      f"sandbox:\n  prefixes: [{pool_prefix}/]\ngpu:\n  launch_events: all\n"
+                      f"admin_socket: {tmp_path / 'admin.sock'}\n")
+    with cuda_standin.Workload(standin.workload) as w:
+        w.load(standin.lib_dir)
+        first = Agent(host, config)
+        try:
+            first.wait_log("spanlet: running")
+            first_progs, _ = first.bpf_ids()
+            first.proc.kill()
+            first.proc.wait(10)
+        finally:
+            first.kill()
+        # what the kill left: the TC filters (their programs stay loaded) and the pin
+        left = first_progs & bpftool_ids("prog")
+        assert left, "expected the dead agent's TC programs to outlive it"
+        assert "spanlet" in host.tc("filter", "show", "dev", "sla0", "ingress")
+        assert list(Path("/sys/fs/bpf/spanlet").glob(f"{first.proc.pid}-*"))
+
+        second = Agent(host, config)
+        try:
+            t0 = time.monotonic()
+            second.wait_log("spanlet: running")
+            started_s = time.monotonic() - t0
+            log = "\n".join(second.log)
+            for probe in ("span_ctx", "tc_classify", "mmap_sandbox", "gpu_launch"):
+                assert f"probe {probe} attached" in log, log
+            # the dead agent's filters were replaced, not added to: one per hook
+            for direction in ("ingress", "egress"):
+                assert host.tc("filter", "show", "dev", "sla0", direction).count("spanlet") == 1
+            assert not first_progs & bpftool_ids("prog"), "the dead agent's programs are still loaded"
+            assert not list(Path("/sys/fs/bpf/spanlet").glob(f"{first.proc.pid}-*"))
+            # the workload that ran through both agents is traced by the new one
+            w.run("cu 2 1 1 1 1 1 1 0 0")
+            got = second.events(lambda e: e["kind"] == "GPU_LAUNCH" and e["pid"] == w.pid)
+            assert len(got) == 2
+            second.stop(signal.SIGTERM)
+            assert second.proc.returncode == 0
+        finally:
+            second.kill()
+    print(f"second agent up in {started_s:.1f} s (compile included)")
