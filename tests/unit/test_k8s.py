@@ -3,7 +3,6 @@ test server that speaks the real list and watch protocol (no cluster here)."""
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -11,6 +10,7 @@ from kubernetes import client
 
 from agent.cgroups import CgroupIndex
 from agent.k8s import K8sEnricher, PodWatcher
+from loopback_http import LoopbackHttp, QuietHandler
 
 UID = "5c1e3f4a-1b2c-4d5e-8f90-0123456789ab"
 UID2 = "0a1e3f4a-1b2c-4d5e-8f90-0123456789ff"
@@ -26,14 +26,11 @@ def pod(uid, name, ns="serving", cid=CID, container="vision"):
                 "imageID": "x", "ready": True, "restartCount": 0, "state": {}}]}}
 
 
-class FakeApi(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"   # chunked watch stream, as the API server sends
+class FakeApi(QuietHandler):
+    """HTTP/1.1: the watch is a chunked stream, as the API server sends it."""
     queries: list = []
     watch_events: list = []
     release = threading.Event()
-
-    def log_message(self, *a):
-        pass
 
     def do_GET(self):
         q = parse_qs(urlparse(self.path).query)
@@ -65,14 +62,11 @@ def api():
         {"type": "ADDED", "object": pod(UID2, "vlm-1", cid="cd" * 32, container="llm")},
         {"type": "DELETED", "object": pod(UID, "asr-0")},
     ]
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeApi)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    conf = client.Configuration(host=f"http://127.0.0.1:{srv.server_port}")
+    srv = LoopbackHttp(FakeApi)
+    conf = client.Configuration(host=f"http://127.0.0.1:{srv.port}")
     yield client.CoreV1Api(client.ApiClient(conf))
     FakeApi.release.set()
-    srv.shutdown()
-    srv.server_close()
+    srv.close()
 
 
 def wait_for(pred, timeout=5.0):

@@ -10,7 +10,6 @@ import socket
 import threading
 import time
 from concurrent import futures
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import pytest
@@ -31,6 +30,7 @@ from exporters.otlp_export import (
     resolve_upstream,
     split_resource_spans,
 )
+from loopback_http import LoopbackHttp, QuietHandler
 from exporters.otlp_receiver import GRPC_SERVICE, STATUS_DETAILS_KEY, Backpressure, OtlpReceiver
 
 BACKOFF_S = 0.1
@@ -244,7 +244,7 @@ class ScriptedGrpc:
         context.abort(code, "scripted")
 
 
-class ScriptedHttp:
+class ScriptedHttp(LoopbackHttp):
     """OTLP/HTTP endpoint answering from a script of (status, headers, body);
     200 with an empty response once the script runs out."""
 
@@ -254,35 +254,15 @@ class ScriptedHttp:
         self.headers: list[dict] = []
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True
-
+        class Handler(QuietHandler):
             def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
+                self.rfile.read(int(self.headers["Content-Length"]))
                 outer.calls.append(time.monotonic())
                 outer.headers.append({k.lower(): v for k, v in self.headers.items()})
                 status, headers, reply = outer.script.pop(0) if outer.script else (200, {}, b"")
-                self.send_response(status)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(reply)
+                self.reply(status, reply, headers=headers)
 
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(5)
+        super().__init__(Handler)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import gzip
 import threading
 import time
 from concurrent import futures
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import pytest
@@ -23,6 +22,7 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_C
 from agent.config import OtlpConfig
 from agent.metrics import Family, HistogramSample, Sample, labels
 from exporters.otlp_export import GRPC, HTTP_PROTOBUF
+from loopback_http import LoopbackHttp, QuietHandler
 from exporters.otlp_metrics import (
     OtlpMetricsExporter,
     families_to_request,
@@ -114,49 +114,28 @@ class GrpcCollector(_Collector):
         self.server.stop(0)
 
 
-class HttpCollector(_Collector):
+class HttpCollector(_Collector, LoopbackHttp):
     protocol = HTTP_PROTOBUF
 
     def __init__(self, script) -> None:
-        super().__init__(script)
+        _Collector.__init__(self, script)
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True
-
+        class Handler(QuietHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 if self.path != "/v1/metrics":
-                    return self._reply(404, b"")
+                    return self.reply(404)
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
                 request = ExportMetricsServiceRequest.FromString(body)
                 step = outer.answer(request, {k.lower(): v for k, v in self.headers.items()})
                 if isinstance(step, ExportMetricsServiceResponse):
-                    self._reply(200, step.SerializeToString())
+                    self.reply(200, step.SerializeToString())
                 else:
-                    self._reply(_HTTP_ANSWER[step], b"")
+                    self.reply(_HTTP_ANSWER[step])
 
-            def _reply(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(5)
+        LoopbackHttp.__init__(self, Handler)
 
 
 @pytest.fixture(autouse=True)
