@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup run test unit bench dump-bpf native clean
+.PHONY: setup run test unit bench dump-bpf native clean demo demo-agent
 
 setup:
 	bash scripts/setup.sh
@@ -12,13 +12,26 @@ setup:
 run: setup
 	$(VENV)/bin/spanlet run $(ARGS)
 
+# The demo, in two shells: the agent with the demo's config (stand-in NVML,
+# tensor pools, short windows), then the workload (DURATION seconds).
+DURATION ?= 120
+demo-agent: setup
+	$(VENV)/bin/spanlet run --config agent/demo/agent.yaml $(ARGS)
+
+demo: setup
+	$(VENV)/bin/spanlet demo --duration $(DURATION) $(ARGS)
+
 # Sets everything up, then runs the whole test suite (root needed for the
 # kernel tier; SPANLET_REQUIRE_KERNEL=1 makes a kernel test that cannot run fail).
 test: setup
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
-# The span marker library that serving processes load (agent/client.py).
-native: agent/_native/libspanlet_marker.so
+# The span marker library that serving processes load (agent/client.py), and
+# the stand-in CUDA and NVML libraries of the demo (agent/demo/standin).
+native: agent/_native/libspanlet_marker.so agent/_native/standin/libnvidia-ml.so.1
+
+agent/_native/standin/libnvidia-ml.so.1: agent/demo/standin/cuda.c agent/demo/standin/cudart.c agent/demo/standin/nvml.c agent/demo/standin/__init__.py
+	$(PY) -m agent.demo.standin agent/_native/standin
 
 agent/_native/libspanlet_marker.so: native/spanlet_marker.c
 	mkdir -p agent/_native

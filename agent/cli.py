@@ -1,4 +1,5 @@
-"""The `spanlet` command line: `spanlet run` starts the agent."""
+"""The `spanlet` command line: `spanlet run` starts the agent, `spanlet inspect`
+shows what a running one sees, `spanlet demo` runs a workload for it to see."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="print every decoded kernel event as one JSON line on stdout")
     from agent import inspect as inspect_mod
     inspect_mod.add_parser(sub)
+    from agent.demo import run as demo_mod
+    demo_mod.add_parser(sub)
     return p
 
 
@@ -92,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "inspect":
         from agent import inspect as inspect_mod
         return inspect_mod.run(args)
+    if args.command == "demo":
+        from agent.demo import run as demo_mod
+        return demo_mod.main(args)
     return EXIT_START_REFUSED
 
 

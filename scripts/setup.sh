@@ -76,7 +76,7 @@ echo "$bccdir" > "$site/spanlet-bcc.pth"
 
 step "native parts"
 make -s -C "$here" native CC="${CC:-gcc}"
-echo "   agent/_native/libspanlet_marker.so"
+echo "   agent/_native/libspanlet_marker.so, agent/_native/standin/ (the demo's stand-in CUDA and NVML)"
 
 echo
-echo "setup done: run the agent with 'make run', the tests with 'make test'"
+echo "setup done: run the agent with 'make run', the tests with 'make test', the demo with 'make demo-agent' and 'make demo'"

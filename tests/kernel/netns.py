@@ -5,53 +5,15 @@ opened inside them from this process, and removed again whatever happens."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
-import os
 import secrets
 import socket
 import struct
 import subprocess
-import threading
 
-CLONE_NEWNET = 0x40000000
-_libc = ctypes.CDLL(None, use_errno=True)
-# setns() changes the namespace of the calling thread only; one switch at a time
-# keeps a thread from being left in the wrong one by an interleaving.
-_switch_lock = threading.RLock()
+from agent.demo.net import inside, run, socket_in
 
-
-def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=30)
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-@contextlib.contextmanager
-def inside(ns: str):
-    """Run the body (this thread) inside network namespace `ns`."""
-    with _switch_lock:
-        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-        try:
-            _setns(target)
-            try:
-                yield
-            finally:
-                _setns(home)
-        finally:
-            os.close(target)
-            os.close(home)
-
-
-def socket_in(ns: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM,
-              proto: int = 0) -> socket.socket:
-    with inside(ns):
-        return socket.socket(family, type, proto)
+__all__ = ["inside", "run", "socket_in", "Namespace", "veth_pair", "linked", "Capture"]
 
 
 class Namespace:

@@ -6,7 +6,6 @@ here), and OTLP spans sent to the agent's receiver, over several windows."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import secrets
 import shutil
@@ -26,12 +25,12 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 import cuda_standin
 from agent import config
 from agent.daemon import Daemon
+from agent.demo.standin import build_nvml
 from netns import linked, socket_in
 from otlp_upstream import wait_for
 from test_prometheus import Prometheus, free_port
 
 pytestmark = pytest.mark.kernel
-ROOT = Path(__file__).resolve().parents[2]
 METRICS = [
     "spanlet_gpu_kernel_launches_total", "spanlet_gpu_sync_wait_seconds_count",
     "spanlet_network_bytes_total", "spanlet_jitter_sensitivity_score",
@@ -43,13 +42,6 @@ METRICS = [
     "spanlet_modality_degradations_total", "spanlet_embedding_drift_score",
     "spanlet_span_kernel_coverage_ratio",
 ]
-
-
-def nvml_standin(out: Path) -> Path:
-    lib = out / "libnvidia-ml.so.1"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libnvidia-ml.so.1", "-o", str(lib),
-                    str(ROOT / "tests" / "unit" / "nvml_standin" / "nvml_standin.c")], check=True)
-    return lib
 
 
 def attr(span, key, value):
@@ -111,7 +103,7 @@ def test_all_17_metrics_reach_prometheus(tmp_path, nets):
     pool_dir = Path(f"/dev/shm/tensor_pool_all_{secrets.token_hex(4)}")
     pool_dir.mkdir()
     standin = cuda_standin.build(tmp_path / "cuda")
-    nvml = nvml_standin(tmp_path)
+    nvml = build_nvml(tmp_path / "nvml")
     port = free_port()
     cfg = config.load(env={}, overrides=[
         f"tc.netns={b.name}", "tc.interfaces=amb0", "tc.port_modality={5004: audio}",

@@ -1,23 +1,23 @@
-"""NvmlPoller against a stand-in libnvidia-ml.so.1 (tests/unit/nvml_standin/) that
+"""NvmlPoller against a stand-in libnvidia-ml.so.1 (agent/demo/standin/nvml.c) that
 pynvml loads in a child process: exact device values, one failing call, no NVML."""
 
 import ctypes.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from agent.demo.standin import build_nvml
 from agent.nvml import pcie_link_bytes_per_s
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
 GIB = 1024 ** 3
 
-# The known values of nvml_standin.c.
+# The known values of agent/demo/standin/nvml.c.
 GPU0 = "GPU-00000000-1111-2222-3333-444444444444"
 GPU1 = "GPU-55555555-6666-7777-8888-999999999999"
 TOTAL = {GPU0: 80 * GIB, GPU1: 24 * GIB}
@@ -30,15 +30,9 @@ GPU1_PCIE = (5_000_000, None, 1.969e9 * 8)          # gen4 x8
 
 @pytest.fixture(scope="session")
 def standin(tmp_path_factory) -> Path:
-    """Folder holding the stand-in, built with the C compiler setup.sh installs."""
-    cc = os.environ.get("CC", "gcc")
-    if not shutil.which(cc):
-        pytest.fail(f"{cc} not found: scripts/setup.sh installs it")
-    out = tmp_path_factory.mktemp("nvml_standin")
-    subprocess.run([cc, "-Wall", "-Werror", "-shared", "-fPIC", "-Wl,-soname,libnvidia-ml.so.1",
-                    "-o", str(out / "libnvidia-ml.so.1"), str(HERE / "nvml_standin" / "nvml_standin.c")],
-                   check=True)
-    return out
+    """Folder holding the stand-in (agent/demo/standin/nvml.c), built with the
+    C compiler setup.sh installs."""
+    return build_nvml(tmp_path_factory.mktemp("nvml_standin")).parent
 
 
 def drive(*steps, settings=None, lib_dir=None, env=None):

@@ -1,6 +1,7 @@
 """Stand-in CUDA libraries for the GPU probe's tests and benches: builds them
-with gcc (C sources next to this file) and drives the workload program over
-its stdin/stdout protocol:
+with gcc (the libraries from agent/demo/standin, the workload program and a
+library without CUDA symbols from the C sources next to this file) and drives
+the workload program over its stdin/stdout protocol:
 
     ready PID TID          printed at start
     load DIR               dlopen DIR/libcuda.so.1 and DIR/libcudart.so.12 -> "loaded"
@@ -23,9 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.demo.standin import DRIVER, RUNTIME, build_cuda, gcc
+
 HERE = Path(__file__).resolve().parent
-DRIVER = "libcuda.so.1"
-RUNTIME = "libcudart.so.12"
 
 
 @dataclass(frozen=True)
@@ -42,27 +43,14 @@ class StandIn:
         return dest
 
 
-def _gcc(*args: str | os.PathLike) -> None:
-    r = subprocess.run(["gcc", "-Wall", "-Werror", *map(str, args)], capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"gcc {' '.join(map(str, args))}:\n{r.stderr}")
-
-
 def build(out: Path) -> StandIn:
-    """Compile everything into `out`. The driver is built at -O0 with
-    noinline entry points; the runtime at -O2 (cudaStreamSynchronize becomes
-    a tail jump to the driver) and linked against the driver, so that its
-    nested calls go through the PLT into the other library."""
-    lib = out / "lib"
-    lib.mkdir(parents=True, exist_ok=True)
-    _gcc("-shared", "-fPIC", "-O0", f"-Wl,-soname,{DRIVER}", "-o", lib / DRIVER, HERE / "cuda.c")
-    _gcc("-shared", "-fPIC", "-O2", "-fno-inline", f"-Wl,-soname,{RUNTIME}",
-         "-Wl,-rpath,$ORIGIN", "-o", lib / RUNTIME, HERE / "cudart.c", f"-L{lib}", f"-l:{DRIVER}")
+    """Compile everything into `out` (the libraries as build_cuda says)."""
+    lib = build_cuda(out / "lib")
     nocuda = out / "nocuda" / "libcuda.so.99"
     nocuda.parent.mkdir(exist_ok=True)
-    _gcc("-shared", "-fPIC", "-o", nocuda, HERE / "nocuda.c")
+    gcc("-shared", "-fPIC", "-o", nocuda, HERE / "nocuda.c")
     workload = out / "workload"
-    _gcc("-O2", "-o", workload, HERE / "workload.c", "-ldl")
+    gcc("-O2", "-o", workload, HERE / "workload.c", "-ldl")
     return StandIn(lib, nocuda, workload)
 
 

@@ -1,4 +1,4 @@
-/* cudart.c: stand-in libcudart.so.12 for the GPU probe tests. Its launch and
+/* cudart.c: stand-in libcudart.so.12 for the demo and the GPU probe tests. Its launch and
  * stream-sync calls enter the stand-in driver through the PLT (nested calls),
  * cudaStreamSynchronize as a tail call (a jump, as an optimising compiler
  * makes it), cudaLaunchKernel as a plain call. */

@@ -1,4 +1,4 @@
-/* cuda.c: stand-in libcuda.so.1 for the GPU probe tests: the driver API entry
+/* cuda.c: stand-in libcuda.so.1 for the demo and the GPU probe tests: the driver API entry
  * points spanlet hooks, with CUDA's signatures and no GPU behind them. */
 #include <stdint.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-/* Stand-in libnvidia-ml.so.1 for tests: the NVML C entry points pynvml calls for
+/* Stand-in libnvidia-ml.so.1 for the demo and the tests: the NVML C entry points pynvml calls for
  * spanlet's device metrics, answering fixed values for two fake GPUs. */
 #include <stdlib.h>
 #include <string.h>
@@ -19,7 +19,7 @@ typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
 #define GIB (1024ULL * 1024 * 1024)
 #define MEM_STEPS 3
 
-/* Keep in step with the known values in tests/unit/test_nvml.py. */
+/* Keep in step with the known values in tests/unit/test_nvml.py (the demo shows them as two GPUs). */
 struct standin_device {
     const char *uuid, *name;
     unsigned int sm_percent;

@@ -1,0 +1,5 @@
+import sys
+
+from agent.demo.standin import main
+
+main(sys.argv[1:])
