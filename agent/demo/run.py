@@ -49,6 +49,7 @@ HOST_IF, NS_IF = "spldemo0", "spldemo1"
 HOST_IP, NS_IP = "169.254.77.1", "169.254.77.2"
 POOL_PARENT = Path("/dev/shm/tensor_pool")
 POOL_DIR = POOL_PARENT / "spanlet-demo"
+PARENT_MARK = ".made-by-spanlet-demo"   # in POOL_PARENT when a demo made that folder
 POOLS = {"weights": 4 << 20, "kv": 2 << 20, "scratch": 64 << 10}
 HTTP_PORTS = {"text": 8101, "image": 8102, "audio": 8103, "video": 8104}
 RTP_PORTS = {"audio": 5004, "video": 5006}
@@ -90,7 +91,6 @@ class Demo:
         self.workers: dict[str, subprocess.Popen] = {}
         self.tmp: Path | None = None
         self.lib_dir = BUILT_LIBS
-        self._made_pool_parent = False
 
     # -- set up ------------------------------------------------------------------
     def check(self) -> None:
@@ -119,6 +119,8 @@ class Demo:
         if POOL_DIR.exists():
             shutil.rmtree(POOL_DIR, ignore_errors=True)
             removed.append(str(POOL_DIR))
+        if _remove_pool_parent():
+            removed.append(str(POOL_PARENT))
         return removed
 
     def make_network(self) -> None:
@@ -137,7 +139,7 @@ class Demo:
     def make_pools(self) -> None:
         if not POOL_PARENT.exists():
             POOL_PARENT.mkdir(mode=0o755)
-            self._made_pool_parent = True
+            (POOL_PARENT / PARENT_MARK).touch()
         POOL_DIR.mkdir(mode=0o755)
         for name, size in POOLS.items():
             with open(POOL_DIR / name, "wb") as f:
@@ -158,7 +160,7 @@ class Demo:
     def start_workers(self) -> None:
         base = [sys.executable, "-m", "agent.demo.worker", "--netns", NETNS, "--address", NS_IP,
                 "--otlp-endpoint", self.otlp_endpoint, "--lib-dir", str(self.lib_dir),
-                "--pool-dir", str(POOL_DIR)]
+                "--pool-dir", str(POOL_DIR), "--parent", str(os.getpid())]
         for modality in [*HTTP_PORTS, "rogue"]:
             argv = [*base, "--modality", modality, "--seed", str(self.rng.randrange(1 << 30))]
             if modality in HTTP_PORTS:
@@ -321,11 +323,7 @@ class Demo:
         if net.link_exists(HOST_IF):
             net.run("ip", "link", "del", HOST_IF, check=False)
         shutil.rmtree(POOL_DIR, ignore_errors=True)
-        if self._made_pool_parent:
-            try:
-                POOL_PARENT.rmdir()
-            except OSError:
-                pass  # something else put files there meanwhile: theirs
+        _remove_pool_parent()
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -337,6 +335,8 @@ class Demo:
             left.append(f"interface {HOST_IF}")
         if POOL_DIR.exists():
             left.append(str(POOL_DIR))
+        if (POOL_PARENT / PARENT_MARK).exists():
+            left.append(str(POOL_PARENT))
         left += [f"{m} worker (pid {p.pid})" for m, p in self.workers.items() if p.poll() is None]
         if self.tmp is not None and self.tmp.exists():
             left.append(str(self.tmp))
@@ -352,6 +352,18 @@ class Demo:
         left = self.leftovers()
         self.say("demo: left behind: " + (", ".join(left) if left else "nothing"))
         return 1 if left or c.requests == 0 or c.failed == c.requests else 0
+
+
+def _remove_pool_parent() -> bool:
+    """The pools' parent folder, if a demo made it and nothing else is in it."""
+    try:
+        if {p.name for p in POOL_PARENT.iterdir()} != {PARENT_MARK}:
+            return False
+        (POOL_PARENT / PARENT_MARK).unlink()
+        POOL_PARENT.rmdir()
+        return True
+    except OSError:
+        return False  # gone already, or something else put files there meanwhile: theirs
 
 
 def _readline(proc: subprocess.Popen, timeout_s: float) -> str:

@@ -279,12 +279,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-dir", required=True)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--interval", type=float, default=5.0)
+    p.add_argument("--parent", type=int, required=True, help="the demo's pid")
     return p
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     stop = threading.Event()
+    # A demo killed outright must not leave its workers running: they get
+    # SIGTERM when it dies (and stop at once if it already has).
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != args.parent:
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     if args.modality == "rogue":

@@ -1,0 +1,900 @@
+"""Builds spanlet's Grafana dashboards (grafana/dashboards/*.json) from one
+place: `python grafana/generate.py` writes them, `--check` says if they are stale.
+
+Thresholds come from the alert rules (daemonset/prometheus-rules.yaml), so a
+dashboard line and its alert never disagree; store columns come from
+exporters/clickhouse/schema.py and the kernel.* facts from agent/join.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+
+from agent.join import FACT_ATTRIBUTES  # noqa: E402
+from exporters.clickhouse.queries import GPU_STALL_ATTRIBUTE, NAMESPACE_ATTRIBUTE, POD_ATTRIBUTE  # noqa: E402
+from exporters.clickhouse.schema import KERNEL_EVENTS, TRACES  # noqa: E402
+
+OUT = ROOT / "grafana" / "dashboards"
+RULES = ROOT / "daemonset" / "prometheus-rules.yaml"
+SCHEMA_VERSION = 39          # Grafana 11.x dashboard JSON
+CLICKHOUSE = "grafana-clickhouse-datasource"
+PROM = {"type": "prometheus", "uid": "${ds_prometheus}"}
+CH = {"type": CLICKHOUSE, "uid": "${ds_clickhouse}"}
+TAG = "spanlet"
+
+# The ClickHouse plugin's query types and the numeric `format` each maps to
+# (grafana/clickhouse-datasource src/data/utils.ts, mapQueryTypeToGrafanaFormat).
+CH_FORMATS = {"timeSeries": 0, "table": 1, "logs": 2, "traces": 3}
+
+# METRICS.md #14 has a second default the alert rules do not carry yet (no label
+# tells frame alignment from action-speech alignment): drawn as a second step.
+ACTION_SPEECH_ALIGNMENT_S = 0.12
+
+
+# -- thresholds from the alert rules ---------------------------------------------
+
+@dataclass(frozen=True)
+class Threshold:
+    value: float
+    upper: bool               # True: values above are bad; False: values below are bad
+    slo_class: str = ""       # per-class defaults (#9, #12)
+
+
+def rule_thresholds(path: Path = RULES) -> dict[str, list[Threshold]]:
+    """metric family -> its alert thresholds: the last comparison with a
+    literal in each alert's expr, and the slo_class it matches on, if any."""
+    out: dict[str, list[Threshold]] = {}
+    for group in yaml.safe_load(path.read_text())["groups"]:
+        for rule in group["rules"]:
+            op, value = re.findall(r"(==|!=|>=|<=|>|<)\s*(-?[0-9]+(?:\.[0-9]+)?)\b", rule["expr"])[-1]
+            if op not in (">", "<"):
+                continue
+            cls = re.search(r'slo_class="([a-z]+)"', rule["expr"])
+            out.setdefault(rule["labels"]["metric"], []).append(
+                Threshold(float(value), op == ">", cls.group(1) if cls else ""))
+    return out
+
+
+def threshold_steps(thresholds: list[Threshold]) -> dict:
+    """Grafana thresholds: a step is in force from its value upwards."""
+    upper = thresholds[0].upper
+    steps = [{"color": "green" if upper else "red", "value": None}]
+    colours = ["red"] if len(thresholds) == 1 else ["orange", "red"]
+    for t, colour in zip(sorted(thresholds, key=lambda t: t.value), colours):
+        steps.append({"color": colour if upper else "green", "value": t.value})
+    return {"mode": "absolute", "steps": steps}
+
+
+def describe(thresholds: list[Threshold], unit: str) -> str:
+    if not thresholds:
+        return "no threshold"
+    def num(v: float) -> str:
+        if unit == "s":
+            return f"{v * 1000:g} ms" if v < 1 else f"{v:g} s"
+        return f"{v:g}/s" if unit == "cps" else f"{v:g}"
+    sign = "≤" if thresholds[0].upper else "≥"
+    if thresholds[0].slo_class:
+        what = "class targets" if thresholds[0].upper else "class objectives"
+        return what + " " + ", ".join(f"{t.slo_class} {sign} {num(t.value)}" for t in thresholds)
+    if len(thresholds) == 1 and thresholds[0].upper and thresholds[0].value == 0:
+        return "threshold 0: any is too many"
+    return "threshold " + " / ".join(f"{sign} {num(t.value)}" for t in thresholds)
+
+
+# -- panels ---------------------------------------------------------------------------
+
+def prom(expr: str, legend: str = "", *, instant: bool = False, fmt: str = "time_series") -> dict:
+    t = {"datasource": PROM, "expr": " ".join(expr.split()), "legendFormat": legend or "__auto",
+         "range": not instant, "instant": instant, "format": fmt}
+    return t
+
+
+def ch(sql: str, query_type: str = "table") -> dict:
+    return {"datasource": CH, "editorType": "sql", "queryType": query_type,
+            "format": CH_FORMATS[query_type], "rawSql": sql.strip()}
+
+
+@dataclass
+class Panel:
+    kind: str                              # timeseries, stat, table, bargauge, heatmap
+    title: str
+    targets: list[dict]
+    description: str = ""
+    unit: str = "short"
+    w: int = 8
+    h: int = 8
+    thresholds: list[Threshold] = field(default_factory=list)
+    min: float | None = None
+    max: float | None = None
+    stack: bool = False
+    overrides: list[dict] = field(default_factory=list)
+    options: dict = field(default_factory=dict)
+    custom: dict = field(default_factory=dict)
+    links: list[dict] = field(default_factory=list)
+
+
+def _class_overrides(thresholds: list[Threshold]) -> list[dict]:
+    """Per-SLO-class thresholds: series whose legend starts with the class."""
+    return [{"matcher": {"id": "byRegexp", "options": f"^{t.slo_class} .*"},
+             "properties": [{"id": "thresholds", "value": threshold_steps([t])}]}
+            for t in thresholds]
+
+
+def _field_config(p: Panel) -> dict:
+    defaults: dict = {"unit": p.unit, "color": {"mode": "palette-classic"}}
+    per_class = bool(p.thresholds) and bool(p.thresholds[0].slo_class)
+    if p.thresholds and not per_class:
+        defaults["thresholds"] = threshold_steps(p.thresholds)
+    else:
+        defaults["thresholds"] = {"mode": "absolute", "steps": [{"color": "green", "value": None}]}
+    if p.min is not None:
+        defaults["min"] = p.min
+    if p.max is not None:
+        defaults["max"] = p.max
+    if p.kind in ("stat", "bargauge"):
+        defaults["color"] = {"mode": "thresholds"}
+    if p.kind == "timeseries":
+        defaults["custom"] = {
+            "drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if not p.stack else 40,
+            "showPoints": "never", "spanNulls": False,
+            "stacking": {"mode": "normal" if p.stack else "none", "group": "A"},
+            "thresholdsStyle": {"mode": "line+area" if p.thresholds else "off"}}
+    if p.custom:
+        defaults.setdefault("custom", {}).update(p.custom)
+    if p.links:
+        defaults["links"] = p.links
+    overrides = (_class_overrides(p.thresholds) if per_class else []) + p.overrides
+    return {"defaults": defaults, "overrides": overrides}
+
+
+def _options(p: Panel) -> dict:
+    if p.kind == "timeseries":
+        base = {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
+                           "calcs": ["lastNotNull", "max"]},
+                "tooltip": {"mode": "multi", "sort": "desc"}}
+    elif p.kind == "stat":
+        base = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                "colorMode": "background", "graphMode": "area", "textMode": "auto",
+                "justifyMode": "auto", "orientation": "auto"}
+    elif p.kind == "bargauge":
+        base = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                "displayMode": "gradient", "orientation": "horizontal", "showUnfilled": True}
+    elif p.kind == "table":
+        base = {"showHeader": True, "cellHeight": "sm",
+                "footer": {"show": False, "reducer": ["sum"], "countRows": False}}
+    else:  # heatmap
+        base = {"calculate": False, "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges"},
+                "yAxis": {"axisPlacement": "left", "unit": p.unit},
+                "rowsFrame": {"layout": "auto"}, "tooltip": {"mode": "single", "yHistogram": True},
+                "legend": {"show": True}}
+    base.update(p.options)
+    return base
+
+
+def row(title: str) -> Panel:
+    return Panel("row", title, [])
+
+
+class Layout:
+    """Places panels left to right on Grafana's 24-column grid."""
+
+    def __init__(self):
+        self.x = self.y = self.row_h = 0
+        self.next_id = 1
+
+    def place(self, p: Panel) -> dict:
+        if p.kind == "row":
+            self._newline()
+            out = {"type": "row", "id": self._id(), "title": p.title, "collapsed": False,
+                   "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y}, "panels": []}
+            self.y += 1
+            return out
+        if self.x + p.w > 24:
+            self._newline()
+        datasource = p.targets[0]["datasource"]
+        targets = [{"refId": chr(ord("A") + i), **t} for i, t in enumerate(p.targets)]
+        out = {"type": p.kind, "id": self._id(), "title": p.title, "description": p.description,
+               "datasource": datasource, "targets": targets,
+               "gridPos": {"h": p.h, "w": p.w, "x": self.x, "y": self.y},
+               "fieldConfig": _field_config(p), "options": _options(p)}
+        self.x += p.w
+        self.row_h = max(self.row_h, p.h)
+        return out
+
+    def _newline(self) -> None:
+        self.y += self.row_h
+        self.x = self.row_h = 0
+
+    def _id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+
+# -- variables ------------------------------------------------------------------------
+
+def ds_var(name: str, plugin: str, label: str) -> dict:
+    return {"type": "datasource", "name": name, "label": label, "query": plugin,
+            "refresh": 1, "regex": "", "hide": 0, "includeAll": False, "multi": False,
+            "options": []}
+
+
+def _all() -> dict:
+    return {"selected": True, "text": ["All"], "value": ["$__all"]}
+
+
+def prom_var(name: str, label: str, query: str) -> dict:
+    """A label_values() variable; "All" is the regex .* (matchers use =~)."""
+    return {"type": "query", "name": name, "label": label, "datasource": PROM,
+            "query": query, "refresh": 2, "regex": "", "sort": 1, "hide": 0,
+            "includeAll": True, "allValue": ".*", "multi": True, "current": _all(), "options": []}
+
+
+def ch_var(name: str, label: str, sql: str) -> dict:
+    """A ClickHouse variable; "All" turns $__conditionalAll(...) into 1=1."""
+    return {"type": "query", "name": name, "label": label, "datasource": CH,
+            "query": " ".join(sql.split()), "refresh": 2, "regex": "", "sort": 1, "hide": 0,
+            "includeAll": True, "multi": True, "current": _all(), "options": []}
+
+
+def text_var(name: str, label: str, default: str, description: str) -> dict:
+    return {"type": "textbox", "name": name, "label": label, "query": default,
+            "description": description, "hide": 0,
+            "current": {"text": default, "value": default}, "options": []}
+
+
+DATABASE_VAR = text_var("database", "ClickHouse database", "spanlet",
+                        "store.database of the agent config (SPANLET_STORE_DATABASE)")
+NODE_VAR = prom_var("node", "Node", "label_values(spanlet_probe_attached, node)")
+
+
+def dashboard(uid: str, title: str, description: str, variables: list[dict],
+              panels: list[Panel]) -> dict:
+    layout = Layout()
+    return {
+        "id": None, "uid": uid, "title": title, "description": description,
+        "tags": [TAG], "timezone": "browser", "editable": True, "graphTooltip": 1,
+        "schemaVersion": SCHEMA_VERSION, "version": 1, "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"}, "timepicker": {},
+        "fiscalYearStartMonth": 0, "liveNow": False, "weekStart": "",
+        # Grafana adds its built-in annotation query itself when the list is empty.
+        "annotations": {"list": []},
+        "links": [{"title": "spanlet dashboards", "type": "dashboards", "tags": [TAG],
+                   "asDropdown": True, "includeVars": True, "keepTime": True,
+                   "icon": "external link", "tooltip": "", "url": "", "targetBlank": False}],
+        "templating": {"list": variables},
+        "panels": [layout.place(p) for p in panels],
+    }
+
+
+# -- (a) node overview: the 17 metrics of METRICS.md ----------------------------------
+
+W = 'node=~"$node", namespace=~"$namespace", pod=~"$pod"'   # workload-labelled families
+N = 'node=~"$node"'
+RATE = "[$__rate_interval]"
+
+
+@dataclass(frozen=True)
+class Metric:
+    number: int               # row of METRICS.md
+    family: str               # exported family (histograms: without _bucket)
+    meaning: str              # what the panel shows, for its title
+    definition: str           # METRICS.md's definition, for the description
+    expr: str
+    legend: str
+    unit: str
+    extra: tuple[float, ...] = ()    # thresholds METRICS.md has beyond the alert rules
+
+
+def _quantile(q: float, family: str, by: str, sel: str = W) -> str:
+    return (f"histogram_quantile({q}, sum by ({by}, le) "
+            f"(rate({family}_bucket{{{sel}}}{RATE})))")
+
+
+METRICS = [
+    Metric(1, "spanlet_gpu_kernel_launches_total", "GPU kernel launches per second",
+           "Launches seen by the launch uprobes; nested runtime->driver calls count once.",
+           f"sum by (node, namespace, pod, modality, api) "
+           f"(rate(spanlet_gpu_kernel_launches_total{{{W}}}{RATE}))",
+           "{{namespace}}/{{pod}} {{modality}} {{api}}", "ops"),
+    Metric(2, "spanlet_gpu_sync_wait_seconds", "CUDA sync wait p99 (GPU stall)",
+           "Time a thread spends inside a CUDA synchronisation call.",
+           _quantile(0.99, "spanlet_gpu_sync_wait_seconds", "node, namespace, pod, modality"),
+           "{{namespace}}/{{pod}} {{modality}}", "s"),
+    Metric(3, "spanlet_network_bytes_total", "Network bytes per second seen by TC",
+           "Bytes seen by the TC classifier by direction, protocol class and modality.",
+           f"sum by (node, direction, protocol, modality) (rate(spanlet_network_bytes_total{{{N}}}{RATE}))",
+           "{{direction}} {{protocol}} {{modality}}", "Bps"),
+    Metric(4, "spanlet_jitter_sensitivity_score", "Jitter Sensitivity Score of media flows",
+           "Share of packets in the window whose inter-arrival deviation exceeds "
+           "tau_plc + delta_buffer (30 ms + 10 ms); RTP uses the RFC 3550 jitter.",
+           f"max by (node, protocol, modality) (spanlet_jitter_sensitivity_score{{{N}}})",
+           "{{protocol}} {{modality}}", "percentunit"),
+    Metric(5, "spanlet_sandbox_violations_total", "mmap sandbox violations",
+           "Violations per interval by rule (unauthorized, write_on_readonly, exec, oversize) "
+           "and action (audit, kill); any violation is above the threshold. A series is born "
+           "at its first violation, already at 1, which increase() cannot see: the second arm "
+           "(as in the alert rule) counts a series that did not exist an interval ago.",
+           f"sum by (node, namespace, pod, rule, action) "
+           f"(increase(spanlet_sandbox_violations_total{{{W}}}{RATE}) or "
+           f"(spanlet_sandbox_violations_total{{{W}}} unless "
+           f"spanlet_sandbox_violations_total{{{W}}} offset $__rate_interval))",
+           "{{namespace}}/{{pod}} {{rule}} {{action}}", "short"),
+    Metric(6, "spanlet_gpu_utilization_ratio", "GPU SM utilisation",
+           "SM utilisation 0..1 per GPU from NVML; feeds the schedulers.",
+           f"max by (node, gpu) (spanlet_gpu_utilization_ratio{{{N}}})", "{{node}} {{gpu}}",
+           "percentunit"),
+    Metric(7, "spanlet_gpu_memory_peak_ratio", "GPU memory peak (used / total)",
+           "Peak of used/total memory over the window per GPU (activation memory peak). "
+           "METRICS.md also asks for >= 1.2 GiB free, which is not exported as a metric.",
+           f"max by (node, gpu) (spanlet_gpu_memory_peak_ratio{{{N}}})", "{{node}} {{gpu}}",
+           "percentunit"),
+    Metric(8, "spanlet_gpu_pcie_utilization_ratio", "PCIe utilisation of link capacity",
+           "PCIe throughput / link capacity (generation x width) per GPU and direction.",
+           f"max by (node, gpu, direction) (spanlet_gpu_pcie_utilization_ratio{{{N}}})",
+           "{{gpu}} {{direction}}", "percentunit"),
+    Metric(9, "spanlet_request_duration_seconds", "Request duration p95 per SLO class",
+           "Duration of server-kind root spans; each class is drawn against its target.",
+           _quantile(0.95, "spanlet_request_duration_seconds", "node, namespace, modality, slo_class"),
+           "{{slo_class}} {{modality}} {{namespace}} {{node}}", "s"),
+    Metric(10, "spanlet_time_to_first_token_seconds", "Time to first token p95",
+           "Span start to its first_token event (or gen_ai.server.time_to_first_token).",
+           _quantile(0.95, "spanlet_time_to_first_token_seconds",
+                     "node, namespace, modality, slo_class"),
+           "{{slo_class}} {{modality}} {{namespace}} {{node}}", "s"),
+    Metric(11, "spanlet_p99_latency_volatility_ratio", "p99 latency volatility",
+           "stddev / mean of the per-window p99 request duration over the last 12 windows.",
+           f"max by (node, namespace, modality, slo_class) "
+           f"(spanlet_p99_latency_volatility_ratio{{{W}}})",
+           "{{slo_class}} {{modality}} {{namespace}} {{node}}", "percentunit"),
+    Metric(12, "spanlet_slo_compliance_ratio", "SLO compliance per class",
+           "Share of the window's requests that met their class target "
+           "(gold 200 ms, silver 500 ms, bronze 800 ms).",
+           f"min by (node, namespace, modality, slo_class) (spanlet_slo_compliance_ratio{{{W}}})",
+           "{{slo_class}} {{modality}} {{namespace}} {{node}}", "percentunit"),
+    Metric(13, "spanlet_throughput_decay_ratio", "Throughput decay vs configured peak",
+           "1 - output tokens/s / configured peak tokens/s of the model; label bottleneck "
+           "names the cause (gpu_memory, pcie, kv_cache, none).",
+           f"max by (node, namespace, pod, model, bottleneck) "
+           f"(spanlet_throughput_decay_ratio{{{W}}})",
+           "{{namespace}}/{{pod}} {{model}} ({{bottleneck}})", "percentunit"),
+    Metric(14, "spanlet_modality_alignment_delay_seconds", "Audio/video alignment delay p95",
+           "|t_audio - t_video| - delta_sync (16.7 ms) per trace; 20 ms for frames, "
+           "120 ms for action-speech.",
+           _quantile(0.95, "spanlet_modality_alignment_delay_seconds", "node, namespace"),
+           "{{namespace}} {{node}}", "s", extra=(ACTION_SPEECH_ALIGNMENT_S,)),
+    Metric(15, "spanlet_modality_degradations_total", "Modality fallbacks per second",
+           "Fallbacks (vision -> OCR text -> plain text) reported by spans; the alert "
+           "rule's default rate is drawn.",
+           f"sum by (node, namespace, from, to) "
+           f"(rate(spanlet_modality_degradations_total{{{W}}}{RATE}))",
+           "{{namespace}} {{from}} -> {{to}}", "cps"),
+    Metric(16, "spanlet_embedding_drift_score", "Cross-modal embedding drift (CMSD)",
+           "stddev over 3 windows of the cosine distance between two modalities' "
+           "mean embeddings.",
+           f"max by (node, namespace, pod, pair) (spanlet_embedding_drift_score{{{W}}})",
+           "{{namespace}}/{{pod}} {{pair}}", "none"),
+    Metric(17, "spanlet_span_kernel_coverage_ratio", "Span <-> kernel join coverage",
+           "Share of spans joined to a kernel event (what=spans) and of kernel events that "
+           "found their span (what=events); the health of the join.",
+           f"min by (node, what) (spanlet_span_kernel_coverage_ratio{{{N}}})",
+           "{{what}} {{node}}", "percentunit"),
+]
+LAYERS = {1: "Kernel layer (eBPF): METRICS.md #1-#5", 6: "Device layer (NVML): #6-#8",
+          9: "Serving layer (spans joined with kernel events): #9-#17"}
+
+
+def metric_thresholds(m: Metric, rules: dict[str, list[Threshold]]) -> list[Threshold]:
+    found = list(rules.get(m.family, []))
+    if found and m.extra:
+        found += [Threshold(v, found[0].upper) for v in m.extra]
+    return found
+
+
+def metric_panel(m: Metric, rules: dict[str, list[Threshold]]) -> Panel:
+    th = metric_thresholds(m, rules)
+    ratio = m.unit == "percentunit"
+    return Panel("timeseries", f"#{m.number} {m.meaning} ({describe(th, m.unit)})",
+                 [prom(m.expr, m.legend)], description=f"{m.family}: {m.definition}",
+                 unit=m.unit, thresholds=th, min=0 if ratio or m.unit == "s" else None)
+
+
+def agent_health() -> list[Panel]:
+    return [
+        row("Agent health (self-metrics)"),
+        Panel("stat", "Probes attached (1 = attached)",
+              [prom(f"min by (node, probe) (spanlet_probe_attached{{{N}}})", "{{node}} {{probe}}")],
+              description="spanlet_probe_attached: a probe that did not attach leaves its "
+                          "metrics missing while the others run.",
+              thresholds=[Threshold(1, False)], options={"graphMode": "none"}),
+        Panel("timeseries", "Ring-buffer events read and dropped per second",
+              [prom(f"sum by (node, probe) (rate(spanlet_events_read_total{{{N}}}{RATE}))",
+                    "read {{probe}}"),
+               prom(f"sum by (node, probe) (rate(spanlet_events_dropped_total{{{N}}}{RATE}))",
+                    "dropped {{probe}}")],
+              description="spanlet_events_read_total / spanlet_events_dropped_total.", unit="ops"),
+        Panel("timeseries", "Join buffer and evictions",
+              [prom(f"sum by (node) (spanlet_join_buffer_events{{{N}}})", "waiting {{node}}"),
+               prom(f"sum by (node) (rate(spanlet_join_evicted_events_total{{{N}}}{RATE}))",
+                    "evicted/s {{node}}")],
+              description="Kernel events waiting for their span, and those whose span never came."),
+        Panel("timeseries", "Upstream OTLP export: queue and drops",
+              [prom(f"sum by (node) (spanlet_export_queue_spans{{{N}}})", "queued {{node}}"),
+               prom(f"sum by (node, reason) (rate(spanlet_export_dropped_spans_total{{{N}}}{RATE}))",
+                    "dropped/s {{reason}}")],
+              description="spanlet_export_queue_spans and spanlet_export_dropped_spans_total."),
+        Panel("timeseries", "Serving-metric contributions rejected per second",
+              [prom(f"sum by (node, reason) (rate(spanlet_serving_rejected_total{{{N}}}{RATE}))",
+                    "{{reason}}")],
+              description="spanlet_serving_rejected_total: span attributes that did not count, "
+                          "by reason.", unit="cps"),
+        Panel("timeseries", "Scheduler batch size hints",
+              [prom(f"max by (node, modality) (spanlet_scheduler_batch_size_hint{{{N}}})",
+                    "{{modality}} {{node}}")],
+              description="spanlet_scheduler_batch_size_hint, also served at GET /v1/hints."),
+    ]
+
+
+def node_overview(rules: dict[str, list[Threshold]]) -> dict:
+    panels: list[Panel] = []
+    for m in METRICS:
+        if m.number in LAYERS:
+            panels.append(row(LAYERS[m.number]))
+        panels.append(metric_panel(m, rules))
+    panels += agent_health()
+    ns = "label_values(spanlet_request_duration_seconds_count{node=~\"$node\"}, namespace)"
+    pod = ("label_values(spanlet_request_duration_seconds_count"
+           "{node=~\"$node\", namespace=~\"$namespace\"}, pod)")
+    return dashboard(
+        "spanlet-node-overview", "spanlet / Node overview",
+        "The 17 serving metrics of spanlet, one panel each with its default threshold drawn.",
+        [ds_var("ds_prometheus", "prometheus", "Prometheus"), NODE_VAR,
+         prom_var("namespace", "Namespace", ns), prom_var("pod", "Pod", pod)],
+        panels)
+
+
+# -- (b) GPU ------------------------------------------------------------------------------
+
+G = 'node=~"$node", gpu=~"$gpu"'
+SYNC = "spanlet_gpu_sync_wait_seconds"
+LAUNCHES = "spanlet_gpu_kernel_launches_total"
+
+
+def gpu(rules: dict[str, list[Threshold]]) -> dict:
+    sync_th = rules[SYNC]
+    panels = [
+        row("Kernel launches (uprobes on libcuda / libcudart)"),
+        Panel("timeseries", "Kernel launches per second by pod and modality",
+              [prom(f"sum by (namespace, pod, modality) (rate({LAUNCHES}{{{W}}}{RATE}))",
+                    "{{namespace}}/{{pod}} {{modality}}")],
+              description=f"{LAUNCHES}, nested runtime->driver calls counted once.",
+              unit="ops", stack=True, w=12),
+        Panel("timeseries", "Kernel launches per second by API (driver / runtime)",
+              [prom(f"sum by (node, api) (rate({LAUNCHES}{{{W}}}{RATE}))", "{{node}} {{api}}")],
+              description=f"{LAUNCHES} by the API the application called.", unit="ops", w=6),
+        Panel("bargauge", "Top pods by launches in the time range",
+              [prom(f"topk(10, sum by (namespace, pod) (increase({LAUNCHES}{{{W}}}[$__range])))",
+                    "{{namespace}}/{{pod}}", instant=True)],
+              description=f"increase({LAUNCHES}) over the dashboard's time range.", w=6),
+        row("Synchronisation stalls (time inside CUDA sync calls)"),
+        Panel("timeseries", f"CUDA sync wait p50 / p90 / p99 per node ({describe(sync_th, 's')})",
+              [prom(_quantile(q, SYNC, "node"), f"p{round(q * 100)} {{{{node}}}}")
+               for q in (0.5, 0.9, 0.99)],
+              description=f"{SYNC}: the GPU stall of a request; the threshold is on the p99.",
+              unit="s", thresholds=sync_th, min=0),
+        Panel("timeseries", f"CUDA sync wait p99 by pod and modality ({describe(sync_th, 's')})",
+              [prom(_quantile(0.99, SYNC, "namespace, pod, modality"),
+                    "{{namespace}}/{{pod}} {{modality}}")],
+              description=f"{SYNC} p99 per workload.", unit="s", thresholds=sync_th, min=0),
+        Panel("heatmap", "Sync wait distribution",
+              [prom(f"sum by (le) (increase({SYNC}_bucket{{{W}}}{RATE}))", "{{le}}",
+                    fmt="heatmap")],
+              description=f"{SYNC}_bucket: waits per bucket per interval (buckets 1 us x 4^n).",
+              unit="s"),
+        Panel("timeseries", "Time stalled in sync per second, by pod",
+              [prom(f"sum by (namespace, pod) (rate({SYNC}_sum{{{W}}}{RATE}))",
+                    "{{namespace}}/{{pod}}")],
+              description=f"rate({SYNC}_sum): seconds spent waiting for the GPU per second "
+                          "(1 = one thread always waiting).", unit="s", stack=True, w=12),
+        Panel("timeseries", "Sync calls per second by API",
+              [prom(f"sum by (node, api) (rate({SYNC}_count{{{W}}}{RATE}))", "{{node}} {{api}}")],
+              description=f"rate({SYNC}_count).", unit="ops", w=12),
+        row("Device (NVML)"),
+    ]
+    for m in METRICS:
+        if m.number in (6, 7, 8):
+            p = metric_panel(m, rules)
+            for t in p.targets:
+                t["expr"] = t["expr"].replace(N, G)
+            panels.append(p)
+    panels.append(Panel("stat", "NVML answering (1 = yes)",
+                        [prom(f"min by (node) (spanlet_nvml_available{{{N}}})", "{{node}}")],
+                        description="spanlet_nvml_available: without NVML the device metrics "
+                                    "are absent.", thresholds=[Threshold(1, False)], w=6, h=6,
+                        options={"graphMode": "none"}))
+    panels.append(row("Span join and model throughput"))
+    panels += [metric_panel(m, rules) for m in METRICS if m.number in (17, 13)]
+    return dashboard(
+        "spanlet-gpu", "spanlet / GPU",
+        "GPU kernel launches and synchronisation stalls per workload (eBPF uprobes), NVML "
+        "utilisation, memory peak and PCIe, and how well kernel events join their spans.",
+        [ds_var("ds_prometheus", "prometheus", "Prometheus"), NODE_VAR,
+         prom_var("namespace", "Namespace",
+                  'label_values(spanlet_gpu_kernel_launches_total{node=~"$node"}, namespace)'),
+         prom_var("pod", "Pod", 'label_values(spanlet_gpu_kernel_launches_total'
+                                '{node=~"$node", namespace=~"$namespace"}, pod)'),
+         prom_var("gpu", "GPU", 'label_values(spanlet_gpu_utilization_ratio{node=~"$node"}, gpu)')],
+        panels)
+
+
+# -- (c) network and jitter -------------------------------------------------------------------
+
+F = 'node=~"$node", protocol=~"$protocol", modality=~"$modality"'
+BYTES = "spanlet_network_bytes_total"
+PACKETS = "spanlet_network_packets_total"
+WEB = "http1|http2|websocket"
+
+
+def network(rules: dict[str, list[Threshold]]) -> dict:
+    jss = next(m for m in METRICS if m.number == 4)
+    jss_th = rules[jss.family]
+    panels = [
+        row("Traffic seen by the TC classifier (never dropped or altered)"),
+        Panel("timeseries", "Bytes per second by direction",
+              [prom(f"sum by (node, direction) (rate({BYTES}{{{F}}}{RATE}))", "{{node}} {{direction}}")],
+              description=f"{BYTES} by direction (ingress / egress).", unit="Bps", stack=True),
+        Panel("timeseries", "Bytes per second by protocol class",
+              [prom(f"sum by (protocol) (rate({BYTES}{{{F}}}{RATE}))", "{{protocol}}")],
+              description=f"{BYTES}: http1, http2 (gRPC), websocket, rtp, tcp, udp.",
+              unit="Bps", stack=True),
+        Panel("timeseries", "Bytes per second by modality",
+              [prom(f"sum by (modality) (rate({BYTES}{{{F}}}{RATE}))", "{{modality}}")],
+              description=f"{BYTES} by modality (port map, RTP payload type, HTTP content type).",
+              unit="Bps", stack=True),
+        Panel("timeseries", "Packets per second by protocol class",
+              [prom(f"sum by (protocol) (rate({PACKETS}{{{F}}}{RATE}))", "{{protocol}}")],
+              description=f"{PACKETS}.", unit="pps"),
+        Panel("timeseries", "Mean packet size by protocol class",
+              [prom(f"sum by (protocol) (rate({BYTES}{{{F}}}{RATE})) / "
+                    f"sum by (protocol) (rate({PACKETS}{{{F}}}{RATE}))", "{{protocol}}")],
+              description=f"rate({BYTES}) / rate({PACKETS}).", unit="bytes"),
+        Panel("stat", "HTTP / gRPC / WebSocket share of bytes",
+              [prom(f"(sum(rate({BYTES}{{node=~\"$node\", protocol=~\"{WEB}\"}}{RATE})) or vector(0))"
+                    f" / sum(rate({BYTES}{{node=~\"$node\"}}{RATE}))", "share")],
+              description=f"Bytes of HTTP/1.x, HTTP/2 (gRPC) and WebSocket over all bytes ({BYTES}).",
+              unit="percentunit", min=0, max=1, options={"colorMode": "value"}),
+        Panel("table", "Traffic mix in the time range",
+              [prom(f"sum by (direction, protocol, modality) (increase({BYTES}{{{F}}}[$__range]))",
+                    instant=True, fmt="table")],
+              description=f"increase({BYTES}) over the dashboard's time range.", unit="bytes",
+              w=24, h=8, overrides=[{"matcher": {"id": "byName", "options": "Time"},
+                                     "properties": [{"id": "custom.hidden", "value": True}]}]),
+        row("Media jitter"),
+        Panel("timeseries", f"Jitter Sensitivity Score ({describe(jss_th, jss.unit)})",
+              [prom(f"max by (node, protocol, modality) ({jss.family}{{{F}}})",
+                    "{{node}} {{protocol}} {{modality}}")],
+              description=f"{jss.family}: {jss.definition}", unit="percentunit",
+              thresholds=jss_th, min=0, w=16),
+        Panel("bargauge", f"JSS now by flow class ({describe(jss_th, jss.unit)})",
+              [prom(f"max by (protocol, modality) ({jss.family}{{{F}}})", "{{protocol}} {{modality}}",
+                    instant=True)],
+              description=f"{jss.family}, latest value.", unit="percentunit",
+              thresholds=jss_th, min=0, max=1),
+    ]
+    return dashboard(
+        "spanlet-network", "spanlet / Network and jitter",
+        "Bytes and packets the TC classifier saw by direction, protocol class and modality, "
+        "and the Jitter Sensitivity Score of media flows.",
+        [ds_var("ds_prometheus", "prometheus", "Prometheus"), NODE_VAR,
+         prom_var("protocol", "Protocol", f'label_values({BYTES}{{node=~"$node"}}, protocol)'),
+         prom_var("modality", "Modality", f'label_values({BYTES}{{node=~"$node"}}, modality)')],
+        panels)
+
+
+# -- ClickHouse pieces (store schema: exporters/clickhouse/schema.py) -------------------------
+
+DB = "${database}"
+SANDBOX_KIND = "SANDBOX"     # agent.events.Kind.SANDBOX.name, the Kind column of kernel_events
+
+
+def ch_in(column: str, var: str) -> str:
+    """Filter on a multi-value variable; All (the plugin's $__conditionalAll) is 1=1."""
+    return f"$__conditionalAll({column} IN (${{{var}:sqlstring}}), ${var})"
+
+
+def trace_filter(column: str = "TraceId") -> str:
+    """The trace_id text box: empty means every trace."""
+    return f"(${{trace_id:sqlstring}} = '' OR {column} = ${{trace_id:sqlstring}})"
+
+
+def span_filters() -> str:
+    return " AND ".join([
+        "$__timeFilter(Timestamp)",
+        ch_in(f"ResourceAttributes['{NAMESPACE_ATTRIBUTE}']", "namespace"),
+        ch_in(f"ResourceAttributes['{POD_ATTRIBUTE}']", "pod"),
+        ch_in("ServiceName", "service"),
+        trace_filter()])
+
+
+def fact_columns() -> str:
+    """One numeric column per kernel.* fact a span can carry (agent/join.py)."""
+    return ", ".join(f"toUInt64OrZero(SpanAttributes['{attr}']) AS {attr.replace('.', '_')}"
+                     for attr, _ in FACT_ATTRIBUTES)
+
+
+# The trace view the ClickHouse plugin draws (Query type Traces), in the column
+# names its documentation gives for the OpenTelemetry schema.
+TRACE_VIEW_SQL = (
+    "SELECT TraceId AS traceID, SpanId AS spanID, SpanName AS operationName, "
+    "ParentSpanId AS parentSpanID, ServiceName AS serviceName, Duration / 1000000 AS duration, "
+    "Timestamp AS startTime, "
+    "arrayMap(key -> map('key', key, 'value', SpanAttributes[key]), mapKeys(SpanAttributes)) AS tags, "
+    "arrayMap(key -> map('key', key, 'value', ResourceAttributes[key]), mapKeys(ResourceAttributes)) "
+    "AS serviceTags, if(StatusCode IN ('Error', 'STATUS_CODE_ERROR'), 2, 0) AS statusCode "
+    f"FROM {DB}.{TRACES} FINAL WHERE TraceId = '${{__value.raw}}' ORDER BY startTime ASC")
+
+
+def _explore(pane: dict) -> str:
+    # Explore's URL state; no '&', '#', '+' or '%' inside, so the JSON needs no escaping.
+    return "/explore?schemaVersion=1&panes=" + json.dumps({"trace": pane}, separators=(",", ":"))
+
+
+def trace_links() -> list[dict]:
+    """Data links of a trace id column: the trace in the store (the ClickHouse
+    plugin's trace view), in the trace backend (Tempo), and this dashboard filtered."""
+    rng = {"from": "${__from}", "to": "${__to}"}
+    store = _explore({"datasource": "${ds_clickhouse}", "range": rng, "queries": [{
+        "refId": "A", "datasource": CH, "editorType": "sql", "queryType": "traces",
+        "format": CH_FORMATS["traces"], "rawSql": TRACE_VIEW_SQL}]})
+    tempo = _explore({"datasource": "${ds_traces}", "range": rng, "queries": [{
+        "refId": "A", "datasource": {"type": "tempo", "uid": "${ds_traces}"},
+        "queryType": "traceql", "query": "${__value.raw}"}]})
+    return [
+        {"title": "Trace view (ClickHouse store)", "url": store, "targetBlank": True},
+        {"title": "Trace view (Tempo)", "url": tempo, "targetBlank": True},
+        {"title": "Drill down into this trace",
+         "url": "/d/spanlet-request-drilldown?var-trace_id=${__value.raw}&${__url_time_range}"
+                "&var-database=${database}"},
+    ]
+
+
+def trace_link_override(column: str = "trace_id") -> dict:
+    return {"matcher": {"id": "byName", "options": column},
+            "properties": [{"id": "links", "value": trace_links()}]}
+
+
+def table_units(**units: str) -> list[dict]:
+    return [{"matcher": {"id": "byName", "options": col}, "properties": [{"id": "unit", "value": u}]}
+            for col, u in units.items()]
+
+
+# -- (d) sandbox ----------------------------------------------------------------------------
+
+S = 'node=~"$node", namespace=~"$namespace", pod=~"$pod", rule=~"$rule", action=~"$action"'
+VIOLATIONS = "spanlet_sandbox_violations_total"
+
+
+def sandbox_filters() -> str:
+    return " AND ".join([f"Kind = '{SANDBOX_KIND}'", "$__timeFilter(Timestamp)",
+                         ch_in("Node", "node"), ch_in("K8sNamespace", "namespace"),
+                         ch_in("K8sPodName", "pod"), ch_in("Rule", "rule"),
+                         ch_in("Action", "action")])
+
+
+def sandbox(rules: dict[str, list[Threshold]]) -> dict:
+    # Integer counts: the default "any violation" (> 0) is drawn as >= 1.
+    any_violation = [Threshold(1, True)]
+    step = {"lineInterpolation": "stepAfter"}
+    where = sandbox_filters()
+    panels = [
+        row("Violations (Prometheus, counted in the kernel)"),
+        Panel("stat", "Violations since the agent started (threshold: any)",
+              [prom(f"sum({VIOLATIONS}{{{S}}}) or vector(0)", "violations")],
+              description=f"sum of {VIOLATIONS}; METRICS.md's default threshold is 0.",
+              thresholds=any_violation, w=6, h=6),
+        Panel("stat", "Offenders killed (action kill)",
+              [prom(f'sum({VIOLATIONS}{{{S}, action="kill"}}) or vector(0)', "kills")],
+              description=f"{VIOLATIONS} with action=kill: the mode enforce sent SIGKILL.",
+              thresholds=any_violation, w=6, h=6),
+        Panel("bargauge", "Violations by workload",
+              [prom(f"sum by (namespace, pod, container) ({VIOLATIONS}{{{S}}})",
+                    "{{namespace}}/{{pod}} {{container}}", instant=True)],
+              description=f"{VIOLATIONS} per container since the agent started.",
+              thresholds=any_violation, w=12, h=6),
+        Panel("timeseries", "Violations by rule (cumulative; a step is a new violation)",
+              [prom(f"sum by (rule) ({VIOLATIONS}{{{S}}})", "{{rule}}")],
+              description=f"{VIOLATIONS} by rule: unauthorized, write_on_readonly, exec, oversize.",
+              custom=step, w=12),
+        Panel("timeseries", "Violations by action (cumulative)",
+              [prom(f"sum by (action) ({VIOLATIONS}{{{S}}})", "{{action}}")],
+              description=f"{VIOLATIONS} by action: audit reports, kill also ends the process.",
+              custom=step, w=12),
+        Panel("table", "Violations by rule, action and workload",
+              [prom(f"sum by (node, namespace, pod, container, rule, action) ({VIOLATIONS}{{{S}}})",
+                    instant=True, fmt="table")],
+              description=f"{VIOLATIONS}, one row per series.", w=24, h=7,
+              overrides=[{"matcher": {"id": "byName", "options": "Time"},
+                          "properties": [{"id": "custom.hidden", "value": True}]}]),
+        row("Violations by tensor pool (ClickHouse store, kernel_events)"),
+        Panel("table", "By pool, rule and action in the time range",
+              [ch(f"SELECT PoolId AS pool_id, Rule AS rule, Action AS action, count() AS violations, "
+                  f"uniqExact(K8sNamespace, K8sPodName) AS pods, uniqExact(Pid) AS processes, "
+                  f"max(Len) AS largest_mapping, max(PoolMaxBytes) AS pool_max_bytes, "
+                  f"max(Timestamp) AS last_seen "
+                  f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {where} "
+                  f"GROUP BY pool_id, rule, action ORDER BY violations DESC, pool_id")],
+              description="Pool ids number the pools of the agent's sandbox config; "
+                          "`spanlet inspect sandbox` names their paths.", w=12,
+              overrides=table_units(largest_mapping="bytes", pool_max_bytes="bytes")),
+        Panel("timeseries", "Violations per interval by pool",
+              [ch(f"SELECT $__timeInterval(Timestamp) AS time, concat('pool ', toString(PoolId)) AS pool, "
+                  f"count() AS violations FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {where} "
+                  f"GROUP BY time, pool ORDER BY time", "timeSeries")],
+              description="Sandbox events in the store per interval.", stack=True,
+              custom={"drawStyle": "bars", "fillOpacity": 80}, w=12),
+        Panel("table", "Recent violations",
+              [ch(f"SELECT Timestamp AS time, Node AS node, K8sNamespace AS namespace, K8sPodName AS pod, "
+                  f"K8sContainerName AS container, Pid AS pid, Tid AS tid, Rule AS rule, "
+                  f"Action AS action, PoolId AS pool_id, Len AS length, PoolMaxBytes AS pool_max_bytes, "
+                  f"Prot AS prot, Fd AS fd, TraceId AS trace_id, SpanId AS span_id "
+                  f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {where} "
+                  f"ORDER BY Timestamp DESC, Tid LIMIT 200")],
+              description="Newest first (the query of exporters/clickhouse/queries.py "
+                          "sandbox_violations); a trace id opens its trace.", w=24, h=9,
+              overrides=[trace_link_override(), *table_units(length="bytes", pool_max_bytes="bytes")]),
+    ]
+    pv = f'label_values({VIOLATIONS}{{node=~"$node"}}, '
+    return dashboard(
+        "spanlet-sandbox", "spanlet / Sandbox",
+        "mmap sandbox violations of the tensor pools by rule, action, pool and workload.",
+        [ds_var("ds_prometheus", "prometheus", "Prometheus"),
+         ds_var("ds_clickhouse", CLICKHOUSE, "ClickHouse"), DATABASE_VAR, NODE_VAR,
+         prom_var("namespace", "Namespace", pv + "namespace)"),
+         prom_var("pod", "Pod", f'label_values({VIOLATIONS}{{node=~"$node", namespace=~"$namespace"}}, pod)'),
+         prom_var("rule", "Rule", pv + "rule)"), prom_var("action", "Action", pv + "action)")],
+        panels)
+
+
+# -- (e) request drill-down (ClickHouse) -----------------------------------------------------------
+
+def drilldown(rules: dict[str, list[Threshold]]) -> dict:
+    spans_where = span_filters()
+    ev_where = " AND ".join(["$__timeFilter(Timestamp)", ch_in("K8sNamespace", "namespace"),
+                             ch_in("K8sPodName", "pod"), trace_filter()])
+    stall = f"toUInt64OrZero(SpanAttributes['{GPU_STALL_ATTRIBUTE}'])"
+    pod_col = f"ResourceAttributes['{POD_ATTRIBUTE}']"
+    ns_col = f"ResourceAttributes['{NAMESPACE_ATTRIBUTE}']"
+    facts = fact_columns()
+    has_facts = "mapExists((k, v) -> startsWith(k, 'kernel.'), SpanAttributes)"
+    panels = [
+        Panel("stat", "Spans in range",
+              [ch(f"SELECT count() AS spans FROM {DB}.{TRACES} FINAL WHERE {spans_where}")],
+              description="Spans stored in otel_traces.", w=6, h=4, options={"graphMode": "none"}),
+        Panel("stat", "Spans with kernel facts",
+              [ch(f"SELECT countIf({has_facts}) / greatest(count(), 1) AS joined "
+                  f"FROM {DB}.{TRACES} FINAL WHERE {spans_where}")],
+              description="Share of the spans that carry kernel.* attributes from the join.",
+              unit="percentunit", w=6, h=4, options={"graphMode": "none", "colorMode": "value"}),
+        Panel("stat", "GPU stall time in range",
+              [ch(f"SELECT sum({stall}) / 1e9 AS stalled FROM {DB}.{TRACES} FINAL WHERE {spans_where}")],
+              description=f"Sum of {GPU_STALL_ATTRIBUTE} over the spans.", unit="s", w=6, h=4,
+              options={"graphMode": "none", "colorMode": "value"}),
+        Panel("stat", "Kernel events in range",
+              [ch(f"SELECT count() AS events FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {ev_where}")],
+              description="Rows of kernel_events.", w=6, h=4, options={"graphMode": "none"}),
+        Panel("table", "Spans and their kernel facts (newest first)",
+              [ch(f"SELECT Timestamp AS time, TraceId AS trace_id, SpanId AS span_id, "
+                  f"ParentSpanId AS parent_span_id, ServiceName AS service, SpanName AS span, "
+                  f"SpanKind AS kind, Duration AS duration, StatusCode AS status, "
+                  f"{ns_col} AS namespace, {pod_col} AS pod, {facts} "
+                  f"FROM {DB}.{TRACES} FINAL WHERE {spans_where} "
+                  f"ORDER BY Timestamp DESC, SpanId LIMIT 500")],
+              description="otel_traces with the kernel.* facts the join added (GPU launches and "
+                          "their time, sync wait, wire bytes, sandbox violations); a trace id "
+                          "opens its trace.", w=24, h=10,
+              overrides=[trace_link_override(), *table_units(
+                  duration="ns", kernel_gpu_launch_ns="ns", kernel_gpu_sync_wait_ns="ns",
+                  kernel_net_rx_bytes="bytes", kernel_net_tx_bytes="bytes")]),
+        Panel("table", "Slowest GPU stalls",
+              [ch(f"SELECT Timestamp AS time, TraceId AS trace_id, SpanId AS span_id, "
+                  f"ServiceName AS service, SpanName AS span, Duration AS duration, "
+                  f"{stall} AS gpu_sync_wait, {stall} / greatest(Duration, 1) AS stalled_share, "
+                  f"{pod_col} AS pod FROM {DB}.{TRACES} FINAL WHERE {stall} > 0 AND {spans_where} "
+                  f"ORDER BY gpu_sync_wait DESC, Timestamp DESC, SpanId LIMIT 20")],
+              description="Spans with the longest CUDA synchronisation wait (the query of "
+                          "exporters/clickhouse/queries.py slowest_gpu_stall_spans).", w=14, h=9,
+              overrides=[trace_link_override(), *table_units(
+                  duration="ns", gpu_sync_wait="ns", stalled_share="percentunit")]),
+        Panel("timeseries", "GPU stall per interval by service",
+              [ch(f"SELECT $__timeInterval(Timestamp) AS time, ServiceName AS service, "
+                  f"sum({stall}) / 1e9 AS stalled FROM {DB}.{TRACES} FINAL WHERE {spans_where} "
+                  f"GROUP BY time, service ORDER BY time", "timeSeries")],
+              description=f"Sum of {GPU_STALL_ATTRIBUTE} per interval.", unit="s", w=10, h=9),
+        Panel("table", "Sandbox violations",
+              [ch(f"SELECT Timestamp AS time, K8sNamespace AS namespace, K8sPodName AS pod, "
+                  f"K8sContainerName AS container, Pid AS pid, Tid AS tid, Rule AS rule, "
+                  f"Action AS action, PoolId AS pool_id, Len AS length, TraceId AS trace_id, "
+                  f"SpanId AS span_id FROM {DB}.{KERNEL_EVENTS} FINAL "
+                  f"WHERE Kind = '{SANDBOX_KIND}' AND {ev_where} ORDER BY Timestamp DESC, Tid LIMIT 100")],
+              description="mmap sandbox violations, with the span that was running.", w=24, h=7,
+              overrides=[trace_link_override(), *table_units(length="bytes")]),
+        Panel("table", "Kernel events (newest first)",
+              [ch(f"SELECT Timestamp AS time, Kind AS kind, Node AS node, K8sPodName AS pod, "
+                  f"Pid AS pid, Tid AS tid, TraceId AS trace_id, SpanId AS span_id, "
+                  f"Modality AS modality, Api AS api, Entry AS entry, DurationNs AS duration, "
+                  f"Rule AS rule, Action AS action, "
+                  f"if(SrcAddr = '', '', concat(SrcAddr, ':', toString(SrcPort), ' -> ', DstAddr, ':', "
+                  f"toString(DstPort))) AS flow, Direction AS direction, ProtoClass AS protocol, "
+                  f"RequestBytes AS request_bytes, ResponseBytes AS response_bytes "
+                  f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {ev_where} "
+                  f"ORDER BY Timestamp DESC, Tid LIMIT 500")],
+              description="kernel_events: GPU launches and syncs, sandbox violations, HTTP "
+                          "requests and flows seen on the wire.", w=24, h=10,
+              overrides=[trace_link_override(), *table_units(
+                  duration="ns", request_bytes="bytes", response_bytes="bytes")]),
+        Panel("timeseries", "Kernel events per interval by kind",
+              [ch(f"SELECT $__timeInterval(Timestamp) AS time, Kind AS kind, count() AS events "
+                  f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {ev_where} "
+                  f"GROUP BY time, kind ORDER BY time", "timeSeries")],
+              description="Rows of kernel_events per interval.", stack=True, w=24, h=7),
+    ]
+    attr = f"FROM {DB}.{TRACES} WHERE $__timeFilter(Timestamp) ORDER BY 1"
+    return dashboard(
+        "spanlet-request-drilldown", "spanlet / Request drill-down",
+        "Spans with the kernel facts the agent joined to them, the slowest GPU stalls, sandbox "
+        "violations and raw kernel events, from the ClickHouse store; trace ids open the trace.",
+        [ds_var("ds_clickhouse", CLICKHOUSE, "ClickHouse"),
+         ds_var("ds_traces", "tempo", "Trace backend (Tempo)"), DATABASE_VAR,
+         ch_var("namespace", "Namespace", f"SELECT DISTINCT {ns_col} {attr}"),
+         ch_var("pod", "Pod", f"SELECT DISTINCT {pod_col} {attr}"),
+         ch_var("service", "Service", f"SELECT DISTINCT ServiceName {attr}"),
+         text_var("trace_id", "Trace id", "", "32 hex digits; empty: every trace")],
+        panels)
+
+
+# -- output -------------------------------------------------------------------------------
+
+BUILDERS = {"node-overview.json": node_overview, "gpu.json": gpu, "network.json": network,
+            "sandbox.json": sandbox, "request-drilldown.json": drilldown}
+
+
+def build() -> dict[str, dict]:
+    """file name -> dashboard JSON."""
+    rules = rule_thresholds()
+    return {name: fn(rules) for name, fn in BUILDERS.items()}
+
+
+def render(d: dict) -> str:
+    return json.dumps(d, indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if a dashboard file is stale")
+    args = ap.parse_args(argv)
+    stale = []
+    for name, d in build().items():
+        path = OUT / name
+        text = render(d)
+        if path.exists() and path.read_text() == text:
+            continue
+        stale.append(name)
+        if not args.check:
+            OUT.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if stale:
+        print(("stale: " if args.check else "wrote: ") + ", ".join(stale))
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
