@@ -51,6 +51,11 @@ RETRYABLE_GRPC = frozenset({
 # OTLP/HTTP: retryable statuses; every other 4xx/5xx is final.
 RETRYABLE_HTTP = frozenset({429, 502, 503, 504})
 
+# The export queue's bound in bytes (serialized size of the queued spans), on
+# top of cfg.queue_size in spans: a queue of large spans (attributes, span
+# events) stays bounded in memory too. cfg.queue_max_bytes overrides it.
+DEFAULT_QUEUE_MAX_BYTES = 64 * 1024 * 1024
+
 
 # ---------------------------------------------------------------------------
 # Where to send: config first, the OTEL_EXPORTER_OTLP_* variables fill the gaps.
@@ -249,9 +254,18 @@ class _GrpcTransport:
     `rejected_field` the count in its response's partial_success."""
 
     def __init__(self, up: Upstream, stub_cls=TraceServiceStub,
-                 rejected_field: str = "rejected_spans") -> None:
-        # Retries are ours (with the spec's rules); grpc's own stay off.
-        options = [("grpc.enable_retries", 0)]
+                 rejected_field: str = "rejected_spans", *,
+                 initial_backoff_s: float = INITIAL_BACKOFF_S,
+                 max_backoff_s: float = MAX_BACKOFF_S) -> None:
+        # Retries are ours (with the spec's rules); grpc's own stay off. Its
+        # reconnection backoff follows ours: left at grpc's default (up to
+        # 120 s) a channel that lost its upstream for a few minutes keeps
+        # failing every send fast for up to two minutes after the upstream
+        # came back, and batches run out of max_retry_s in the meantime.
+        initial_ms = max(1, int(initial_backoff_s * 1000))
+        options = [("grpc.enable_retries", 0),
+                   ("grpc.initial_reconnect_backoff_ms", initial_ms),
+                   ("grpc.max_reconnect_backoff_ms", max(initial_ms, int(max_backoff_s * 1000)))]
         compression = grpc.Compression.Gzip if up.compression == "gzip" else grpc.Compression.NoCompression
         if up.insecure:
             self._channel = grpc.insecure_channel(up.endpoint, options=options, compression=compression)
@@ -527,25 +541,33 @@ class OtlpSpanExporter:
     nothing and returns True.
 
     export() hands the protos over (do not change them afterwards) and never
-    blocks: at most cfg.queue_size spans wait; the spans that do not fit are
-    dropped and counted. One worker sends batches of up to cfg.batch_size
-    spans every cfg.batch_interval_s, or as soon as a batch is full; a
-    retryable failure is retried with exponential backoff and jitter (or
-    after the delay the server asked for) for up to cfg.max_retry_s, after
-    which the batch is dropped and counted, as is a batch refused for good.
+    blocks: at most cfg.queue_size spans, and at most queue_max_bytes of them
+    (serialized), wait; the spans that do not fit are dropped and counted
+    (dropped_queue_full). While the upstream is away memory holds the queue
+    and the one batch being retried, no more. One worker sends batches of up
+    to cfg.batch_size spans every cfg.batch_interval_s, or as soon as a batch
+    is full; a retryable failure is retried with exponential backoff and
+    jitter (or after the delay the server asked for) for up to
+    cfg.max_retry_s, after which the batch is dropped and counted, as is a
+    batch refused for good.
     """
 
     def __init__(self, cfg: OtlpConfig, environ: Mapping[str, str] = os.environ, *,
                  initial_backoff_s: float = INITIAL_BACKOFF_S,
-                 max_backoff_s: float = MAX_BACKOFF_S) -> None:
+                 max_backoff_s: float = MAX_BACKOFF_S,
+                 queue_max_bytes: int | None = None) -> None:
         self._queue_size = cfg.queue_size
+        if queue_max_bytes is None:
+            queue_max_bytes = getattr(cfg, "queue_max_bytes", DEFAULT_QUEUE_MAX_BYTES)
+        self._queue_max_bytes = queue_max_bytes
         self._batch_size = cfg.batch_size
         self._interval_s = cfg.batch_interval_s
         self.upstream = resolve_upstream(cfg, environ)
         self.enabled = self.upstream is not None
         self._cond = threading.Condition()
-        self._queue: deque[tuple[ResourceSpans, int]] = deque()
+        self._queue: deque[tuple[ResourceSpans, int, int]] = deque()   # (piece, spans, bytes)
         self._queued = 0            # spans in _queue
+        self._queued_bytes = 0      # their serialized size
         self._enqueued_total = 0    # spans ever accepted into the queue
         self._dequeued_total = 0    # spans ever taken out of it
         self._send_through = 0      # send at once until _dequeued_total reaches this
@@ -560,7 +582,10 @@ class OtlpSpanExporter:
                      "span export is off")
             return
         up = self.upstream
-        transport = _GrpcTransport(up) if up.protocol == GRPC else _HttpTransport(up)
+        if up.protocol == GRPC:
+            transport = _GrpcTransport(up, initial_backoff_s=initial_backoff_s, max_backoff_s=max_backoff_s)
+        else:
+            transport = _HttpTransport(up)
         self._sender = RetryingSender(up, transport, self._cond, max_retry_s=cfg.max_retry_s,
                                       initial_backoff_s=initial_backoff_s,
                                       max_backoff_s=max_backoff_s)
@@ -600,16 +625,23 @@ class OtlpSpanExporter:
                 else:
                     pieces = [rs]
                 for piece in pieces:
-                    self._queue.append((piece, _spans_in(piece)))
-                self._queued += n
-                self._enqueued_total += n
+                    k, size = _spans_in(piece), piece.ByteSize()
+                    if self._queued_bytes + size > self._queue_max_bytes:
+                        self._c.dropped_queue_full += k
+                        overflow += k
+                        all_queued = False
+                        continue
+                    self._queue.append((piece, k, size))
+                    self._queued += k
+                    self._queued_bytes += size
+                    self._enqueued_total += k
             if self._queued >= self._batch_size:
                 self._cond.notify_all()
             dropped_so_far = self._c.dropped_queue_full
         if overflow:
             self._ratelog(logging.WARNING, "queue_full",
-                          "OTLP export queue full (%d spans): dropped %d spans, %d so far",
-                          self._queue_size, overflow, dropped_so_far)
+                          "OTLP export queue full (%d spans, %d bytes): dropped %d spans, %d so far",
+                          self._queue_size, self._queue_max_bytes, overflow, dropped_so_far)
         elif not all_queued:
             self._ratelog(logging.WARNING, "closed", "OTLP exporter is shut down; spans dropped")
         return all_queued
@@ -658,6 +690,10 @@ class OtlpSpanExporter:
                 "batches": c.batches,
                 "queue_spans": self._queued,
                 "queue_capacity": self._queue_size,
+                "queue_bytes": self._queued_bytes,
+                "queue_bytes_capacity": self._queue_max_bytes,
+                # taken from the queue, not yet settled: the batch being sent or retried
+                "inflight_spans": self._dequeued_total - c.settled,
             }
 
     @property
@@ -694,14 +730,16 @@ class OtlpSpanExporter:
         request = ExportTraceServiceRequest()
         room = self._batch_size
         while self._queue and room:
-            rs, n = self._queue[0]
+            rs, n, size = self._queue[0]
             if n > room:
                 head, tail = split_resource_spans(rs, room, n)
-                self._queue[0] = (tail, n - room)
-                rs, n = head, room
+                tail_size = tail.ByteSize()
+                self._queue[0] = (tail, n - room, tail_size)
+                rs, n, size = head, room, size - tail_size
             else:
                 self._queue.popleft()
             request.resource_spans.append(rs)
+            self._queued_bytes -= size
             room -= n
         taken = self._batch_size - room
         self._queued -= taken
@@ -717,4 +755,5 @@ class OtlpSpanExporter:
             self._dequeued_total += self._queued
             self._queue.clear()
             self._queued = 0
+            self._queued_bytes = 0
             self._cond.notify_all()

@@ -47,7 +47,10 @@ def self_metrics(daemon) -> list[Family]:
     drops = Family("spanlet_export_dropped_spans_total", "counter", "Spans not exported upstream")
     drops.samples = [Sample(labels(reason=r), exp.get(f"dropped_{r}", 0))
                      for r in ("queue_full", "failed", "shutdown")]
-    return [attached, failed, read, dropped, drops,
+    return [attached, failed, read, dropped, drops, *store_metrics(daemon),
+            _single("spanlet_export_queue_bytes", "gauge",
+                    "Serialized bytes of spans waiting for upstream export",
+                    exp.get("queue_bytes", 0), unit="bytes"),
             _single("spanlet_join_buffer_events", "gauge", "Kernel events waiting for their span",
                     join.pending_events()),
             _single("spanlet_join_evicted_events_total", "counter",
@@ -58,6 +61,34 @@ def self_metrics(daemon) -> list[Family]:
                     exp.get("queue_spans", 0)),
             _single("spanlet_nvml_available", "gauge", "1 if NVML answers",
                     1 if daemon.nvml.status.available else 0)]
+
+
+STORE_TABLES = ("otel_traces", "kernel_events", "metric_samples")
+STORE_DROP_REASONS = ("spool_full", "rejected")
+
+
+def store_metrics(daemon) -> list[Family]:
+    """The store's queue, spool and drops; nothing when the store is off."""
+    store = getattr(daemon, "store", None)
+    sink = getattr(store, "sink", None)
+    if sink is None:
+        return []
+    st = sink.stats()
+    by_table = st["dropped_rows_by_table"]
+    keys = {(t, r) for t in STORE_TABLES for r in STORE_DROP_REASONS}
+    keys |= {(t, r) for t, reasons in by_table.items() for r in reasons}
+    drops = Family("spanlet_store_dropped_rows_total", "counter",
+                   "Rows that never reached the store (spool_full: memory queue and spool at "
+                   "their bounds; rejected: refused by the store)")
+    drops.samples = [Sample(labels(table=t, reason=r), by_table.get(t, {}).get(r, 0))
+                     for t, r in sorted(keys)]
+    return [drops,
+            _single("spanlet_store_queue_rows", "gauge", "Rows waiting in memory for the store",
+                    st["queued_rows"]),
+            _single("spanlet_store_spool_bytes", "gauge", "Bytes spooled on disk for the store",
+                    st["spooled_bytes"], unit="bytes"),
+            _single("spanlet_store_events_overflow_total", "counter",
+                    "Kernel events dropped before the store's queue", store.events_overflow)]
 
 
 class MetricEngine:

@@ -13,11 +13,13 @@ import threading
 import time
 from typing import Any, Sequence
 
-from exporters.clickhouse import BackendError
+from exporters.clickhouse import BackendError, BackendUnavailable
 from exporters.clickhouse import schema
+from exporters.clickhouse.http_backend import RETRYABLE_CLICKHOUSE_CODES
 
 _DT64 = re.compile(r"^(?:LowCardinality\()?(?:Nullable\()?DateTime64\((\d)")
 _ARRAY_DT64 = re.compile(r"^Array\(DateTime64\((\d)")
+_ERROR_CODE = re.compile(r"\bCode: (\d+)\.")
 
 # Inserted DateTime64 text is UTC (see _utc_text), results are too; JSON
 # output for query() with 64-bit integers and decimals as numbers, so that
@@ -35,6 +37,18 @@ def _utc_text(ns: int) -> str:
     t = time.gmtime(sec)
     return (f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d} "
             f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}.{frac:09d}")
+
+
+def _classify(exc: Exception) -> Exception:
+    """The engine's own word on a failure: a full or failing disk, memory or
+    overload is BackendUnavailable (the sink keeps the rows and retries);
+    anything else refuses this statement for good."""
+    text = str(exc).strip()
+    message = text.splitlines()[0] if text else repr(exc)
+    found = _ERROR_CODE.search(text)
+    if found and int(found.group(1)) in RETRYABLE_CLICKHOUSE_CODES:
+        return BackendUnavailable(message)
+    return BackendError(message)
 
 
 class ChdbBackend:
@@ -131,7 +145,7 @@ class ChdbBackend:
         try:
             return self._session.query(sql, fmt)
         except Exception as e:
-            raise BackendError(str(e).strip().splitlines()[0] if str(e).strip() else repr(e)) from e
+            raise _classify(e) from e
 
     def _query_locked(self, sql: str) -> list[tuple]:
         stripped = sql.strip().rstrip(";")

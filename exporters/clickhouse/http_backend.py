@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -20,22 +21,36 @@ DEFAULT_HTTP_PORT = 8123
 DEFAULT_HTTPS_PORT = 8443
 
 # ClickHouse error codes that mean "try again later" even when the server answers (overload, replica or
-# Keeper trouble, timeouts). Everything else the server answers with is a refusal of this data/statement.
+# Keeper trouble, timeouts, a full or failing disk). Everything else the server answers with is a refusal of
+# this data/statement. The embedded backend reads its engine's errors with the same set.
 RETRYABLE_CLICKHOUSE_CODES = frozenset({
     3,    # UNEXPECTED_END_OF_FILE
+    24,   # CANNOT_WRITE_TO_OSTREAM
+    74,   # CANNOT_READ_FROM_FILE_DESCRIPTOR
+    75,   # CANNOT_WRITE_TO_FILE_DESCRIPTOR (ENOSPC, EIO while writing a part)
+    76,   # CANNOT_OPEN_FILE (EROFS, EMFILE)
+    77,   # CANNOT_CLOSE_FILE
+    88,   # CANNOT_TRUNCATE_FILE
     159,  # TIMEOUT_EXCEEDED
     160,  # TOO_SLOW
     164,  # READONLY (replica in read-only mode while Keeper is away)
+    172,  # CANNOT_CREATE_DIRECTORY
+    173,  # CANNOT_ALLOCATE_MEMORY
     202,  # TOO_MANY_SIMULTANEOUS_QUERIES
     203,  # NO_FREE_CONNECTION
+    204,  # CANNOT_FSYNC
     209,  # SOCKET_TIMEOUT
     210,  # NETWORK_ERROR
     241,  # MEMORY_LIMIT_EXCEEDED
     242,  # TABLE_IS_READ_ONLY
+    243,  # NOT_ENOUGH_SPACE (the store's disk is full)
     252,  # TOO_MANY_PARTS
     279,  # ALL_CONNECTION_TRIES_FAILED
     319,  # UNKNOWN_STATUS_OF_INSERT
     425,  # SYSTEM_ERROR
+    439,  # CANNOT_SCHEDULE_TASK
+    458,  # CANNOT_UNLINK
+    586,  # CANNOT_CREATE_FILE
     999,  # KEEPER_EXCEPTION
 })
 _ROW_STATEMENTS = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXISTS", "EXPLAIN"})
@@ -202,14 +217,20 @@ class HttpBackend:
             password=self._password.reveal() or "",
             secure=self.secure,
             compress=self._compress,
-            connect_timeout=self._connect_timeout_s,
-            send_receive_timeout=self._send_receive_timeout_s,
+            # The HTTP client keeps whole seconds (0.5 would become 0, which it refuses): round up here, and
+            # give the connection pool the exact values below once the client exists.
+            connect_timeout=max(1, math.ceil(self._connect_timeout_s)),
+            send_receive_timeout=max(1, math.ceil(self._send_receive_timeout_s)),
             query_retries=0,  # the sink owns retries and backoff
             autogenerate_session_id=False,
         )
         if self.ca_file:
             kwargs["ca_cert"] = self.ca_file
         client = clickhouse_connect.get_client(**kwargs)
+        if hasattr(type(client), "timeout"):
+            from urllib3 import Timeout
+
+            client.timeout = Timeout(connect=self._connect_timeout_s, read=self._send_receive_timeout_s)
         self._record_http_status(client)
         return client
 

@@ -193,10 +193,12 @@ class ClickHouseSink:
         self._deadline: float | None = None
         self._stats: dict[str, Any] = {
             "rows_written": 0, "batches_written": 0, "retries": 0, "queued_rows_max": 0,
-            "spooled_rows": 0, "spooled_bytes": 0, "spooled_files": 0, "spooled_rows_total": 0,
+            "spooled_rows": 0, "spooled_bytes": 0, "spooled_bytes_max": 0, "spooled_files": 0,
+            "spooled_rows_total": 0,
             "replayed_rows": 0, "spool_corrupt_files": 0, "schema_version": None, "last_error": None,
         }
         self._dropped: dict[str, int] = {}
+        self._dropped_by_table: dict[str, dict[str, int]] = {}
         self._drop_log: dict[str, tuple[float, int]] = {}
 
         if self.spool_dir is not None:
@@ -215,7 +217,7 @@ class ClickHouseSink:
         now = time.monotonic()
         with self._cond:
             if self._closed or self._closing:
-                self._drop(DROP_CLOSED, len(rows), "sink is shut down")
+                self._drop(table, DROP_CLOSED, len(rows), "sink is shut down")
                 return
             state = self._tables.setdefault(table, _Table())
             was_empty = not state.memory
@@ -273,6 +275,7 @@ class ClickHouseSink:
             out["queued_rows"] = self._queued_rows
             out["dropped_rows"] = dict(self._dropped)
             out["dropped_rows_total"] = sum(self._dropped.values())
+            out["dropped_rows_by_table"] = {t: dict(r) for t, r in self._dropped_by_table.items()}
             return out
 
     # -- memory and spool bookkeeping (called with the lock held) ---------------------------------
@@ -312,15 +315,16 @@ class ClickHouseSink:
     def _spill(self, batch: _Batch) -> None:
         """Move a batch that left memory to the spool, or drop it when the spool cannot take it."""
         if self.spool_dir is None:
-            self._drop(DROP_SPOOL_FULL, len(batch.rows), "memory queue full and no spool configured")
+            self._drop(batch.table, DROP_SPOOL_FULL, len(batch.rows), "memory queue full and no spool configured")
             return
         try:
             data = encode_batch(batch.table, batch.columns, batch.rows)
         except (TypeError, ValueError) as exc:
-            self._drop(DROP_UNENCODABLE, len(batch.rows), str(exc))
+            self._drop(batch.table, DROP_UNENCODABLE, len(batch.rows), str(exc))
             return
         if self._stats["spooled_bytes"] + len(data) > self.spool_max_bytes:
-            self._drop(DROP_SPOOL_FULL, len(batch.rows), f"spool at its bound of {self.spool_max_bytes} bytes")
+            self._drop(batch.table, DROP_SPOOL_FULL, len(batch.rows),
+                       f"spool at its bound of {self.spool_max_bytes} bytes")
             return
         path = self.spool_dir / f"{batch.seq:020d}{SPOOL_SUFFIX}"
         tmp = self.spool_dir / f".tmp-{batch.seq:020d}"
@@ -330,7 +334,7 @@ class ClickHouseSink:
             os.replace(tmp, path)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
-            self._drop(DROP_SPOOL_FULL, len(batch.rows), f"spool write failed: {exc}")
+            self._drop(batch.table, DROP_SPOOL_FULL, len(batch.rows), f"spool write failed: {exc}")
             return
         self._index_spool_file(batch.table, _SpoolFile(batch.seq, path, len(batch.rows), len(data)))
         self._stats["spooled_rows_total"] += len(batch.rows)
@@ -344,6 +348,7 @@ class ClickHouseSink:
             spool.extend(ordered)
         self._stats["spooled_rows"] += entry.rows
         self._stats["spooled_bytes"] += entry.size
+        self._stats["spooled_bytes_max"] = max(self._stats["spooled_bytes_max"], self._stats["spooled_bytes"])
         self._stats["spooled_files"] += 1
 
     def _unindex_spool_file(self, table: str, entry: _SpoolFile) -> None:
@@ -378,8 +383,10 @@ class ClickHouseSink:
             log.info("clickhouse sink: %d spooled batches (%d rows) to replay from %s",
                      self._stats["spooled_files"], self._stats["spooled_rows"], self.spool_dir)
 
-    def _drop(self, reason: str, rows: int, detail: str) -> None:
+    def _drop(self, table: str, reason: str, rows: int, detail: str) -> None:
         self._dropped[reason] = self._dropped.get(reason, 0) + rows
+        by_table = self._dropped_by_table.setdefault(table, {})
+        by_table[reason] = by_table.get(reason, 0) + rows
         now = time.monotonic()
         last, pending = self._drop_log.get(reason, (float("-inf"), 0))
         pending += rows
@@ -485,9 +492,10 @@ class ClickHouseSink:
             if batch.spool is not None:
                 self._stats["replayed_rows"] += len(batch.rows)
         elif batch.spool is not None and not batch.rows:
-            self._drop(DROP_SPOOL_CORRUPT, batch.spool.rows, f"spool file {batch.spool.path.name} unreadable")
+            self._drop(batch.table, DROP_SPOOL_CORRUPT, batch.spool.rows,
+                       f"spool file {batch.spool.path.name} unreadable")
         else:
-            self._drop(DROP_REJECTED, len(batch.rows), f"store refused a batch for {batch.table}")
+            self._drop(batch.table, DROP_REJECTED, len(batch.rows), f"store refused a batch for {batch.table}")
 
     def _give_back(self, batch: _Batch) -> None:
         """Shutdown ran out of time while this batch waited: keep it on disk (spool batches already are)."""

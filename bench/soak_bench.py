@@ -1,0 +1,321 @@
+"""Soak: the whole agent (`spanlet run` in its own process, GPU probe on a
+stand-in CUDA workload, embedded store on in a temporary data directory, span
+export to an upstream OTLP receiver in this process) under a steady load of
+OTLP spans and GPU launches for --minutes (default 10). Samples the agent's
+RSS and CPU every --interval seconds and prints, side by side, the first and
+the last quarter of the run, the least-squares slope of RSS (MB/min) and of
+CPU (points of one core per minute) with their noise (two standard errors),
+and where every span and launch ended up (store, upstream, drops).
+
+"No growth trend" means the RSS slope lies within its noise, or the drift it
+would make over the whole run is under 2% of the mean RSS.
+
+    sudo .venv/bin/python bench/soak_bench.py [--minutes 10] [--interval 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "kernel")]
+
+import grpc  # noqa: E402
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+import cuda_standin  # noqa: E402
+from agent.config import OtlpConfig  # noqa: E402
+from exporters.otlp_receiver import OtlpReceiver  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+SPAN_BATCH = 50
+# Self-metrics read at every sample: what would grow if something leaked by design.
+WATCHED = {
+    "spanlet_join_buffer_events": "join buffer",
+    "spanlet_export_queue_spans": "export queue",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Sums of a few self-metrics (over their labels) from the agent's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+            if s.name == "spanlet_events_read_total" or s.name == "spanlet_events_dropped_total":
+                out[f"{s.name}:{s.labels.get('probe', '')}"] = s.value
+    return out
+
+
+# -- load ------------------------------------------------------------------------------------------
+
+def spans_request(n: int, rnd: random.Random) -> ExportTraceServiceRequest:
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    rs.resource.attributes.add(key="service.name").value.string_value = "soak"
+    ss = rs.scope_spans.add()
+    now = time.time_ns()
+    for _ in range(n):
+        s = ss.spans.add(name="infer", trace_id=rnd.randbytes(16), span_id=rnd.randbytes(8), kind=2,
+                         start_time_unix_nano=now - 5_000_000, end_time_unix_nano=now)
+        s.attributes.add(key="mm.modality").value.string_value = "image"
+    return req
+
+
+class SpanSender(threading.Thread):
+    """OTLP/gRPC spans to the agent at a steady rate, in batches."""
+
+    def __init__(self, port: int, per_s: float) -> None:
+        super().__init__(name="span-sender", daemon=True)
+        self.port, self.per_s = port, per_s
+        self.sent = self.failed = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+        rnd, t0, offered = random.Random(1), time.monotonic(), 0
+        while not self.stop.is_set():
+            try:
+                stub.Export(spans_request(SPAN_BATCH, rnd), timeout=10)
+                self.sent += SPAN_BATCH
+            except grpc.RpcError:
+                self.failed += SPAN_BATCH
+            offered += SPAN_BATCH
+            ahead = offered / self.per_s - (time.monotonic() - t0)
+            if ahead > 0:
+                self.stop.wait(ahead)
+        channel.close()
+
+
+class Upstream:
+    """The OTLP collector the agent exports enriched spans to; counts them."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+        self.lock = threading.Lock()
+        self.rx = OtlpReceiver(OtlpConfig(grpc_port=0, http_port=0), self)
+        self.rx.start()
+
+    def __call__(self, request) -> int:
+        n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        with self.lock:
+            self.spans += n
+        return n
+
+
+# -- statistics ------------------------------------------------------------------------------------
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least-squares slope, its standard error, and the residuals' standard deviation."""
+    n = len(xs)
+    if n < 3:
+        return float("nan"), float("nan"), float("nan")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    res = [y - (my + slope * (x - mx)) for x, y in zip(xs, ys)]
+    var = sum(r * r for r in res) / (n - 2)
+    return slope, math.sqrt(var / sxx), math.sqrt(var)
+
+
+def quarter_means(ys: list[float]) -> tuple[float, float]:
+    q = max(1, len(ys) // 4)
+    return sum(ys[:q]) / q, sum(ys[-q:]) / q
+
+
+def summarize(samples: list[dict], warmup_s: float) -> None:
+    steady = [s for s in samples if s["t"] >= warmup_s]
+    if len(steady) < 4:
+        print(f"only {len(steady)} samples after the {warmup_s:.0f} s warm-up: run longer")
+        return
+    xs = [s["t"] / 60 for s in steady]
+    print(f"\n{len(samples)} samples every ~{samples[1]['t'] - samples[0]['t']:.1f} s; "
+          f"the first {warmup_s:.0f} s (start-up: BPF compile, store schema) left out of the fit")
+    print(f"{'':22s}{'min':>9s}{'mean':>9s}{'max':>9s}{'first q':>9s}{'last q':>9s}{'last/first':>11s}"
+          f"{'slope/min':>11s}{'± 2 SE':>9s}")
+    verdicts = []
+    for key, label, unit in (("rss", "RSS (MB)", "MB"), ("cpu", "CPU (% of a core)", "pts")):
+        ys = [s[key] * (100 if key == "cpu" else 1) for s in steady]
+        slope, se, sd = fit(xs, ys)
+        first, last = quarter_means(ys)
+        print(f"{label:22s}{min(ys):9.1f}{sum(ys) / len(ys):9.1f}{max(ys):9.1f}{first:9.1f}{last:9.1f}"
+              f"{last / first if first else float('nan'):11.3f}{slope:+11.3f}{2 * se:9.3f}")
+        if key == "rss":
+            mean = sum(ys) / len(ys)
+            drift = slope * (xs[-1] - xs[0])
+            within = abs(slope) <= 2 * se or abs(drift) < 0.02 * mean
+            trend = "no growth trend" if within else ("GROWTH TREND" if slope > 0 else "falling")
+            verdicts.append(f"RSS: {trend} (slope {slope:+.3f} MB/min, "
+                            f"noise ±{2 * se:.3f}; drift over the fitted {xs[-1] - xs[0]:.1f} min {drift:+.1f} MB "
+                            f"= {drift / mean:+.1%} of the mean; residual sd {sd:.2f} MB)")
+        else:
+            within = abs(slope) <= 2 * se
+            verdicts.append(f"CPU: {'no trend' if within else 'TREND'} (slope {slope:+.3f} points/min, "
+                            f"noise ±{2 * se:.3f})")
+    for key, label in WATCHED.items():
+        ys = [s.get(key, float("nan")) for s in steady]
+        first, last = quarter_means(ys)
+        print(f"{label:22s}{min(ys):9.0f}{sum(ys) / len(ys):9.0f}{max(ys):9.0f}{first:9.0f}{last:9.0f}")
+    print()
+    for v in verdicts:
+        print(v)
+
+
+def store_counts(data_dir: Path, workload_pid: int) -> dict[str, int]:
+    from exporters.clickhouse.chdb_backend import ChdbBackend
+
+    backend = ChdbBackend(str(data_dir / "chdb"))
+    try:
+        (spans, distinct), = backend.query("SELECT count(), uniqExact(SpanId) FROM spanlet.otel_traces")
+        (launches, events), = backend.query(
+            f"SELECT countIf(Kind = 'GPU_LAUNCH' AND Pid = {int(workload_pid)}), count() FROM spanlet.kernel_events")
+        return {"spans": spans, "span_ids": distinct, "launches": launches, "events": events}
+    finally:
+        backend.close()
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
+    ap.add_argument("--warmup", type=float, default=30.0, help="seconds left out of the fit")
+    ap.add_argument("--spans", type=float, default=200.0, help="spans per second over OTLP/gRPC")
+    ap.add_argument("--launches", type=int, default=1000, help="GPU launches per second (each one stored)")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        print("the soak runs the whole agent: run it as root", file=sys.stderr)
+        return 2
+    seconds = a.minutes * 60
+    grpc_port, http_port = free_port(), free_port()
+    upstream = Upstream()
+    with tempfile.TemporaryDirectory(prefix="spanlet-soak-") as tmp:
+        tmp_path = Path(tmp)
+        standin = cuda_standin.build(tmp_path / "standin")
+        data_dir = tmp_path / "data"
+        with cuda_standin.Workload(standin.workload, timeout_s=seconds + 120) as w:
+            w.load(standin.lib_dir)
+            agent = subprocess.Popen(
+                [sys.executable, "-m", "agent.cli", "run", "--set", "tc.enabled=false",
+                 "--set", "sandbox.enabled=false", "--set", "store.enabled=true",
+                 "--set", "gpu.launch_events=all", "--set", f"data_dir={data_dir}",
+                 "--set", f"admin_socket={tmp_path / 'admin.sock'}",
+                 "--set", f"otlp.grpc_port={grpc_port}", "--set", f"otlp.http_port={free_port()}",
+                 "--set", f"otlp.upstream_endpoint=http://127.0.0.1:{upstream.rx.grpc_port}",
+                 "--set", "otlp.upstream_protocol=grpc",
+                 "--set", f"http_port={http_port}", "--set", "http_address=127.0.0.1"],
+                cwd=REPO, stderr=subprocess.PIPE, text=True)
+            log_tail: list[str] = []
+            try:
+                for line in agent.stderr:
+                    log_tail = (log_tail + [line])[-20:]
+                    if "spanlet: running" in line:
+                        break
+                else:
+                    print("the agent did not start:\n" + "".join(log_tail), file=sys.stderr)
+                    return 1
+                threading.Thread(target=keep_tail, args=(agent.stderr, log_tail), daemon=True).start()
+                time.sleep(2)  # discovery attaches the GPU probe to the workload
+                sender = SpanSender(grpc_port, a.spans)
+                launches = int(a.launches * seconds)
+                w.send(f"paced {launches} {a.launches}", "go")
+                sender.start()
+                samples = sample(agent.pid, http_port, seconds, a.interval)
+                w.until("done")
+                sender.stop.set()
+                sender.join(15)
+                time.sleep(2)  # the last spans through the join, the store batch and the export batch
+                final = scrape(http_port)
+            finally:
+                agent.send_signal(signal.SIGTERM)
+                try:
+                    agent.wait(30)
+                except subprocess.TimeoutExpired:
+                    agent.kill()
+                    agent.wait(10)
+        stored = store_counts(data_dir, w.pid)
+    upstream.rx.stop(0)
+
+    print(f"soak: {a.minutes:g} min of {a.spans:g} spans/s (OTLP/gRPC) and {a.launches:,} GPU launches/s "
+          f"(launch_events=all, every launch stored), store chdb, export to an upstream")
+    summarize(samples, a.warmup)
+    ring_drops = final.get("spanlet_events_dropped_total:gpu_launch", 0)
+    print(f"\nspans: sent {sender.sent:,} (failed {sender.failed:,}), stored {stored['spans']:,} "
+          f"({stored['span_ids']:,} distinct ids), exported upstream {upstream.spans:,}, "
+          f"export drops {final.get('spanlet_export_dropped_spans_total', 0):.0f}")
+    print(f"launches of the workload: run {launches:,}, stored {stored['launches']:,}; GPU probe records of "
+          f"every process on the node: read {final.get('spanlet_events_read_total:gpu_launch', 0):,.0f}, "
+          f"dropped in the ring buffer {ring_drops:,.0f}; kernel_events rows {stored['events']:,}")
+    print(f"agent exit status {agent.returncode}")
+    if agent.returncode:
+        print("".join(log_tail), file=sys.stderr)
+    return 0
+
+
+def keep_tail(stream, tail: list[str], keep: int = 20) -> None:
+    """Drain the agent's log (so it never blocks on a full pipe), keeping its last lines."""
+    for line in stream:
+        tail.append(line)
+        del tail[:-keep]
+
+
+def sample(pid: int, http_port: int, seconds: float, interval: float) -> list[dict]:
+    out = []
+    t0 = time.monotonic()
+    c_prev, t_prev = cpu_s(pid), t0
+    next_at = t0 + interval
+    while True:
+        time.sleep(max(0.0, next_at - time.monotonic()))
+        now = time.monotonic()
+        c = cpu_s(pid)
+        row = {"t": now - t0, "rss": rss_mb(pid), "cpu": (c - c_prev) / (now - t_prev)}
+        c_prev, t_prev = c, now
+        try:
+            metrics = scrape(http_port)
+            row.update({k: metrics.get(k, float("nan")) for k in WATCHED})
+        except OSError:
+            pass
+        out.append(row)
+        print(f"  t={row['t']:6.0f}s  rss {row['rss']:7.1f} MB  cpu {row['cpu']:6.1%}", flush=True)
+        next_at += interval
+        if now - t0 >= seconds:
+            return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
