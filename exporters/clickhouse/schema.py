@@ -284,9 +284,24 @@ def _v2(t: Target) -> list[str]:
     return add_column(KERNEL_EVENTS, "Node LowCardinality(String) DEFAULT ''", t)
 
 
+# Blocks remembered per table for insert deduplication. A retried insert (the
+# server stored it but its answer was lost) or a spool replay resends the
+# same block, which the server then drops. Replicated tables (cluster mode)
+# deduplicate by default.
+DEDUP_WINDOW_BLOCKS = 1000
+
+
+def _v3(t: Target) -> list[str]:
+    if t.cluster:
+        return []
+    return [f"ALTER TABLE {t.database}.{table} MODIFY SETTING "
+            f"non_replicated_deduplication_window = {DEDUP_WINDOW_BLOCKS}" for table in DATA_TABLES]
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial: otel_traces, kernel_events, metric_samples", _v1),
     Migration(2, "kernel_events.Node", _v2),
+    Migration(3, "insert deduplication on single-server tables", _v3),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -254,7 +254,7 @@ def test_data_survive_restart(tmp_path):
         b.query("SELECT 1")                       # closed
     b = ChdbBackend(path)
     try:
-        assert b.ensure_schema() == 2
+        assert b.ensure_schema() == 3
         assert b.query("SELECT count() FROM spanlet.otel_traces") == [(3,)]
     finally:
         b.close()

@@ -73,7 +73,7 @@ def test_single_node_ddl_parses_and_has_no_cluster(backend):
 
 
 def test_fresh_schema_has_collector_columns_and_engines(backend):
-    assert backend.ensure_schema() == schema.SCHEMA_VERSION == 2
+    assert backend.ensure_schema() == schema.SCHEMA_VERSION == 3
     assert _columns(backend, "otel_traces") == COLLECTOR_TRACE_COLUMNS
     rows = dict(backend.query(
         "SELECT name, engine || '|' || sorting_key || '|' || partition_key FROM system.tables "
@@ -87,8 +87,22 @@ def test_fresh_schema_has_collector_columns_and_engines(backend):
     assert "TTL toDateTime(Timestamp) + toIntervalDay(3)" in ddl
     assert ("Node", "LowCardinality(String)") in _columns(backend, "kernel_events")
     # Idempotent: a second start-up applies nothing.
-    assert backend.ensure_schema() == 2
-    assert backend.query("SELECT Version FROM spanlet.schema_version ORDER BY Version") == [(1,), (2,)]
+    assert backend.ensure_schema() == 3
+    assert backend.query("SELECT Version FROM spanlet.schema_version ORDER BY Version") == [
+        (1,), (2,), (3,)]
+
+
+def test_a_retried_insert_is_stored_once(backend):
+    """v3: the same block sent again (its answer lost, or replayed from the
+    spool) is dropped by the server, before any merge."""
+    backend.ensure_schema()
+    t0 = time.time_ns()
+    block = [[t0 + i, f"{i:032x}", f"{i:016x}"] for i in range(3)]
+    for _ in range(2):
+        backend.insert("otel_traces", ["Timestamp", "TraceId", "SpanId"], block)
+    backend.insert("otel_traces", ["Timestamp", "TraceId", "SpanId"], block[:1])   # another block
+    assert backend.query("SELECT count() FROM spanlet.otel_traces") == [(4,)]
+    assert schema.MIGRATIONS[2].statements(schema.Target(cluster="c")) == []  # Replicated: built in
 
 
 def test_v1_database_with_rows_is_migrated_without_loss(tmp_path):
@@ -110,7 +124,7 @@ def test_v1_database_with_rows_is_migrated_without_loss(tmp_path):
     b = ChdbBackend(path)
     try:
         assert b.schema_version() == 1
-        assert b.ensure_schema() == 2
+        assert b.ensure_schema() == 3
         assert b.query("SELECT toUnixTimestamp64Nano(Timestamp), Tid, DurationNs, Node "
                        "FROM spanlet.kernel_events ORDER BY Tid") == [
             (t0 + i, 11 + i, 1000 * i, "") for i in range(5)]
