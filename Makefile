@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup run test unit bench dump-bpf native clean demo demo-agent
+.PHONY: setup run test unit bench soak dump-bpf native clean demo demo-agent
 
 setup:
 	bash scripts/setup.sh
@@ -42,6 +42,10 @@ unit:
 
 bench: setup
 	@for b in bench/*_bench.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# The 10-minute soak (RSS and CPU trend of the whole agent under steady load).
+soak: setup
+	$(PY) bench/soak.py $(ARGS)
 
 dump-bpf:
 	$(VENV)/bin/spanlet run --dump-bpf

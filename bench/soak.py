@@ -10,7 +10,7 @@ and where every span and launch ended up (store, upstream, drops).
 "No growth trend" means the RSS slope lies within its noise, or the drift it
 would make over the whole run is under 2% of the mean RSS.
 
-    sudo .venv/bin/python bench/soak_bench.py [--minutes 10] [--interval 5]
+    sudo .venv/bin/python bench/soak.py [--minutes 10] [--interval 5]    (or: make soak)
 """
 
 from __future__ import annotations
