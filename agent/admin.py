@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import struct
+import tempfile
 import threading
 import time
 from collections import Counter, deque
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agent import events
+from agent.config import redact
 
 log = logging.getLogger("spanlet.admin")
 
@@ -202,6 +204,7 @@ class AdminServer:
         self._made_dir = False               # removed at stop when empty
         self._started = time.monotonic()
         self._history: deque = deque()     # (monotonic, {probe: (read, dropped)})
+        self._secrets = daemon.cfg.secrets()
         self.handlers: dict[str, Callable[[dict], dict]] = {
             "summary": self.summary, "spans": self.spans, "flows": self.flows,
             "sandbox": self.sandbox, "gpu": self.gpu, "hints": self.hints}
@@ -245,11 +248,11 @@ class AdminServer:
                 raise OSError(f"another agent answers on {self.path}")
             finally:
                 probe.close()
-        # bound under a temporary name, made 0600, then renamed: the final path
-        # is never reachable with a looser mode
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        if tmp.exists():
-            tmp.unlink()
+        # bound in a private (0700, unpredictable) directory, made 0600, then
+        # renamed: the final path is never reachable with a looser mode, and
+        # nobody can swap the file between bind and chmod
+        private = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", dir=self.path.parent))
+        tmp = private / "s"
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.bind(str(tmp))
@@ -261,6 +264,8 @@ class AdminServer:
             s.close()
             tmp.unlink(missing_ok=True)
             raise
+        finally:
+            private.rmdir()
         return s
 
     def stop(self) -> None:
@@ -303,16 +308,20 @@ class AdminServer:
 
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(5.0)
-        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-        if uid not in (0, os.geteuid()):     # the file mode already says so
-            conn.sendall(json.dumps({"ok": False, "error": "permission denied"}).encode())
-            return
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         buf = b""
         while b"\n" not in buf and len(buf) < MAX_REQUEST:
             chunk = conn.recv(4096)
             if not chunk:
                 break
             buf += chunk
+        # The file mode already says so; this holds even if someone loosens it.
+        # (Answered after the request is read: closing on unread bytes would
+        # reset the connection, and the client would never see why.)
+        if uid not in (0, os.geteuid()):
+            log.warning("admin: refused a request from uid %d (pid %d): root only", uid, pid)
+            conn.sendall(json.dumps({"ok": False, "error": "permission denied"}).encode())
+            return
         try:
             req = json.loads(buf.split(b"\n", 1)[0] or b"{}")
             op = req.get("op", "summary")
@@ -325,6 +334,8 @@ class AdminServer:
         except Exception as e:
             log.exception("admin: %s failed", buf[:200])
             answer = {"ok": False, "protocol": PROTOCOL, "error": f"{type(e).__name__}: {e}"}
+        if self._secrets:
+            answer = _redacted(json.loads(json.dumps(answer, default=str)), self._secrets)
         conn.sendall(json.dumps(answer, default=str).encode() + b"\n")
 
     def _sample(self) -> None:
@@ -476,6 +487,20 @@ class AdminServer:
 
     def hints(self, args: dict) -> dict:
         return self.daemon.scheduler.hints()
+
+
+def _redacted(tree: Any, secrets: list[str]) -> Any:
+    """The answer with every configured credential hidden in its strings
+    (never in numbers: a digits-only password must not corrupt counters)."""
+    if not secrets:
+        return tree
+    if isinstance(tree, str):
+        return redact(tree, secrets)
+    if isinstance(tree, dict):
+        return {redact(str(k), secrets): _redacted(v, secrets) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_redacted(v, secrets) for v in tree]
+    return tree
 
 
 def _export_health(stats: dict) -> dict:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import threading
 
 from agent import config as config_mod
 from agent import kernel
@@ -49,14 +50,45 @@ def _dump_bpf(cfg: config_mod.Config) -> None:
         print(probe.source_text())
 
 
+class _RedactingFormatter(logging.Formatter):
+    """Every line the agent logs, traceback included, with the configured
+    credentials replaced by *** (whatever module wrote it)."""
+
+    def __init__(self, fmt: str, secrets: list[str]) -> None:
+        super().__init__(fmt)
+        self._secrets = secrets
+
+    def format(self, record: logging.LogRecord) -> str:
+        return config_mod.redact(super().format(record), self._secrets)
+
+
+def _setup_logging(cfg: config_mod.Config) -> None:
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr)
+    formatter = _RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
+                                    cfg.secrets())
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter)
+    logging.captureWarnings(True)
+    # Uncaught exceptions (main or any thread) go through the same formatter.
+    crash = logging.getLogger("spanlet.crash")
+    sys.excepthook = lambda *exc: crash.critical("uncaught exception", exc_info=exc)
+
+    def thread_hook(a: threading.ExceptHookArgs) -> None:
+        if a.exc_type is not SystemExit:     # as the default hook does
+            crash.error("uncaught exception in thread %s", a.thread.name if a.thread else "?",
+                        exc_info=(a.exc_type, a.exc_value, a.exc_traceback))
+    threading.excepthook = thread_hook
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         cfg = config_mod.load(args.config, overrides=args.overrides)
     except config_mod.ConfigError as e:
-        print(f"spanlet: {e}", file=sys.stderr)
+        # One self-contained line per problem, each naming its key and source.
+        for line in str(e).splitlines():
+            print(f"spanlet: {line}", file=sys.stderr)
         return EXIT_START_REFUSED
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _setup_logging(cfg)
     if args.dump_bpf:
         _dump_bpf(cfg)
         return EXIT_OK

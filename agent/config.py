@@ -3,6 +3,7 @@ then command-line flags, with every default named here and nowhere else."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import os
 import socket
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote, unquote, urlsplit
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
@@ -18,6 +20,17 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_mode
 
 ENV_PREFIX = "SPANLET_"
 DEFAULT_CONFIG_FILE = Path("/etc/spanlet/config.yaml")
+# A config file is a few KiB; past this it is a mistake (or an attack on the
+# parser), refused before parsing.
+MAX_CONFIG_BYTES = 1024 * 1024
+# Values (mappings, lists and scalars) a document may expand to through its
+# YAML aliases: a few hundred bytes of anchors can otherwise stand for 10^9
+# values ("billion laughs"), and some checks print the value they refuse.
+MAX_CONFIG_VALUES = 1_000_000
+# Problems listed in one ConfigError; the rest are counted.
+MAX_PROBLEMS = 20
+# Characters of a key or message quoted in an error line.
+MAX_QUOTED = 200
 
 
 class ConfigError(Exception):
@@ -33,7 +46,16 @@ class Modality(str, Enum):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN or infinity is never a meaningful setting (and NaN passes every bound check).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info) -> Any:
+        # Pydantic's lax mode reads `true` as 1: a port or a size of `true` is a typo.
+        if isinstance(v, bool) and cls.model_fields[info.field_name].annotation in (int, float):
+            raise ValueError(f"expected a number, not {str(v).lower()}")
+        return v
 
 
 class RtpPayloadType(_Section):
@@ -184,6 +206,8 @@ class OtlpConfig(_Section):
     upstream_headers: dict[str, str] = {}
     upstream_timeout_s: float = Field(default=10.0, gt=0, le=300)
     queue_size: int = Field(default=8192, ge=1, le=10_000_000)
+    # ...and in serialized bytes: whichever bound is reached first drops.
+    queue_max_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, le=16 * 1024 ** 3)
     batch_size: int = Field(default=512, ge=1, le=100_000)
     batch_interval_s: float = Field(default=1.0, gt=0, le=60)
     max_retry_s: float = Field(default=60.0, ge=0, le=3600)
@@ -216,6 +240,15 @@ class StoreConfig(_Section):
     queue_rows: int = Field(default=200_000, ge=1, le=100_000_000)
     # On-disk spool (data_dir/spool) for what the store cannot take now.
     spool_max_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _no_password_in_url(cls, v: str) -> str:
+        # The value is not echoed: it holds the password.
+        if _url_password(v):
+            raise ValueError("must not carry a password (user:password@); "
+                             "put the password in store.password_file")
+        return v
 
     @model_validator(mode="after")
     def _server_needs_url(self) -> "StoreConfig":
@@ -295,6 +328,73 @@ class Config(_Section):
             raise ValueError(f"{v} is not a power of two")
         return v
 
+    def secrets(self, env: Mapping[str, str] | None = None) -> list[str]:
+        """Every credential this config (and the OTEL_EXPORTER_OTLP_*HEADERS
+        it is used with) names, longest first, for `redact`."""
+        env = os.environ if env is None else env
+        found: set[str] = set()
+        if self.store.password_file:
+            try:
+                text = Path(self.store.password_file).read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                text = ""    # the store reports it; nothing to hide yet
+            password = text.removesuffix("\n")
+            found.update((text, password))
+            user = self.store.user or _url_part(self.store.url, "username") or "default"
+            if password:   # as HTTP basic auth carries it
+                found.add(base64.b64encode(f"{user}:{password}".encode()).decode())
+        for url in (self.store.url, self.otlp.upstream_endpoint):
+            password = _url_password(url)
+            found.update((password, unquote(password)))
+        values = list(self.otlp.upstream_headers.values())
+        for name, text in env.items():
+            if name.startswith("OTEL_EXPORTER_OTLP_") and name.endswith("HEADERS"):
+                # Lenient on purpose: a malformed entry ("authorization: x")
+                # is logged as malformed, and must be hidden there too.
+                for item in text.split(","):
+                    values.append(item)
+                    values.append(unquote(item.partition("=")[2] or item.partition(":")[2]))
+        for v in values:
+            v = v.strip()
+            found.add(v)
+            scheme, _, token = v.partition(" ")     # "Bearer <token>", "Basic <b64>"
+            if token and scheme.isalpha():
+                found.add(token.strip())
+        out: set[str] = set()
+        for v in found:
+            if len(v) >= MIN_SECRET_CHARS:
+                out.update((v, quote(v, safe=""), quote(v)))
+        return sorted(out, key=len, reverse=True)
+
+
+# Shorter configured "secrets" are not hidden: replacing every "abc" in the
+# logs would garble them and protect nothing.
+MIN_SECRET_CHARS = 4
+REDACTED = "***"
+
+
+def _url_part(url: str, part: str) -> str:
+    """The username or password of a URL ('' when none, or not a URL)."""
+    if "@" not in url:
+        return ""
+    try:
+        return getattr(urlsplit(url if "://" in url else f"//{url}"), part) or ""
+    except ValueError:
+        return ""
+
+
+def _url_password(url: str) -> str:
+    return _url_part(url, "password")
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    """`text` with every secret (Config.secrets) replaced by ***: the one
+    place logs and admin answers are cleaned."""
+    for s in secrets:
+        if s in text:
+            text = text.replace(s, REDACTED)
+    return text
+
 
 def _env_keys(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
     """SPANLET_* variable name for every leaf key of the model."""
@@ -310,6 +410,8 @@ def _env_keys(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> dict[str,
 
 
 ENV_KEYS = _env_keys(Config)
+# The same leaf keys as --set writes them: "tc.interfaces".
+DOTTED_KEYS = {".".join(path): path for path in ENV_KEYS.values()}
 
 
 def _leaf_annotation(path: tuple[str, ...]) -> Any:
@@ -319,30 +421,46 @@ def _leaf_annotation(path: tuple[str, ...]) -> Any:
     return model.model_fields[path[-1]].annotation
 
 
-def _parse_scalar(path: tuple[str, ...], raw: str) -> Any:
+def _parse_scalar(path: tuple[str, ...], raw: str, where: str) -> Any:
     """Environment and --set values are YAML scalars; a list may also be
     written comma-separated (SPANLET_TC_INTERFACES=eth0,eth1)."""
     ann = _leaf_annotation(path)
     if getattr(ann, "__origin__", None) is list and not raw.lstrip().startswith("["):
         return [p.strip() for p in raw.split(",") if p.strip()]
     try:
-        return yaml.safe_load(raw)
+        return _load_yaml(raw)
     except yaml.YAMLError:
         return raw
+    except ValueError as e:
+        raise ConfigError(f"{where}: key '{'.'.join(path)}': {e}") from None
 
 
-def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
-    for part in path[:-1]:
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _set_path(tree: dict, path: tuple[str, ...], value: Any, origins: dict[tuple, str],
+              where: str) -> None:
+    for n, part in enumerate(path[:-1], 1):
         node = tree.setdefault(part, {})
         if not isinstance(node, dict):
-            node = tree[part] = {}
+            # Replacing it would silently drop what the file wrote there.
+            raise ConfigError(f"{origins.get(path[:n], 'defaults')}: key '{'.'.join(path[:n])}': "
+                              f"must be a mapping of keys, not {_type_name(node)} "
+                              f"({where} sets a key inside it)")
         tree = node
     tree[path[-1]] = value
 
 
+def _quote(text: str) -> str:
+    """One line, bounded: a hostile key or value cannot flood or split the error."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+    return text if len(text) <= MAX_QUOTED else text[:MAX_QUOTED] + "..."
+
+
 def _describe(err: dict, origins: dict[tuple, str]) -> str:
     loc = tuple(str(p) for p in err["loc"])
-    key = ".".join(loc) or "(top level)"
+    key = _quote(".".join(loc)) or "(top level)"
     where = "defaults"
     for n in range(len(loc), 0, -1):
         if loc[:n] in origins:
@@ -357,15 +475,103 @@ def _describe(err: dict, origins: dict[tuple, str]) -> str:
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
-    return f"{where}: key '{key}': {msg}"
+    return f"{where}: key '{key}': {_quote(msg)}"
 
 
-def _file_origins(tree: Any, path: tuple, label: str, out: dict) -> None:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            _file_origins(v, path + (str(k),), label, out)
-    if path:
-        out.setdefault(path, label)
+# Deep enough for every key of Config (tc.rtp_payload_types.96.clock_hz);
+# deeper keys are named by their prefix.
+_ORIGIN_DEPTH = 6
+
+
+def _file_origins(tree: Any, label: str, out: dict) -> None:
+    """Record the keys the file sets. Bounded: a YAML alias makes the same
+    mapping appear under many keys (a "billion laughs" file), so a mapping
+    is walked once, and only as deep as the config goes."""
+    seen: set[int] = set()
+    stack: list[tuple[tuple, Any]] = [((), tree)]
+    while stack:
+        path, node = stack.pop()
+        if path:
+            out.setdefault(path, label)
+        if isinstance(node, dict) and len(path) < _ORIGIN_DEPTH and id(node) not in seen:
+            seen.add(id(node))
+            stack.extend((path + (str(k),), v) for k, v in node.items())
+
+
+def _expanded_size(data: Any) -> int:
+    """How many values `data` stands for once every alias is expanded,
+    counted without expanding (each shared node once); raises ValueError
+    when that is over MAX_CONFIG_VALUES or an alias contains itself."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(data, False)]
+
+    def children(node):
+        return node.values() if isinstance(node, dict) else node
+
+    while stack:
+        node, closing = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        key = id(node)
+        if closing:
+            open_.discard(key)
+            size = 1 + sum(sizes.get(id(c), 1) for c in children(node))
+            if size > MAX_CONFIG_VALUES:
+                raise ValueError(f"expands to more than {MAX_CONFIG_VALUES} values (YAML aliases)")
+            sizes[key] = size
+        elif key in open_:
+            raise ValueError("a YAML alias refers to a mapping or list that contains it")
+        elif key not in sizes:
+            open_.add(key)
+            stack.append((node, True))
+            stack.extend((c, False) for c in children(node))
+    return sizes.get(id(data), 1)
+
+
+def _load_yaml(text: str) -> Any:
+    """yaml.safe_load, bounded; raises yaml.YAMLError or ValueError (one line each)."""
+    try:
+        data = yaml.load(text, Loader=_YAML_LOADER)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    _expanded_size(data)
+    return data
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's message on one line, without the quoted source line (which
+    may hold a secret)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    what = " ".join(p for p in (getattr(e, "context", None), getattr(e, "problem", None)) if p)
+    return where + _quote(what or type(e).__name__)
+
+
+def _read_file(file_path: Path) -> Any:
+    try:
+        with open(file_path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"config file {file_path}: {e.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {file_path}: larger than {MAX_CONFIG_BYTES} bytes; "
+                          "not a spanlet config")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"config file {file_path}: line {line}: not UTF-8 text "
+                          f"(byte 0x{raw[e.start]:02x})") from None
+    try:
+        return _load_yaml(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {file_path}: not valid YAML: {_yaml_problem(e)}") from None
+    except ValueError as e:
+        raise ConfigError(f"config file {file_path}: {e}") from None
+
+
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def load(path: str | os.PathLike | None = None,
@@ -380,36 +586,38 @@ def load(path: str | os.PathLike | None = None,
     if file_path is None and env.get(ENV_PREFIX + "CONFIG"):
         file_path = Path(env[ENV_PREFIX + "CONFIG"])
     if file_path is not None:
-        try:
-            text = file_path.read_text()
-        except OSError as e:
-            raise ConfigError(f"config file {file_path}: {e.strerror}") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {file_path}: not valid YAML: {e}") from None
+        data = _read_file(file_path)
         if data is None:
             data = {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {file_path}: the top level must be a mapping of keys, "
-                              f"not {type(data).__name__}")
+                              f"not {_type_name(data)}")
         tree = data
-        _file_origins(tree, (), f"config file {file_path}", origins)
+        _file_origins(tree, f"config file {file_path}", origins)
     for name, value in env.items():
         keypath = ENV_KEYS.get(name)
         if keypath is not None:
-            _set_path(tree, keypath, _parse_scalar(keypath, value))
-            origins[keypath] = f"environment variable {name}"
+            where = f"environment variable {name}"
+            _set_path(tree, keypath, _parse_scalar(keypath, value, where), origins, where)
+            origins[keypath] = where
     for item in overrides or []:
         key, sep, value = item.partition("=")
-        keypath = tuple(key.strip().split("."))
-        if not sep or ENV_PREFIX + "_".join(keypath).upper() not in ENV_KEYS:
-            raise ConfigError(f"--set {item!r}: unknown key '{key.strip()}' "
+        keypath = DOTTED_KEYS.get(key.strip())
+        if not sep or keypath is None:
+            # The value is not echoed: it may be a secret given to a mistyped key.
+            raise ConfigError(f"--set: unknown key '{_quote(key.strip())}' "
                               "(use --set section.key=value)")
-        _set_path(tree, keypath, _parse_scalar(keypath, value))
-        origins[keypath] = f"--set {key.strip()}"
+        where = f"--set {key.strip()}"
+        _set_path(tree, keypath, _parse_scalar(keypath, value, where), origins, where)
+        origins[keypath] = where
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
-        lines = [_describe(err, origins) for err in e.errors()]
-        raise ConfigError("bad configuration:\n  " + "\n  ".join(lines)) from None
+        errors = e.errors(include_url=False, include_input=False)
+    except RecursionError:   # pydantic-core bounds its own depth; this is a last guard
+        raise ConfigError("bad configuration: nested too deeply") from None
+    lines = [_describe(err, origins) for err in errors[:MAX_PROBLEMS]]
+    if len(errors) > MAX_PROBLEMS:
+        lines.append(f"... and {len(errors) - MAX_PROBLEMS} more problems")
+    # One self-contained line per problem (the CLI prefixes each).
+    raise ConfigError("\n".join(lines))

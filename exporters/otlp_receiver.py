@@ -40,6 +40,14 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 GRPC_WORKERS = 4
 # A keep-alive connection idle (or a client sending slowly) this long is closed.
 HTTP_IDLE_TIMEOUT_S = 30.0
+# A request must arrive whole within this long (gRPC: from the call's start;
+# HTTP: from the connection's start or its previous answer), else it is cut
+# off: a client that trickles bytes cannot hold a worker or a thread forever.
+REQUEST_TIMEOUT_S = 60.0
+# Concurrent OTLP/HTTP connections (a thread each); more are closed at once.
+MAX_HTTP_CONNECTIONS = 256
+# How often the deadlines above are checked.
+_REAP_INTERVAL_S = 0.25
 _READ_CHUNK = 64 * 1024
 # Closing after an unread body: discard at most this much, this long.
 LINGER_S = 2.0
@@ -155,6 +163,17 @@ OK, PARTIAL, INVALID, TOO_LARGE, BUSY, ERROR, STOPPED = (
 # HTTP-only outcomes.
 UNSUPPORTED_MEDIA_TYPE, NOT_FOUND, METHOD_NOT_ALLOWED, LENGTH_REQUIRED = (
     "unsupported_media_type", "not_found", "method_not_allowed", "length_required")
+# Not HTTP at all, or a request line or headers http.server refused.
+MALFORMED_HTTP = "malformed_http"
+# Closed at accept: MAX_HTTP_CONNECTIONS already open.
+TOO_MANY_CONNECTIONS = "too_many_connections"
+# Cut off at REQUEST_TIMEOUT_S (both transports).
+TIMEOUT = "timeout"
+# gRPC: the call ended without a whole message: over the size limit, in a
+# compression grpc could not undo, cancelled by the client (grpc answers those
+# itself: RESOURCE_EXHAUSTED, INTERNAL, CANCELLED), or none was sent
+# (INVALID_ARGUMENT). grpc does not tell these apart to the handler.
+NOT_RECEIVED = "not_received"
 
 
 @dataclass
@@ -224,6 +243,13 @@ class OtlpReceiver:
         self._spans_accepted = 0
         self._spans_rejected: Counter = Counter()  # reason
         self._ratelog = RateLimitedLog(log)
+        self.request_timeout_s = REQUEST_TIMEOUT_S
+        self.max_http_connections = MAX_HTTP_CONNECTIONS
+        # gRPC calls waiting for their message: token -> (deadline, context, timed out?)
+        self._calls: dict[int, list] = {}
+        self._calls_lock = threading.Lock()
+        self._reaper: threading.Thread | None = None
+        self._reaper_stop = threading.Event()
 
     # ---- lifecycle ----
 
@@ -241,6 +267,9 @@ class OtlpReceiver:
                 raise
             self._grpc_server = grpc_server
             self._running = self._accepting = True
+            self._reaper_stop.clear()
+            self._reaper = threading.Thread(target=self._reap_loop, name="otlp-reaper", daemon=True)
+            self._reaper.start()
             log.info("OTLP receiver on %s: gRPC port %d, HTTP port %d",
                      self._cfg.receiver_address, self.grpc_port, self.http_port)
 
@@ -261,7 +290,9 @@ class OtlpReceiver:
             self._accepting = False
             self._httpd.close_connections()
             self._httpd.server_close()
-            self._grpc_server = self._httpd = self._http_thread = None
+            self._reaper_stop.set()
+            self._reaper.join(timeout=5)
+            self._grpc_server = self._httpd = self._http_thread = self._reaper = None
 
     @property
     def running(self) -> bool:
@@ -278,8 +309,11 @@ class OtlpReceiver:
         )
         # Raw bytes in and out: we parse ourselves, so malformed protobuf is
         # answered INVALID_ARGUMENT (grpc's own deserializer would say INTERNAL).
+        # Served as client-streaming (the same on the wire as unary): the
+        # handler runs when the call starts, so it can bound how long the
+        # message may take and count the calls gRPC ended before it arrived.
         handler = grpc.method_handlers_generic_handler(GRPC_SERVICE, {
-            "Export": grpc.unary_unary_rpc_method_handler(self._grpc_export),
+            "Export": grpc.stream_unary_rpc_method_handler(self._grpc_export),
         })
         server.add_generic_rpc_handlers((handler,))
         addr = self._cfg.receiver_address
@@ -297,7 +331,7 @@ class OtlpReceiver:
     def _start_http(self) -> None:
         addr = self._cfg.receiver_address
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        server_cls = type("_Server", (_HttpServer,), {"address_family": family})
+        server_cls = type("_Server", (_HttpServer,), {"address_family": family, "receiver": self})
         handler_cls = type("_Handler", (_HttpHandler,), {"receiver": self})
         try:
             httpd = server_cls((addr, self._cfg.http_port), handler_cls)
@@ -328,6 +362,22 @@ class OtlpReceiver:
     def _count(self, transport: str, outcome: str) -> None:
         with self._stats_lock:
             self._requests[(transport, outcome)] += 1
+
+    # ---- deadlines ----
+
+    def _reap_loop(self) -> None:
+        while not self._reaper_stop.wait(_REAP_INTERVAL_S):
+            now = time.monotonic()
+            with self._calls_lock:
+                late = [call for call in self._calls.values() if call[0] < now and not call[2]]
+                for call in late:
+                    call[2] = True
+            for call in late:
+                call[1].cancel()          # the handler's read fails: its worker is free
+            httpd = self._httpd
+            if httpd is not None:
+                for _ in httpd.close_expired(now):
+                    self._count("http", TIMEOUT)
 
     # ---- the one request path both transports share ----
 
@@ -376,7 +426,29 @@ class OtlpReceiver:
 
     # ---- gRPC ----
 
-    def _grpc_export(self, payload: bytes, context: grpc.ServicerContext) -> bytes:
+    def _grpc_receive(self, request_iterator, context: grpc.ServicerContext) -> bytes | _Outcome:
+        """The call's one message, or the outcome when there is none."""
+        token = id(context)
+        call = [time.monotonic() + self.request_timeout_s, context, False]
+        with self._calls_lock:
+            self._calls[token] = call
+        try:
+            return next(request_iterator)
+        except (StopIteration, grpc.RpcError):
+            pass
+        finally:
+            with self._calls_lock:
+                self._calls.pop(token, None)
+        if call[2]:
+            return _Outcome(TIMEOUT, f"request not received within {self.request_timeout_s:g} s")
+        return _Outcome(NOT_RECEIVED, "Export takes exactly one request message")
+
+    def _grpc_export(self, request_iterator, context: grpc.ServicerContext) -> bytes:
+        payload = self._grpc_receive(request_iterator, context)
+        if isinstance(payload, _Outcome):
+            self._count("grpc", payload.kind)
+            # where grpc has already answered, this changes nothing
+            context.abort(_GRPC_CODES[INVALID], payload.message)
         try:
             outcome = self._handle_payload(payload, "grpc")
         except Exception:   # never let a request take a worker down
@@ -392,15 +464,54 @@ class OtlpReceiver:
 
 class _HttpServer(ThreadingHTTPServer):
     daemon_threads = True
+    receiver: OtlpReceiver   # set on the per-receiver subclass
 
     def __init__(self, *args, **kwargs) -> None:
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, float] = {}     # connection -> deadline (monotonic)
         self._conns_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
-    def track(self, conn: socket.socket, alive: bool) -> None:
+    def process_request(self, request, client_address) -> None:
         with self._conns_lock:
-            (self._conns.add if alive else self._conns.discard)(conn)
+            full = len(self._conns) >= self.receiver.max_http_connections
+            if not full:
+                self._conns[request] = time.monotonic() + self.receiver.request_timeout_s
+        if full:
+            self.receiver._count("http", TOO_MANY_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:          # no thread for it: forget it (serve_forever closes it)
+            self.track(request, False)
+            raise
+
+    def track(self, conn: socket.socket, alive: bool) -> None:
+        """Renew the connection's deadline (after an answer); forget it."""
+        with self._conns_lock:
+            if alive:
+                self._conns[conn] = time.monotonic() + self.receiver.request_timeout_s
+            else:
+                self._conns.pop(conn, None)
+
+    def hold(self, conn: socket.socket) -> None:
+        """The request is in: no deadline while it is processed and answered."""
+        with self._conns_lock:
+            if conn in self._conns:
+                self._conns[conn] = float("inf")
+
+    def close_expired(self, now: float) -> list[socket.socket]:
+        """Shut the connections whose request is not in by its deadline."""
+        with self._conns_lock:
+            expired = [c for c, deadline in self._conns.items() if deadline < now]
+            for c in expired:
+                self._conns[c] = float("inf")      # counted once
+        for conn in expired:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return expired
 
     def close_connections(self) -> None:
         """End keep-alive connections so no handler outlives stop()."""
@@ -437,6 +548,18 @@ class _HttpHandler(BaseHTTPRequestHandler):
         super().setup()
         self.server.track(self.connection, True)
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """Only http.server calls this (a request line or headers it refused;
+        our own answers go through _reply): counted, answered like the rest
+        (a google.rpc.Status), and with a status line even when the request
+        line was too broken to name a version."""
+        self.receiver._count("http", MALFORMED_HTTP)
+        self.close_connection = True
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.1"
+        text = message or self.responses.get(code, ("",))[0]
+        self._reply(code, _status_bytes(INVALID, f"malformed HTTP request: {text}"))
+
     def finish(self) -> None:
         try:
             super().finish()
@@ -461,6 +584,7 @@ class _HttpHandler(BaseHTTPRequestHandler):
                 raise _ProtocolError(UNSUPPORTED_MEDIA_TYPE,
                                      f"Content-Encoding {encoding!r} is not supported; use gzip")
             body = self._read_body()
+            self.server.hold(self.connection)
             if encoding == "gzip":
                 body = _gunzip(body, self.receiver.max_message_bytes)
         except _ProtocolError as e:
@@ -586,6 +710,8 @@ class _HttpHandler(BaseHTTPRequestHandler):
             self.wfile.write(body)
         if self.close_connection:
             self._linger()
+        else:
+            self.server.track(self.connection, True)   # the next request's deadline
 
     def _linger(self) -> None:
         """Before closing on a body we did not read, half-close and discard

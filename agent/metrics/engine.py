@@ -47,7 +47,18 @@ def self_metrics(daemon) -> list[Family]:
     drops = Family("spanlet_export_dropped_spans_total", "counter", "Spans not exported upstream")
     drops.samples = [Sample(labels(reason=r), exp.get(f"dropped_{r}", 0))
                      for r in ("queue_full", "failed", "shutdown")]
-    return [attached, failed, read, dropped, drops, *store_metrics(daemon),
+    rx = daemon.spans.receiver.stats()
+    otlp_req = Family("spanlet_otlp_receiver_requests_total", "counter",
+                      "OTLP export requests by transport and outcome (ok, partial, invalid, "
+                      "too_large, not_received, timeout, malformed_http, ...)")
+    otlp_req.samples = [Sample(labels(transport=t, outcome=o), n)
+                        for t, by in sorted(rx["requests"].items()) for o, n in sorted(by.items())]
+    otlp_rej = Family("spanlet_otlp_receiver_rejected_spans_total", "counter",
+                      "Spans the OTLP receiver refused, by reason")
+    otlp_rej.samples = [Sample(labels(reason=r), n) for r, n in sorted(rx["spans_rejected"].items())]
+    return [attached, failed, read, dropped, drops, *store_metrics(daemon), otlp_req, otlp_rej,
+            _single("spanlet_otlp_receiver_accepted_spans_total", "counter",
+                    "Spans the OTLP receiver passed on", rx["spans_accepted"]),
             _single("spanlet_export_queue_bytes", "gauge",
                     "Serialized bytes of spans waiting for upstream export",
                     exp.get("queue_bytes", 0), unit="bytes"),

@@ -34,7 +34,10 @@ def daemon(probes, nvml_available=False):
         "k8s.namespace.name": "serving", "k8s.pod.name": f"pod-{cg}", "k8s.container.name": "c"})
     spans = SimpleNamespace(join=SpanJoin(cfg.join), enricher=enricher,
                             exporter=SimpleNamespace(stats=lambda: {"queue_spans": 3,
-                                                                    "dropped_queue_full": 4}))
+                                                                    "dropped_queue_full": 4}),
+                            receiver=SimpleNamespace(stats=lambda: {
+                                "requests": {"grpc": {"ok": 5, "invalid": 1}},
+                                "spans_rejected": {"bad_span_id": 2}, "spans_accepted": 9}))
     nvml = SimpleNamespace(status=SimpleNamespace(available=nvml_available),
                            snapshot=lambda: {}, errors={})
     return SimpleNamespace(cfg=cfg, probes=probes, spans=spans, nvml=nvml, memory_peaks={})
@@ -80,6 +83,11 @@ def test_kernel_metrics_with_workload_labels():
     assert reg.get_sample_value("spanlet_events_dropped_total", {"node": "n1", "probe": "gpu_launch"}) == 2
     assert reg.get_sample_value("spanlet_export_dropped_spans_total",
                                 {"node": "n1", "reason": "queue_full"}) == 4
+    assert reg.get_sample_value("spanlet_otlp_receiver_requests_total",
+                                {"node": "n1", "transport": "grpc", "outcome": "invalid"}) == 1
+    assert reg.get_sample_value("spanlet_otlp_receiver_rejected_spans_total",
+                                {"node": "n1", "reason": "bad_span_id"}) == 2
+    assert reg.get_sample_value("spanlet_otlp_receiver_accepted_spans_total", {"node": "n1"}) == 9
 
 
 def test_a_failing_source_is_counted_and_the_rest_is_served():
