@@ -89,13 +89,14 @@ def parse_headers(text: str, source: str = "headers") -> dict[str, str]:
     lower-cased (gRPC metadata requires it, HTTP ignores case). Entries
     without '=' or with an empty key are skipped with a warning."""
     out: dict[str, str] = {}
-    for item in text.split(","):
+    for n, item in enumerate(text.split(","), 1):
         if not item.strip():
             continue
         key, sep, value = item.partition("=")
         key = unquote(key).strip().lower()
         if not sep or not key:
-            log.warning("%s: ignoring malformed header entry %r", source, item.strip())
+            # Its position, not its text: a malformed entry may still be a token.
+            log.warning("%s: ignoring malformed header entry %d (no 'key=value')", source, n)
             continue
         out[key] = unquote(value).strip()
     return out
