@@ -443,8 +443,12 @@ class AdminServer:
                         "len": ev.len, "prot": ev.prot})
         totals = []
         if sb is not None:
-            totals = [{"cgroup_id": cg, **self._pod(cg), "rule": rule, "action": action, "count": n}
-                      for (cg, rule, action), n in sorted(sb.violations().items())]
+            # seen: at the mmap call, or later by the /proc sweep (links,
+            # relative paths, inherited fds, mprotect)
+            totals = [{"cgroup_id": cg, **self._pod(cg), "rule": rule, "action": action,
+                       "count": n, "seen": seen}
+                      for seen, counts in (("mmap", sb.violations()), ("sweep", sb.sweep_violations()))
+                      for (cg, rule, action), n in sorted(counts.items())]
         return {"attached": sb is not None,
                 "mode": self.daemon.cfg.sandbox.mode, "ring_size": RING_VIOLATIONS,
                 "violations": out, "totals": totals}

@@ -151,6 +151,9 @@ class SandboxConfig(_Section):
     mode: Literal["audit", "enforce"] = "audit"
     prefixes: list[str] = ["/dev/shm/tensor_pool/"]
     pools: list[SandboxPool] = []
+    # The /proc sweep by inode: what the path match at open cannot see
+    # (links, relative paths, inherited or dup'd fds, mprotect), this late.
+    sweep_interval_s: float = Field(default=5.0, gt=0, le=3600)
 
     @model_validator(mode="after")
     def _pools_under_prefixes(self) -> "SandboxConfig":

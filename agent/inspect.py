@@ -220,10 +220,10 @@ def _sandbox(d: dict) -> list:
         who = f"{v['namespace']}/{v['pod']}" if v["pod"] else f"cgroup {v['cgroup_id']}"
         t.add_row(_when(v["time_unix_ns"]), f"{v['pid']} {v['comm']}", who, v["pool"], v["rule"],
                   v["action"])
-    s = _table("Totals since start", "pod / cgroup", "rule", "action", "count")
+    s = _table("Totals since start", "pod / cgroup", "rule", "action", "seen", "count")
     for x in d["totals"]:
         s.add_row(f"{x['namespace']}/{x['pod']}" if x["pod"] else f"cgroup {x['cgroup_id']}",
-                  x["rule"], x["action"], str(x["count"]))
+                  x["rule"], x["action"], x.get("seen", "mmap"), str(x["count"]))
     return [t, s]
 
 

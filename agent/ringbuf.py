@@ -47,8 +47,12 @@ class RingBufferReader:
     def pending(self) -> bool:
         return _U64.unpack_from(self._producer, 0)[0] != _U64.unpack_from(self._consumer, 0)[0]
 
-    def consume(self, handle, limit: int = 1 << 30) -> int:
-        """Hand every committed record to `handle`; returns how many."""
+    def consume(self, handle, limit: int | None = None) -> int:
+        """Hand the committed records to `handle`, at most `limit` (default:
+        as many as the ring can hold at once, so that a producer that keeps
+        it full cannot hold the caller here for ever); returns how many."""
+        if limit is None:
+            limit = self.size // HDR_SIZE
         cons = _U64.unpack_from(self._consumer, 0)[0]
         prod = _U64.unpack_from(self._producer, 0)[0]
         mask, base, data = self._mask, self._page, self._data

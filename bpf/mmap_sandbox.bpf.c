@@ -5,22 +5,31 @@
  *
  * Syscall tracepoints only (no kprobes/LSM on the target kernels), so the
  * sandbox sees what a process *asked* for, by path string and fd number.
- * Known limits, left to later hardening:
+ * Known limits here, each narrowed by the agent's periodic sweep
+ * (agent/probes/sandbox.py), which works by inode from /proc:
  *  - a pool is recognised by the path string given to the open call. Paths
- *    are normalised for repeated '/' and '.' components only; paths relative
- *    to a dirfd or the cwd, symlinks and '..' are not resolved, so a pool
- *    reached that way is not seen;
+ *    are normalised for repeated '/' and '.' components only. Paths relative
+ *    to a dirfd or the cwd and symlinks are not resolved here: the sweep
+ *    writes the symlinks and hard links it finds under a prefix into
+ *    sandbox_pools as aliases (pool id 0: leads to no pool), and adopts
+ *    pool fds the open did not show. A path under a prefix with a '..'
+ *    component cannot be judged from its string: its fd is not tracked
+ *    (counted in spanlet_sandbox_unresolved_opens_total) until the sweep
+ *    adopts it;
  *  - fds that reach a process without an open call (fork inheritance, dup*,
- *    fcntl F_DUPFD, SCM_RIGHTS) are not tracked; fds dropped without close(2)
- *    (close_range, exec closing O_CLOEXEC fds, dup2 over them, process exit)
- *    are forgotten by the agent's periodic sweep, not here;
- *  - only mmap(2) is checked: mprotect(2) or mremap(2) on a pool mapping
- *    afterwards are not, and 32-bit compat syscalls are not traced at all;
+ *    fcntl F_DUPFD, SCM_RIGHTS) are tracked only once the sweep adopts them;
+ *    fds dropped without close(2) (close_range, exec closing O_CLOEXEC fds,
+ *    dup2 over them, process exit) are forgotten by the sweep, not here;
+ *  - only mmap(2) is checked at the call: mprotect(2) or mremap(2) on a pool
+ *    mapping afterwards, and mappings of pools made through untracked fds,
+ *    are judged by the sweep (from /proc/<pid>/maps, against the mappings
+ *    recorded here in sandbox_judged_maps); 32-bit compat syscalls are not
+ *    traced at all;
  *  - in enforce mode the mmap itself completes; SIGKILL is delivered before
  *    the offender returns to user space, so it never touches the mapping.
- * Unrelated processes pay one failed hash lookup per mmap of a file, a path
- * read and one LPM lookup per open (plus a failed hash lookup at its exit)
- * and one failed hash lookup per close. */
+ * Unrelated processes pay one failed hash lookup per mmap of a file and one
+ * at every mmap's exit, a path read and one LPM lookup per open (plus a
+ * failed hash lookup at its exit) and one failed hash lookup per close. */
 #include <uapi/linux/mman.h>
 #include "spanlet.h"
 
@@ -36,6 +45,9 @@
 #endif
 #ifndef SANDBOX_MAX_GRANTS
 #define SANDBOX_MAX_GRANTS 65536
+#endif
+#ifndef SANDBOX_MAX_JUDGED_MAPS
+#define SANDBOX_MAX_JUDGED_MAPS 65536
 #endif
 /* Deepest cgroup level whose grant still covers a process below it. */
 #ifndef SANDBOX_CGROUP_DEPTH
@@ -73,7 +85,9 @@ struct sandbox_prefix {
     __u32 len;              /* bytes of the entry */
 };
 
-/* A pool as the open found it, carried to mmap through the fd. */
+/* A pool as the open found it, carried to mmap through the fd. In
+ * sandbox_pools, pool id 0 is an alias that leads to no pool (a symlink under
+ * a prefix pointing elsewhere): such a path is not tracked. */
 struct sandbox_pool_ref {
     __u32 pool_id;
     __u32 _pad;
@@ -107,6 +121,26 @@ struct sandbox_scratch {
     struct sandbox_lpm_key norm;
     __u32 out;
     __u8 prev;
+    __u8 dotdot;   /* the path has a '..' component */
+    __u8 _pad[2];
+};
+
+/* A pool mapping the mmap check judged, by where it landed: the agent's sweep
+ * of /proc/<pid>/maps judges only the pool mappings not found here (made
+ * through an fd this program did not know), or found here with more
+ * permissions now than they were judged with (mprotect). */
+struct sandbox_map_key {
+    __u32 tgid;
+    __u32 _pad;
+    __u64 addr;
+};
+
+struct sandbox_judged {
+    __u64 len;
+    __u32 pool_id;
+    __u32 prot;
+    __u32 flags;
+    __u8 rule;
     __u8 _pad[3];
 };
 
@@ -117,6 +151,12 @@ BPF_HASH(sandbox_pool_fds, struct sandbox_fd_key, struct sandbox_pool_ref, SANDB
 /* Pool opens between entry and exit of the open call, by thread. */
 BPF_HASH(sandbox_pending_opens, __u64, struct sandbox_pool_ref, 16384);
 BPF_PERCPU_ARRAY(sandbox_scratch_buf, struct sandbox_scratch, 1);
+/* Pool mmaps between entry and exit of the call, by thread. */
+BPF_HASH(sandbox_pending_maps, __u64, struct sandbox_judged, 16384);
+BPF_TABLE("lru_hash", struct sandbox_map_key, struct sandbox_judged, sandbox_judged_maps,
+          SANDBOX_MAX_JUDGED_MAPS);
+/* Opens of a path under a prefix with a '..' component (not tracked). */
+BPF_PERCPU_ARRAY(spanlet_sandbox_unresolved_opens_total, __u64, 1);
 /* Metric 5, keyed by the offender's cgroup, rule and action. */
 BPF_PERCPU_HASH(spanlet_sandbox_violations_total, struct sandbox_violation_key, __u64, 16384);
 /* Pool fds that could not be remembered because sandbox_pool_fds was full. */
@@ -129,6 +169,7 @@ static __always_inline void sandbox_normalise(struct sandbox_scratch *s, __u32 l
     __builtin_memset(&s->norm.p, 0, sizeof(s->norm.p));
     s->out = 0;
     s->prev = 0;
+    s->dotdot = 0;
     for (__u32 i = 0; i < SANDBOX_PATH_MAX - 1; i++) {
         if (i >= len)
             break;
@@ -140,6 +181,9 @@ static __always_inline void sandbox_normalise(struct sandbox_scratch *s, __u32 l
             char next = i + 1 < len ? s->raw.p.path[(i + 1) & (SANDBOX_PATH_MAX - 1)] : 0;
             if (next == '/' || next == 0)
                 continue; /* the '/' that follows collapses into the last one */
+            char after = i + 2 < len ? s->raw.p.path[(i + 2) & (SANDBOX_PATH_MAX - 1)] : 0;
+            if (next == '.' && (after == '/' || after == 0))
+                *(volatile __u8 *)&s->dotdot = 1; /* kept as it is: see sandbox_open_enter */
         }
         __u32 o = *(volatile __u32 *)&s->out;
         s->norm.p.path[o & (SANDBOX_PATH_MAX - 1)] = c;
@@ -174,9 +218,21 @@ static __always_inline int sandbox_open_enter(const char *filename)
     m = sandbox_prefixes.lookup(&s->norm);
     if (!m || m->kind != SANDBOX_PREFIX_FULL)
         return 0;
+    if (*(volatile __u8 *)&s->dotdot) {
+        /* Which file '..' leads to depends on what the components before it
+         * are (symlinks); judged wrong, a granted process would be reported or
+         * killed. Left to the agent's sweep, which works by inode. */
+        int zero = 0;
+        __u64 *n = spanlet_sandbox_unresolved_opens_total.lookup(&zero);
+        if (n)
+            *n += 1;
+        return 0;
+    }
     struct sandbox_pool_ref ref = {};
     struct sandbox_pool_ref *pool = sandbox_pools.lookup(&s->norm.p);
     if (pool) {
+        if (!pool->pool_id)
+            return 0; /* an alias that leads to no pool */
         ref = *pool;
     } else {
         ref.pool_id = m->unlisted_pool_id;
@@ -333,6 +389,9 @@ int sbx_mmap(struct tracepoint__syscalls__sys_enter_mmap *args)
     __u64 max_bytes = ref->max_bytes;
     __u64 prot = args->prot, len = args->len, off = args->off;
     __u8 rule = sandbox_rule(sandbox_access(pool_id, key.tgid), prot, flags, len, off, max_bytes);
+    struct sandbox_judged judged = {
+        .len = len, .pool_id = pool_id, .prot = (__u32)prot, .flags = (__u32)flags, .rule = rule};
+    sandbox_pending_maps.update(&pid_tgid, &judged);
     if (!rule)
         return 0;
 
@@ -366,5 +425,23 @@ int sbx_mmap(struct tracepoint__syscalls__sys_enter_mmap *args)
     ev->action = SANDBOX_ACTION;
     __builtin_memset(ev->_pad, 0, sizeof(ev->_pad));
     events.ringbuf_submit(ev, 0);
+    return 0;
+}
+
+/* Exit of every mmap: where a judged pool mapping landed. */
+int sbx_mmap_out(struct tracepoint__syscalls__sys_exit_mmap *args)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    struct sandbox_judged *j = sandbox_pending_maps.lookup(&pid_tgid);
+    if (!j)
+        return 0;
+    long ret = args->ret;
+    if (ret < 0 && ret > -4096) { /* an error, not an address */
+        sandbox_pending_maps.delete(&pid_tgid);
+        return 0;
+    }
+    struct sandbox_map_key key = {.tgid = pid_tgid >> 32, .addr = (__u64)ret};
+    sandbox_judged_maps.update(&key, j);
+    sandbox_pending_maps.delete(&pid_tgid);
     return 0;
 }

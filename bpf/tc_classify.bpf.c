@@ -62,6 +62,16 @@
 #define SKIP_NONLINEAR 1    /* headers not in the linear part of the skb */
 #define SKIP_N 2
 
+/* What the classifier looked at and would not use (index of
+ * spanlet_tc_rejected_total; agent/probes/tc.py: Rejected). */
+#define REJECT_TRACEPARENT_INVALID 0   /* not a valid W3C traceparent value */
+#define REJECT_TRACEPARENT_TRUNCATED 1 /* value not whole in the scanned bytes */
+#define REJECT_TRACEPARENT_DUPLICATE 2 /* several traceparent headers: none used */
+#define REJECT_RTP_INVALID 3           /* RTP flow datagram failing RFC 3550 A.1 */
+#define REJECT_RTP_UNKNOWN_PT 4        /* RTP data packet of an unconfigured payload type */
+#define REJECT_HEADER_INVALID 5        /* IP/TCP/UDP header impossible for the packet's length */
+#define REJECT_N 6
+
 struct flow_counters {
     __u64 packets[2];   /* by SPANLET_DIR_* */
     __u64 bytes[2];     /* skb->len: what TC sees, Ethernet header included */
@@ -113,6 +123,7 @@ struct tc_scratch {
     __u32 method;
     __u32 method_len;
     __u32 traceparent_at;    /* offset of the header name + 1; 0: absent */
+    __u32 traceparent_dup;   /* a second traceparent header was found */
     __u32 content_type_at;
     __u32 upgrade_at;
     __u32 scan_len;          /* valid bytes in buf */
@@ -147,6 +158,7 @@ BPF_HASH(tc_port_modality, __u16, __u8, SPANLET_TC_PORT_MAX);
 BPF_ARRAY(tc_rtp_payload_types, struct rtp_pt_info, 128);
 BPF_PERCPU_ARRAY(tc_scratch, struct tc_scratch, 1);
 BPF_PERCPU_ARRAY(tc_uncounted_packets_total, __u64, SKIP_N);
+BPF_PERCPU_ARRAY(spanlet_tc_rejected_total, __u64, REJECT_N);
 /* Slot 0: tc_classify_req. Request parsing is a program of its own so that
  * the verifier walks the header scan once, not once per path leading to it. */
 BPF_PROG_ARRAY(tc_request_parser, 1);
@@ -163,6 +175,13 @@ static __always_inline __u32 ld32(const __u8 *p) { return *(const __u32 *)p; }
 static __always_inline void count_uncounted(int why)
 {
     __u64 *n = tc_uncounted_packets_total.lookup(&why);
+    if (n)
+        *n += 1;
+}
+
+static __always_inline void count_rejected(int why)
+{
+    __u64 *n = spanlet_tc_rejected_total.lookup(&why);
     if (n)
         *n += 1;
 }
@@ -193,8 +212,21 @@ static __always_inline void canonicalize(struct pkt *p)
     p->swapped = 1;
 }
 
+/* A header reaches past data_end, which ends at `end` bytes into the frame:
+ * the packet is too short to hold it (malformed), or its headers are outside
+ * the linear data of the skb. */
+static __always_inline void count_short(struct __sk_buff *skb, __u32 end)
+{
+    if (end > skb->len)
+        count_rejected(REJECT_HEADER_INVALID);
+    else
+        count_uncounted(SKIP_NONLINEAR);
+}
+
 /* Parse Ethernet / IPv4|IPv6 / TCP|UDP with direct packet access.
- * 0: a TCP or UDP packet to count; <0: not ours to count. */
+ * 0: a TCP or UDP packet to count; <0: not ours to count. A packet whose IP
+ * length leaves no room for its L4 header, or whose TCP data offset is under
+ * 5 words, is counted, but as carrying no payload. */
 static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
 {
     void *data = (void *)(long)skb->data;
@@ -205,11 +237,13 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
     if (skb->protocol == bpf_htons(ETH_P_IP)) {
         struct iphdr *ip = data + ETH_HLEN;
         if ((void *)(ip + 1) > data_end) {
-            count_uncounted(SKIP_NONLINEAR);
+            count_short(skb, ETH_HLEN + sizeof(*ip));
             return -1;
         }
-        if (ip->ihl < 5)
+        if (ip->ihl < 5) {
+            count_rejected(REJECT_HEADER_INVALID);
             return -1;
+        }
         l4proto = ip->protocol;
         if (l4proto != IPPROTO_TCP && l4proto != IPPROTO_UDP)
             return -1;
@@ -229,7 +263,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
     } else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
         struct ipv6hdr *ip6 = data + ETH_HLEN;
         if ((void *)(ip6 + 1) > data_end) {
-            count_uncounted(SKIP_NONLINEAR);
+            count_short(skb, ETH_HLEN + sizeof(*ip6));
             return -1;
         }
         l4proto = ip6->nexthdr;
@@ -256,7 +290,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
     /* TCP and UDP both start with the two ports. */
     struct udphdr *l4 = data + l4_off;
     if ((void *)(l4 + 1) > data_end) {
-        count_uncounted(SKIP_NONLINEAR);
+        count_short(skb, l4_off + sizeof(*l4));
         return -1;
     }
     p->key.sport = bpf_ntohs(l4->source);
@@ -265,7 +299,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
     if (l4proto == IPPROTO_TCP) {
         struct tcphdr *th = (void *)l4;
         if ((void *)(th + 1) > data_end) {
-            count_uncounted(SKIP_NONLINEAR);
+            count_short(skb, l4_off + sizeof(*th));
             return -1;
         }
         l4_hdr = th->doff * 4;
@@ -275,6 +309,10 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
     if (l3_len > skb->len)
         l3_len = skb->len;
     p->payload_len = l3_len > p->payload_off ? l3_len - p->payload_off : 0;
+    if (p->payload_off > l3_len || (l4proto == IPPROTO_TCP && l4_hdr < 20)) {
+        count_rejected(REJECT_HEADER_INVALID);
+        p->payload_len = 0;
+    }
     canonicalize(p);
     return 0;
 }
@@ -380,8 +418,8 @@ static __always_inline void scan_headers(struct tc_scratch *s)
             break;
         if (s->buf[i] != '\n')
             continue;
-        if (s->buf[i + 1] == '\r')
-            break; /* end of the header block */
+        if (s->buf[i + 1] == '\r' || s->buf[i + 1] == '\n')
+            break; /* end of the header block (CRLF CRLF, or bare LF LF) */
         __u32 k = *(volatile __u32 *)&s->lines;
         if (k >= TC_MAX_LINES)
             break;
@@ -390,6 +428,7 @@ static __always_inline void scan_headers(struct tc_scratch *s)
     }
 
     *(volatile __u32 *)&s->traceparent_at = 0;
+    *(volatile __u32 *)&s->traceparent_dup = 0;
     *(volatile __u32 *)&s->content_type_at = 0;
     *(volatile __u32 *)&s->upgrade_at = 0;
     for (__u32 j = 0; j < TC_MAX_LINES; j++) {
@@ -398,12 +437,19 @@ static __always_inline void scan_headers(struct tc_scratch *s)
         __u64 at = *(volatile __u32 *)&s->line_at[j];
         if (at > SPANLET_TC_SCAN_BYTES)
             break;
+        /* Past the packet's bytes the buffer holds an older packet's: a name
+         * must end inside this one (the longest we look for is 13 bytes). */
+        if (at + 13 > *(volatile __u32 *)&s->scan_len)
+            break;
         __u8 c = s->buf[at] | 0x20;
         __u64 w = ld64(&s->buf[at]) | LOWER8;
         if (c == 't') {
             if (w == C8('t', 'r', 'a', 'c', 'e', 'p', 'a', 'r') &&
-                (ld32(&s->buf[at + 8]) | LOWER4) == C4('e', 'n', 't', ':'))
+                (ld32(&s->buf[at + 8]) | LOWER4) == C4('e', 'n', 't', ':')) {
+                if (*(volatile __u32 *)&s->traceparent_at)
+                    *(volatile __u32 *)&s->traceparent_dup = 1;
                 mark_header(&s->traceparent_at, at + 1);
+            }
         } else if (c == 'c') {
             if (w == C8('c', 'o', 'n', 't', 'e', 'n', 't', '-') &&
                 (ld32(&s->buf[at + 8]) | LOWER4) == C4('t', 'y', 'p', 'e') &&
@@ -452,53 +498,88 @@ static __always_inline int hexval(__u8 c)
     return -1;
 }
 
+/* Results of parse_traceparent: valid, or a REJECT_TRACEPARENT_* reason. */
+#define TP_VALID -1
+/* Whitespace allowed after the value before its line ends (HTTP's OWS). */
+#define TP_OWS_MAX 8
+
 /* W3C traceparent "vv-<32 hex>-<16 hex>-ff" at s->buf[v]; lowercase hex only,
- * as the Recommendation requires. 1 and the ids when valid. */
+ * as the Recommendation requires; version ff, all-zero ids and, for version
+ * 00, anything but whitespace after the 55 characters make it invalid (a
+ * higher version may append "-..."). The line must end (CR or LF) after the
+ * value within what was scanned. TP_VALID and the ids, or why not. */
 static __always_inline int parse_traceparent(const struct tc_scratch *s, __u64 v, __u64 n,
                                              struct spanlet_hdr *h, __u8 *flags)
 {
     BOUND_VAR(v);
     if (v == 0 || v > VALUE_MAX || v + 56 > n)
-        return 0;
+        return REJECT_TRACEPARENT_TRUNCATED;
     const __u8 *t = &s->buf[v];
     int hi = hexval(t[0]), lo = hexval(t[1]);
     if (hi < 0 || lo < 0 || (hi == 15 && lo == 15))
-        return 0;
+        return REJECT_TRACEPARENT_INVALID;
     int version = hi * 16 + lo;
     if (t[2] != '-' || t[35] != '-' || t[52] != '-')
-        return 0;
-    __u8 end = t[55];
-    if (end != '\r' && end != ' ' && end != '\t' && !(version > 0 && end == '-'))
-        return 0;
+        return REJECT_TRACEPARENT_INVALID;
+    if (!(version > 0 && t[55] == '-')) {
+#pragma unroll
+        for (int k = 0; k < TP_OWS_MAX; k++) {
+            if (v + 55 + k >= n)
+                return REJECT_TRACEPARENT_TRUNCATED;
+            __u8 c = t[55 + k];
+            if (c == '\r' || c == '\n')
+                break;
+            if ((c != ' ' && c != '\t') || k == TP_OWS_MAX - 1)
+                return REJECT_TRACEPARENT_INVALID;
+        }
+    }
     __u8 tid[16];
     __u8 any = 0;
 #pragma unroll
     for (int i = 0; i < 16; i++) {
         int a = hexval(t[3 + 2 * i]), b = hexval(t[4 + 2 * i]);
         if (a < 0 || b < 0)
-            return 0;
+            return REJECT_TRACEPARENT_INVALID;
         tid[i] = a * 16 + b;
         any |= tid[i];
     }
     if (!any)
-        return 0;
+        return REJECT_TRACEPARENT_INVALID;
     __u64 sid = 0;
 #pragma unroll
     for (int i = 0; i < 16; i++) {
         int a = hexval(t[36 + i]);
         if (a < 0)
-            return 0;
+            return REJECT_TRACEPARENT_INVALID;
         sid = (sid << 4) | a;
     }
     if (!sid)
-        return 0;
+        return REJECT_TRACEPARENT_INVALID;
     int fa = hexval(t[53]), fb = hexval(t[54]);
     if (fa < 0 || fb < 0)
-        return 0;
+        return REJECT_TRACEPARENT_INVALID;
     __builtin_memcpy(h->trace_id, tid, 16);
     h->span_id = sid;
     *flags = fa * 16 + fb;
-    return 1;
+    return TP_VALID;
+}
+
+/* The request's traceparent into ev when there is exactly one and it is
+ * valid; a header that is there but not used is counted, by reason. */
+static __always_inline void request_traceparent(const struct tc_scratch *s, struct http_event *ev)
+{
+    if (!*(volatile const __u32 *)&s->traceparent_at)
+        return;
+    if (*(volatile const __u32 *)&s->traceparent_dup) {
+        count_rejected(REJECT_TRACEPARENT_DUPLICATE);
+        return;
+    }
+    __u64 v = header_value(s, s->traceparent_at, 12);
+    int r = parse_traceparent(s, v, scan_len(s), &ev->hdr, &ev->trace_flags);
+    if (r == TP_VALID)
+        ev->hdr.flags |= SPANLET_HTTP_TRACEPARENT;
+    else
+        count_rejected(r);
 }
 
 static __always_inline __u8 content_modality(const struct tc_scratch *s, __u64 v, __u64 n)
@@ -628,9 +709,7 @@ int tc_classify_req(struct __sk_buff *skb)
     fill_net_hdr(&ev->hdr, skb, SPANLET_KIND_HTTP, fi->modality, dir);
     __builtin_memset(ev->_pad, 0, sizeof(ev->_pad));
     ev->trace_flags = 0;
-    v = header_value(s, s->traceparent_at, 12);
-    if (parse_traceparent(s, v, n, &ev->hdr, &ev->trace_flags))
-        ev->hdr.flags |= SPANLET_HTTP_TRACEPARENT;
+    request_traceparent(s, ev);
     wire_key(&p, &ev->flow);
     ev->ifindex = skb->ifindex;
     ev->path_hash = path_hash(s, s->method_len, scan_len(s));
@@ -750,20 +829,64 @@ static __always_inline __u64 abs_diff(__u64 a, __u64 b)
     return a < b ? b - a : a - b;
 }
 
-/* |D| of RFC 3550 for an RTP data packet, or -1 when it is not media. */
+/* RFC 3550 A.1: the fixed header, CSRC list, header extension and padding
+ * of an RTP packet whose first byte is b0 fit in its payload_len bytes, and
+ * a padding count is at least 1. */
+static __always_inline int rtp_lengths_valid(struct __sk_buff *skb, const struct pkt *p, __u8 b0)
+{
+    __u32 len = p->payload_len;
+    __u32 need = 12 + 4 * (b0 & 0x0f);
+    if (len < need)
+        return 0;
+    if (b0 & 0x10) { /* extension: 16-bit profile data, 16-bit length in words */
+        __u8 x[4];
+        if (len < need + 4 || bpf_skb_load_bytes(skb, p->payload_off + need, x, 4) < 0)
+            return 0;
+        need += 4 + 4 * (((__u32)x[2] << 8) | x[3]);
+        if (len < need)
+            return 0;
+    }
+    if (b0 & 0x20) { /* padding: its last byte counts the padding, itself included */
+        __u8 pad;
+        if (bpf_skb_load_bytes(skb, p->payload_off + len - 1, &pad, 1) < 0)
+            return 0;
+        if (pad == 0 || pad > len - need)
+            return 0;
+    }
+    return 1;
+}
+
+/* |D| of RFC 3550 for an RTP data packet, or -1 when it is not media. A
+ * datagram of an RTP flow that is neither RTCP nor valid RTP of a configured
+ * payload type is counted as rejected. */
 static __always_inline __s64 rtp_deviation(struct __sk_buff *skb, const struct pkt *p,
                                            struct flow_info *fi, struct jitter_state *js,
                                            __u64 now)
 {
-    __u8 h[8];
-    if (p->payload_len < 12 || bpf_skb_load_bytes(skb, p->payload_off, h, 8) < 0)
+    __u8 h[8] = {};
+    if (p->payload_len >= 8) {
+        if (bpf_skb_load_bytes(skb, p->payload_off, h, 8) < 0)
+            return -1;
+    } else if (p->payload_len < 2 || bpf_skb_load_bytes(skb, p->payload_off, h, 2) < 0) {
+        count_rejected(REJECT_RTP_INVALID);
         return -1;
-    if ((h[0] >> 6) != 2 || is_rtcp(h[0], h[1]))
+    }
+    if (is_rtcp(h[0], h[1]))
         return -1;
+    if ((h[0] >> 6) != 2 || p->payload_len < 12) {
+        count_rejected(REJECT_RTP_INVALID);
+        return -1;
+    }
     __u32 pt = h[1] & 0x7f;
     struct rtp_pt_info *info = tc_rtp_payload_types.lookup(&pt);
-    if (!info || !info->clock_hz)
+    if (!info || !info->clock_hz) {
+        count_rejected(REJECT_RTP_UNKNOWN_PT);
         return -1;
+    }
+    if (!rtp_lengths_valid(skb, p, h[0])) {
+        count_rejected(REJECT_RTP_INVALID);
+        return -1;
+    }
     if (fi->mod_source < MOD_SRC_RTP) { /* RTCP came first (rtcp-mux) */
         fi->modality = info->modality;
         fi->mod_source = MOD_SRC_RTP;

@@ -140,10 +140,12 @@ class MetricEngine:
                 kernel.spanlet_gpu_sync_wait_seconds(gpu, self._workload)])
         if tc is not None:
             out += self._guard("tc_classify", lambda: [
-                *kernel.spanlet_network_bytes_total(tc), kernel.spanlet_jitter_sensitivity_score(tc)])
+                *kernel.spanlet_network_bytes_total(tc), kernel.spanlet_jitter_sensitivity_score(tc),
+                *kernel.tc_self_metrics(tc)])
         if sb is not None:
             out += self._guard("mmap_sandbox", lambda: [
-                kernel.spanlet_sandbox_violations_total(sb, self._workload)])
+                kernel.spanlet_sandbox_violations_total(sb, self._workload),
+                *kernel.sandbox_self_metrics(sb, self._workload)])
         if d.nvml.status.available:
             out += self._guard("nvml", lambda: [
                 device.spanlet_gpu_utilization_ratio(d.nvml),

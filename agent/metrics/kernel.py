@@ -74,10 +74,48 @@ def spanlet_jitter_sensitivity_score(tc) -> Family:
     return fam
 
 
-def spanlet_sandbox_violations_total(sandbox, workload: Workload) -> Family:
-    fam = Family("spanlet_sandbox_violations_total", "counter", "mmap sandbox violations")
+def _violations(fam: Family, counts: dict, workload: Workload) -> Family:
     sums: dict = defaultdict(int)
-    for (cgroup, rule, action), n in sandbox.violations().items():
+    for (cgroup, rule, action), n in counts.items():
         sums[labels(**workload(cgroup), rule=rule, action=action)] += n
     fam.samples = [Sample(k, v) for k, v in sorted(sums.items())]
     return fam
+
+
+def spanlet_sandbox_violations_total(sandbox, workload: Workload) -> Family:
+    """#5: judged at the mmap call, plus those only the /proc sweep found."""
+    counts: dict = defaultdict(int, sandbox.violations())
+    for key, n in sandbox.sweep_violations().items():
+        counts[key] += n
+    return _violations(Family("spanlet_sandbox_violations_total", "counter",
+                              "mmap sandbox violations"), counts, workload)
+
+
+def sandbox_self_metrics(sandbox, workload: Workload) -> list[Family]:
+    """How the sandbox saw what it judged: late (sweep), unresolved, adopted."""
+    return [
+        _violations(Family("spanlet_sandbox_sweep_violations_total", "counter",
+                           "Violations of #5 found by the /proc sweep, not at the mmap call "
+                           "(links, relative paths, inherited or dup'd fds, mprotect)"),
+                    sandbox.sweep_violations(), workload),
+        Family("spanlet_sandbox_unresolved_opens_total", "counter",
+               "Opens under a prefix with a '..' component, left to the sweep",
+               samples=[Sample((), sandbox.unresolved_opens())]),
+        Family("spanlet_sandbox_adopted_fds_total", "counter",
+               "Pool fds the sweep found and handed to the kernel",
+               samples=[Sample((), sandbox.adopted_fds)]),
+        Family("spanlet_sandbox_sweep_seconds", "gauge", "Duration of the last /proc sweep",
+               unit="seconds", samples=[Sample((), sandbox.sweep_seconds)]),
+    ]
+
+
+def tc_self_metrics(tc) -> list[Family]:
+    """Packets and headers the classifier looked at and did not use, by reason."""
+    rejected = Family("spanlet_tc_rejected_total", "counter",
+                      "Headers and datagrams refused (invalid, truncated or duplicate "
+                      "traceparent, invalid RTP, unknown RTP payload type, impossible headers)")
+    rejected.samples = [Sample(labels(reason=r), n) for r, n in sorted(tc.rejected().items())]
+    uncounted = Family("spanlet_tc_uncounted_packets_total", "counter",
+                       "TCP/UDP packets not counted (IP fragments, headers outside linear data)")
+    uncounted.samples = [Sample(labels(reason=r), n) for r, n in sorted(tc.uncounted().items())]
+    return [rejected, uncounted]

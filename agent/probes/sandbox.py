@@ -3,13 +3,19 @@ into the program's maps, keeps it current (cgroup ids, stale fds), and reads
 the violation counters (metric 5) back. Its programs show as sbx_* in
 `bpftool prog show`.
 
-Known limits (the kernel side's header comment has the full list): pools are
-recognised by the path string given to the open call, normalised for repeated
-'/' and '.' components only; '..', symlinks and paths relative to a dirfd or
-the working directory are not resolved; fds that arrive by fork, dup* or
-SCM_RIGHTS are not tracked; mprotect/mremap after the mmap and 32-bit compat
-syscalls are not checked. Fds opened before the probe started are found once,
-at start, from /proc; fds dropped without close(2) are swept by refresh()."""
+At the call, pools are recognised by the path string given to the open call,
+normalised for repeated '/' and '.' components only (the kernel side's header
+comment has the full list of what that misses). Behind it runs a sweep by
+inode, from /proc (sweep(): at start, then every sandbox.sweep_interval_s from
+refresh()): it writes the symlinks and hard links found under the prefixes
+into the kernel's pool table as aliases, adopts pool fds the open did not show
+(fork, dup, SCM_RIGHTS, symlinks and hard links elsewhere, relative or '..'
+paths) so that their next mmap is checked at the call, and judges the pool
+mappings in /proc/<pid>/maps that the call did not judge, or that have more
+permissions now (mprotect): those are counted as sweep violations, apart
+from the call's, and in enforce mode their process is killed. Fds dropped
+without close(2) are forgotten by refresh(). 32-bit compat syscalls are not
+checked."""
 
 from __future__ import annotations
 
@@ -17,7 +23,10 @@ import ctypes
 import logging
 import os
 import re
+import signal
+import stat
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -26,6 +35,7 @@ from agent import events
 from agent.config import Config, SandboxConfig
 from agent.kernel import TRACEFS
 from agent.cgroups import CgroupError, CgroupResolver, cgroup2_mount  # noqa: F401
+from agent.discovery import PF_KTHREAD
 from agent.probes.base import Probe, ProbeError, percpu_sum
 
 log = logging.getLogger(__name__)
@@ -45,6 +55,17 @@ MAX_PREFIX_ENTRIES = 1024
 MAX_POOLS = 4096
 MAX_GRANTS = 65536
 MAX_POOL_FDS = 65536
+MAX_JUDGED_MAPS = 65536
+# Pool id of an alias that leads to no pool (a symlink under a prefix that
+# points elsewhere): the kernel does not track what is opened through it.
+NOT_A_POOL = 0
+# How often refresh() runs the sweep of /proc (fds, maps, the prefixes'
+# folders): it reads every process's fd links and the maps of those whose
+# mapped size changed, so it runs less often than refresh() itself.
+# Entries of the prefixes' folders looked at per sweep, at most.
+WALK_LIMIT = 10_000
+PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
+MAP_SHARED, MAP_PRIVATE, MAP_SHARED_VALIDATE, MAP_TYPE = 1, 2, 3, 0x0F
 
 # (tracepoint, program) pairs. Without any required one the sandbox has a
 # hole (an untracked fd, a stale one, an unchecked mmap), so it runs complete
@@ -54,6 +75,7 @@ REQUIRED_TRACEPOINTS = (
     ("syscalls:sys_enter_openat", "sbx_openat_in"),
     ("syscalls:sys_exit_openat", "sbx_openat_out"),
     ("syscalls:sys_enter_mmap", "sbx_mmap"),
+    ("syscalls:sys_exit_mmap", "sbx_mmap_out"),
     ("syscalls:sys_enter_close", "sbx_close"),
 )
 OPTIONAL_TRACEPOINTS = {
@@ -307,7 +329,29 @@ def _fd_target(link: str) -> str | None:
     return target[: -len(_DELETED)] if target.endswith(_DELETED) else target
 
 
-def scan_pool_fds(policy: Policy, proc: str = "/proc") -> Iterator[tuple[tuple[int, int], tuple[int, int]]]:
+Inodes = dict[tuple[int, int], tuple[int, int]]
+
+
+def fd_pool(link: str, policy: Policy, by_inode: Inodes | None = None) -> tuple[int, int] | None:
+    """(pool id, max bytes) of the file an fd link (/proc/<pid>/fd/<n>) leads
+    to: by its inode when `by_inode` knows it (a hard link or symlink reaches
+    a pool under any name), else by the path the kernel shows for it."""
+    target = _fd_target(link)
+    if not target or not target.startswith("/"):
+        return None
+    if by_inode:
+        try:
+            st = os.stat(link)
+        except OSError:
+            return None
+        ref = by_inode.get((st.st_dev, st.st_ino))
+        if ref is not None:
+            return ref
+    return policy.lookup(target)
+
+
+def scan_pool_fds(policy: Policy, proc: str = "/proc",
+                  by_inode: Inodes | None = None) -> Iterator[tuple[tuple[int, int], tuple[int, int]]]:
     """((tgid, fd), (pool id, max bytes)) of every open fd that names a pool."""
     try:
         pids = [d for d in os.listdir(proc) if d.isdigit()]
@@ -320,21 +364,193 @@ def scan_pool_fds(policy: Policy, proc: str = "/proc") -> Iterator[tuple[tuple[i
         except OSError:
             continue  # gone, or a kernel thread
         for fd in fds:
-            target = _fd_target(f"{fd_dir}/{fd}")
-            ref = policy.lookup(target) if target and target.startswith("/") else None
+            ref = fd_pool(f"{fd_dir}/{fd}", policy, by_inode)
             if ref is not None:
                 yield (int(pid), int(fd)), ref
 
 
 def stale_pool_fds(entries: Iterable[tuple[tuple[int, int], tuple[int, int]]], policy: Policy,
-                   proc: str = "/proc") -> Iterator[tuple[tuple[int, int], tuple[int, int] | None]]:
+                   proc: str = "/proc", by_inode: Inodes | None = None
+                   ) -> Iterator[tuple[tuple[int, int], tuple[int, int] | None]]:
     """Remembered pool fds whose /proc entry no longer names that pool: with
     None when the fd is gone or is no pool, else with the pool it names now."""
     for (tgid, fd), ref in entries:
-        target = _fd_target(f"{proc}/{tgid}/fd/{fd}")
-        now = policy.lookup(target) if target and target.startswith("/") else None
+        now = fd_pool(f"{proc}/{tgid}/fd/{fd}", policy, by_inode)
         if now != ref:
             yield (tgid, fd), now
+
+
+# -- the sweep: pools by inode --------------------------------------------------
+@dataclass
+class PoolIndex:
+    """The pool files as they are on disk now."""
+    by_inode: Inodes = field(default_factory=dict)      # (st_dev, st_ino) → (pool id, max bytes)
+    # normalised path → (pool id or NOT_A_POOL, max bytes): names under a
+    # prefix that the path string alone would judge wrong
+    aliases: dict[str, tuple[int, int]] = field(default_factory=dict)
+    truncated: bool = False                              # WALK_LIMIT was reached
+
+
+def _under_prefix(prefix: str, limit: int) -> Iterator[tuple[str, os.DirEntry]]:
+    """Files, symlinks and the like whose path starts with `prefix` (symlinked
+    folders are not followed)."""
+    top = prefix[: prefix.rfind("/") + 1]
+    stack, seen = [top], 0
+    while stack:
+        folder = stack.pop()
+        try:
+            it = os.scandir(folder)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                seen += 1
+                if seen > limit:
+                    raise OverflowError(prefix)
+                path = folder + e.name
+                try:
+                    is_dir = e.is_dir(follow_symlinks=False)
+                except OSError:
+                    continue
+                if is_dir:
+                    if (path + "/").startswith(prefix) or prefix.startswith(path + "/"):
+                        stack.append(path + "/")
+                elif path.startswith(prefix):
+                    yield path, e
+
+
+def index_pools(policy: Policy, limit: int = WALK_LIMIT) -> PoolIndex:
+    """Stat the configured pools and walk the prefixes: every regular file
+    under a prefix by inode (a configured pool's, else its prefix's unlisted
+    id), and as aliases the names that reach a pool under another name (hard
+    links, symlinks) or lead out of every pool (symlinks)."""
+    idx = PoolIndex()
+    for path, ref in policy.pools.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            idx.by_inode[(st.st_dev, st.st_ino)] = ref
+    links: list[str] = []
+    for prefix, (kind, _, _) in policy.prefixes.items():
+        if kind != PREFIX_FULL:
+            continue
+        try:
+            for path, entry in _under_prefix(prefix, limit):
+                if entry.is_symlink():
+                    links.append(path)
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                key = (st.st_dev, st.st_ino)
+                by_path = policy.lookup(path)
+                ref = idx.by_inode.setdefault(key, by_path)
+                if ref != by_path:
+                    idx.aliases[path] = ref           # a hard link of a pool
+        except OverflowError:
+            idx.truncated = True
+    for path in links:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue                                  # dangling
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        ref = idx.by_inode.get((st.st_dev, st.st_ino))
+        if ref is None:                               # outside every prefix
+            ref = policy.lookup(os.path.realpath(path)) or (NOT_A_POOL, 0)
+        if ref != policy.lookup(path):
+            idx.aliases[path] = ref
+    for path in [p for p in idx.aliases if len(p.encode()) >= PATH_MAX or normalise_path(p) != p]:
+        del idx.aliases[path]
+    return idx
+
+
+@dataclass(frozen=True)
+class PoolMapping:
+    """One line of /proc/<pid>/maps that maps a pool file."""
+    start: int
+    end: int
+    prot: int
+    shared: bool
+    offset: int
+    inode: tuple[int, int]
+
+
+_MAPS_LINE = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) ([-r][-w][-x][sp]) ([0-9a-f]+) "
+                        rb"([0-9a-f]+):([0-9a-f]+) (\d+) ", re.M)
+
+
+def pool_mappings(maps: bytes, by_inode: Inodes) -> list[PoolMapping]:
+    """The mappings of pool files in the text of a /proc/<pid>/maps."""
+    devs = {b" %02x:%02x " % (os.major(d), os.minor(d)) for d, _ in by_inode}
+    if not any(d in maps for d in devs):
+        return []
+    out = []
+    for m in _MAPS_LINE.finditer(maps):
+        start, end, perms, off, major, minor, ino = m.groups()
+        key = (os.makedev(int(major, 16), int(minor, 16)), int(ino))
+        if key not in by_inode:
+            continue
+        prot = ((PROT_READ if perms[0:1] == b"r" else 0) | (PROT_WRITE if perms[1:2] == b"w" else 0)
+                | (PROT_EXEC if perms[2:3] == b"x" else 0))
+        out.append(PoolMapping(int(start, 16), int(end, 16), prot, perms[3:4] == b"s",
+                               int(off, 16), key))
+    return out
+
+
+def rule_of(access: int, prot: int, shared: bool, length: int, offset: int, max_bytes: int) -> int:
+    """sandbox_rule() of the kernel side, for a mapping as /proc shows it
+    (its length rounded up to pages, so is the limit)."""
+    if access == 0:
+        return events.Rule.unauthorized
+    if access == ACCESS["ro"] and prot & PROT_WRITE and shared:
+        return events.Rule.write_on_readonly
+    if prot & PROT_EXEC:
+        return events.Rule.exec
+    if max_bytes:
+        page = os.sysconf("SC_PAGE_SIZE")
+        limit = -(-max_bytes // page) * page
+        if length > limit or offset > limit - length:
+            return events.Rule.oversize
+    return 0
+
+
+def judged_cover(m: PoolMapping, judged: list[tuple[int, int, int, int]]) -> bool:
+    """Whether the mmap check judged this mapping with at least the
+    permissions it has now: judged holds (address, length, prot, flags)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    for addr, length, prot, flags in judged:
+        end = addr + -(-length // page) * page
+        shared = flags & MAP_TYPE in (MAP_SHARED, MAP_SHARED_VALIDATE)
+        if addr <= m.start and m.end <= end and not m.prot & ~prot and (shared or not m.shared):
+            return True
+    return False
+
+
+@dataclass
+class _ProcMaps:
+    starttime: bytes
+    vsize: bytes
+    read_at: float
+    kernel_thread: bool = False
+    pools: list[PoolMapping] = field(default_factory=list)
+
+
+def _read_bytes(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _stat_fields(proc: str, pid: int) -> list[bytes] | None:
+    """Fields of /proc/<pid>/stat after the command name (index 0 is field 3)."""
+    raw = _read_bytes(f"{proc}/{pid}/stat")
+    return raw.rpartition(b")")[2].split() if raw else None
 
 
 # -- the probe --------------------------------------------------------------------
@@ -354,12 +570,21 @@ class SandboxProbe(Probe):
         self._policy_lock = threading.Lock()
         self._problems: list[str] = []
         self.tracepoints: list[tuple[str, str]] = list(REQUIRED_TRACEPOINTS)
+        # the sweep (see the module doc)
+        self.index = PoolIndex()
+        self._last_sweep = float("-inf")
+        self._proc_maps: dict[int, _ProcMaps] = {}
+        self._reported: set[tuple] = set()       # sweep violations still mapped
+        self._swept: dict[tuple[int, str, str], int] = {}
+        self.adopted_fds = 0                      # pool fds the sweep gave the kernel
+        self.sweep_seconds = 0.0                  # how long the last sweep took
 
     def cflags(self) -> list[str]:
         flags = super().cflags() + [f"-DSANDBOX_MAX_PREFIX_ENTRIES={MAX_PREFIX_ENTRIES}",
                                     f"-DSANDBOX_MAX_POOLS={MAX_POOLS}",
                                     f"-DSANDBOX_MAX_GRANTS={MAX_GRANTS}",
-                                    f"-DSANDBOX_MAX_POOL_FDS={MAX_POOL_FDS}"]
+                                    f"-DSANDBOX_MAX_POOL_FDS={MAX_POOL_FDS}",
+                                    f"-DSANDBOX_MAX_JUDGED_MAPS={MAX_JUDGED_MAPS}"]
         if self.cfg.sandbox.mode == "enforce":
             flags.append("-DSANDBOX_ENFORCE")
         self.tracepoints = list(REQUIRED_TRACEPOINTS)
@@ -389,12 +614,25 @@ class SandboxProbe(Probe):
                 "prefixes": MapSync(b["sandbox_prefixes"], _prefix_key, _prefix_leaf),
             }
         m = self._maps
+        pools = self._pool_entries(policy)
         m["grants"].sync(policy.grants, remove=False)
-        m["pools"].sync(policy.pools, remove=False)
+        m["pools"].sync(pools, remove=False)
         m["prefixes"].sync(policy.prefixes)
-        m["pools"].sync(policy.pools)
+        m["pools"].sync(pools)
         m["grants"].sync(policy.grants)
         self.policy = policy
+
+    def _pool_entries(self, policy: Policy) -> dict[str, tuple[int, int]]:
+        """The configured pools, and the aliases of the last sweep (never
+        over a configured path), within the table's size."""
+        out = dict(policy.pools)
+        for path, ref in self.index.aliases.items():
+            if len(out) >= MAX_POOLS:
+                log.warning("mmap_sandbox: pool table full: %d aliases left out",
+                            len(self.index.aliases) - (len(out) - len(policy.pools)))
+                break
+            out.setdefault(path, ref)
+        return out
 
     def apply_policy(self, sb: SandboxConfig | None = None) -> None:
         """Push a (new) sandbox section into the running program; raises
@@ -408,7 +646,7 @@ class SandboxProbe(Probe):
                 self.cfg.sandbox = sb
             if self.bpf is not None:
                 self._push(policy)
-                self._sweep_fds()  # open fds follow a changed max_bytes or pool list
+                self._sweep()      # open fds and mappings follow a changed policy
             else:
                 self.policy = policy
 
@@ -423,30 +661,17 @@ class SandboxProbe(Probe):
             except Exception as e:
                 self.status.failed_attachments.append(f"tracepoint:{tp}: {e}")
                 raise ProbeError(f"cannot attach tracepoint {tp}: {e}") from None
-        self._seed_fds()
+        self._sweep()  # also adopts the pool fds opened before the probe started
+        if self.adopted_fds:
+            log.info("mmap_sandbox: %d pool fds were open before start", self.adopted_fds)
 
     def _fds_table(self):
         return self.bpf["sandbox_pool_fds"]
 
-    def _seed_fds(self) -> None:
-        """Pool fds opened before the probe was attached (an agent restart
-        must not leave running processes outside the sandbox)."""
-        table = self._fds_table()
-        n = 0
-        try:
-            for k, ref in scan_pool_fds(self.policy, self.proc):
-                table[_fd_key(table, k)] = _pool_ref(table, ref)
-                n += 1
-        except Exception as e:  # a full table: the kernel side counts its own misses
-            log.warning("mmap_sandbox: %d pool fds open before start remembered, then: %s", n, e)
-            return
-        if n:
-            log.info("mmap_sandbox: %d pool fds were open before start", n)
-
     def _sweep_fds(self) -> None:
         table = self._fds_table()
         entries = [((k.tgid, k.fd), (v.pool_id, v.max_bytes)) for k, v in table.items()]
-        for k, now in stale_pool_fds(entries, self.policy, self.proc):
+        for k, now in stale_pool_fds(entries, self.policy, self.proc, self.index.by_inode):
             if now is None:
                 try:
                     del table[_fd_key(table, k)]
@@ -470,8 +695,190 @@ class SandboxProbe(Probe):
                     self._problems = policy.problems
                 self._push(policy)
                 self._sweep_fds()
+                if time.monotonic() - self._last_sweep >= self.cfg.sandbox.sweep_interval_s:
+                    self._sweep()
             except Exception as e:
                 log.warning("mmap_sandbox: refresh failed: %s", e)
+
+    # -- the sweep -------------------------------------------------------------------
+    def sweep(self, full: bool = False) -> None:
+        """Run the sweep now (refresh() runs it every sandbox.sweep_interval_s); full:
+        read every process's maps, not only those whose mapped size changed
+        (mprotect changes none)."""
+        with self._policy_lock:
+            if self.bpf is not None:
+                if full:
+                    self._proc_maps.clear()
+                self._sweep()
+
+    def _sweep(self) -> None:
+        """Never raises: a sweep that fails is logged, and the next one tries
+        again (the check at the call is not affected)."""
+        t0 = time.monotonic()
+        self._last_sweep = t0
+        try:
+            self._sweep_once()
+        except Exception as e:
+            log.warning("mmap_sandbox: sweep failed: %s", e)
+        self.sweep_seconds = time.monotonic() - t0
+
+    def _sweep_once(self) -> None:
+        index = index_pools(self.policy)
+        if index.truncated and not self.index.truncated:
+            log.warning("mmap_sandbox: more than %d entries under the prefixes: the sweep "
+                        "looks at the first ones only", WALK_LIMIT)
+        if index.by_inode.keys() != self.index.by_inode.keys():
+            self._proc_maps.clear()             # other inodes to look for: read every maps again
+        self.index = index
+        self._push(self.policy)                 # the aliases
+        self._sweep_fds()                       # what the aliases and inodes say now
+        self._adopt_fds()
+        self._judge_mappings()
+
+    def _adopt_fds(self) -> None:
+        """Give the kernel every open pool fd it does not know (or knows as
+        another pool), so that their next mmap is checked at the call."""
+        table = self._fds_table()
+        known = {(k.tgid, k.fd): (v.pool_id, v.max_bytes) for k, v in table.items()}
+        for k, ref in scan_pool_fds(self.policy, self.proc, self.index.by_inode):
+            if known.get(k) == ref:
+                continue
+            try:
+                table[_fd_key(table, k)] = _pool_ref(table, ref)
+            except Exception as e:  # full: the kernel side counts its own misses
+                log.warning("mmap_sandbox: cannot adopt pool fd %s: %s", k, e)
+                return
+            if k not in known:
+                self.adopted_fds += 1
+
+    def _pids(self) -> list[int]:
+        try:
+            with os.scandir(self.proc) as it:
+                return [int(e.name) for e in it if e.name.isdigit()]
+        except OSError:
+            return []
+
+    def _pool_maps_of(self, pid: int, now: float) -> _ProcMaps | None:
+        """The pool mappings of a process, its maps read again only when its
+        mapped size changed (or the pool inodes did)."""
+        fields = _stat_fields(self.proc, pid)
+        if not fields or len(fields) < 21:
+            return None
+        starttime, vsize = fields[19], fields[20]
+        seen = self._proc_maps.get(pid)
+        if seen is not None and seen.starttime == starttime and (seen.kernel_thread or (
+                seen.vsize == vsize and now - seen.read_at < self.cfg.discovery.full_rescan_s)):
+            return seen
+        seen = self._proc_maps[pid] = _ProcMaps(starttime, vsize, now,
+                                                bool(int(fields[6]) & PF_KTHREAD))
+        if not seen.kernel_thread and self.index.by_inode:
+            maps = _read_bytes(f"{self.proc}/{pid}/maps")
+            seen.pools = pool_mappings(maps, self.index.by_inode) if maps else []
+        return seen
+
+    def _judged(self, alive: set[int] | None = None) -> dict[int, list[tuple[int, int, int, int]]]:
+        """{tgid: [(address, length, prot, flags)]} of the mappings the call
+        judged; with `alive`, those of processes gone are deleted (a reused
+        pid must not inherit them)."""
+        from agent.probes.tc import dump_table  # the batch reader of BCC hash tables
+
+        table = self.bpf["sandbox_judged_maps"]
+        out: dict[int, list] = {}
+        for key, v in dump_table(table).items():
+            k = table.Key.from_buffer_copy(key)
+            if alive is not None and k.tgid not in alive and not os.path.exists(
+                    f"{self.proc}/{k.tgid}"):  # not one born since the pids were listed
+                try:
+                    del table[k]
+                except KeyError:
+                    pass
+                continue
+            out.setdefault(k.tgid, []).append((k.addr, v.len, v.prot, v.flags))
+        return out
+
+    def _process_cgroup(self, pid: int) -> tuple[int, list[int]]:
+        """(cgroup id, ids of it and every cgroup above it) of a process."""
+        raw = _read_bytes(f"{self.proc}/{pid}/cgroup") or b""
+        path = next((line[3:].decode(errors="replace") for line in raw.splitlines()
+                     if line.startswith(b"0::")), None)
+        if path is None:
+            return 0, []
+        mount = self.cgroups.mount.rstrip("/")
+        parts = [p for p in path.split("/") if p]
+        ids = []
+        for i in range(len(parts) + 1):
+            try:
+                ids.append(os.stat(mount + "/" + "/".join(parts[:i])).st_ino)
+            except OSError:
+                break
+        return (ids[-1] if len(ids) == len(parts) + 1 else 0), ids
+
+    def _access(self, pid: int, pool_id: int, cgroups: list[int]) -> int:
+        grants = self.policy.grants
+        best = grants.get((pool_id, GRANT_PID, pid), 0)
+        for cg in cgroups:
+            best = max(best, grants.get((pool_id, GRANT_CGROUP, cg), 0))
+        return best
+
+    def _judge_mappings(self) -> None:
+        """Pool mappings the call did not judge (or judged with fewer
+        permissions): judged here by the same rules, each counted once while
+        it stays mapped; in enforce mode its process is killed."""
+        now = time.monotonic()
+        pids = self._pids()
+        alive = set(pids)
+        candidates: dict[tuple, tuple] = {}
+        judged = self._judged(alive)
+        for pid in pids:
+            seen = self._pool_maps_of(pid, now)
+            if seen is None or not seen.pools:
+                continue
+            cgroup, ancestry = None, []
+            for m in seen.pools:
+                if judged_cover(m, judged.get(pid, [])):
+                    continue
+                if cgroup is None:
+                    cgroup, ancestry = self._process_cgroup(pid)
+                pool_id, max_bytes = self.index.by_inode[m.inode]
+                rule = rule_of(self._access(pid, pool_id, ancestry), m.prot, m.shared,
+                               m.end - m.start, m.offset, max_bytes)
+                if rule:
+                    candidates[(pid, seen.starttime, m)] = (cgroup, rule)
+        for pid in [p for p in self._proc_maps if p not in alive]:
+            del self._proc_maps[pid]
+        new = [k for k in candidates if k not in self._reported]
+        if new:  # a mapping made while this sweep ran may be judged meanwhile
+            judged = self._judged()
+            new = [k for k in new if not judged_cover(k[2], judged.get(k[0], []))]
+        enforce = self.cfg.sandbox.mode == "enforce"
+        for key in new:
+            pid, starttime, m = key
+            cgroup, rule = candidates[key]
+            action = events.Action.kill if enforce and self._kill(pid, starttime) else events.Action.audit
+            k = (cgroup, events.Rule(rule).name, action.name)
+            self._swept[k] = self._swept.get(k, 0) + 1
+            log.warning("mmap_sandbox: sweep: pid %d maps pool %s (%s) at %#x, judged nowhere "
+                        "else: %s", pid, self.pool_path(self.index.by_inode[m.inode][0]),
+                        events.Rule(rule).name, m.start, action.name)
+        self._reported = set(candidates)
+
+    def _kill(self, pid: int, starttime: bytes) -> bool:
+        """SIGKILL through a pidfd, after checking that the pid still names
+        the process whose maps were read (not a newer one)."""
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return False
+        try:
+            fields = _stat_fields(self.proc, pid)
+            if not fields or fields[19] != starttime:
+                return False
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     def stop(self) -> None:
         with self._policy_lock:
@@ -484,6 +891,20 @@ class SandboxProbe(Probe):
         if self.bpf is None:
             return {}
         return sum_violations(self.bpf["spanlet_sandbox_violations_total"].items())
+
+    def sweep_violations(self) -> dict[tuple[int, str, str], int]:
+        """{(cgroup id, rule, action): count} of the mappings only the sweep
+        judged (made through an fd the call did not know, or given more
+        permissions since), each counted once while it stays mapped."""
+        with self._policy_lock:
+            return dict(self._swept)
+
+    def unresolved_opens(self) -> int:
+        """Opens of a path under a prefix with a '..' component, which the
+        kernel left to the sweep."""
+        if self.bpf is None:
+            return 0
+        return percpu_sum(self.bpf["spanlet_sandbox_unresolved_opens_total"], 0)
 
     def untracked_fds(self) -> int:
         """Pool fds the kernel could not remember (its fd table was full)."""

@@ -68,6 +68,21 @@ class Uncounted(enum.IntEnum):
     nonlinear = 1     # headers outside the skb's linear data
 
 
+class Rejected(enum.IntEnum):
+    """What the classifier looked at and would not use (spanlet_tc_rejected_total
+    index, bpf/tc_classify.bpf.c: REJECT_*). The packets are counted as usual,
+    except those with an IP or L4 header cut by the packet's end or an IPv4
+    header under 20 bytes (header_invalid: no flow to count them in)."""
+    traceparent_invalid = 0       # not a valid W3C traceparent value: no ids taken
+    traceparent_truncated = 1     # the value does not end in the scanned bytes of the packet
+    traceparent_duplicate = 2     # several traceparent headers: none is used
+    rtp_invalid = 3               # datagram of an RTP flow failing RFC 3550 A.1 (not media)
+    rtp_unknown_payload_type = 4  # RTP data packet of a payload type not configured
+    header_invalid = 5            # IPv4 header under 20 bytes, a header cut by the packet's
+                                  # end, an IP length with no room for the L4 header, or a TCP
+                                  # data offset under 5 words
+
+
 # ---- pure parts: config → maps, hashing, interface choice, aggregation --------
 
 def late_threshold_ns(tc: TcConfig) -> int:
@@ -763,8 +778,17 @@ class TcProbe(Probe):
         """TCP/UDP packets not counted, by reason (fragments, non-linear headers)."""
         if self.bpf is None:
             return {}
-        table = self.bpf["tc_uncounted_packets_total"]
-        return {r.name: sum(int(v) for v in table[table.Key(int(r))]) for r in Uncounted}
+        return self._by_reason("tc_uncounted_packets_total", Uncounted)
+
+    def rejected(self) -> dict[str, int]:
+        """Headers and datagrams looked at and not used, by reason (Rejected)."""
+        if self.bpf is None:
+            return {}
+        return self._by_reason("spanlet_tc_rejected_total", Rejected)
+
+    def _by_reason(self, name: str, reasons: type[enum.IntEnum]) -> dict[str, int]:
+        table = self.bpf[name]
+        return {r.name: sum(int(v) for v in table[table.Key(int(r))]) for r in reasons}
 
     def request_bytes(self, flow: events.FlowKey) -> tuple[bytes, int, tuple[int, int]] | None:
         """The HTTP request in progress on the connection of `flow` (either

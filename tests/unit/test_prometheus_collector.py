@@ -17,10 +17,19 @@ A = events.Api
 
 
 class FakeProbe:
+    """A probe's read side: the methods the metric engine calls, as given
+    (the sandbox's and classifier's self-metric sources default to nothing)."""
+
     def __init__(self, name, **methods):
         self.name = name
         self.status = ProbeStatus(name, attached=True)
         self.events_read = 7
+        self.adopted_fds = 0
+        self.sweep_seconds = 0.0
+        self.sweep_violations = dict
+        self.unresolved_opens = int
+        self.rejected = dict
+        self.uncounted = dict
         for k, v in methods.items():
             setattr(self, k, v)
 
@@ -59,10 +68,24 @@ def test_kernel_metrics_with_workload_labels():
                     sync_wait_buckets=lambda: {(11, M.image, A.runtime): buckets})
     tc = FakeProbe("tc_classify",
                    totals=lambda: {("ingress", "rtp", "audio"): (10, 1420)},
-                   jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)})
-    sb = FakeProbe("mmap_sandbox", violations=lambda: {(11, "exec", "kill"): 1})
+                   jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)},
+                   rejected=lambda: {"traceparent_duplicate": 4, "rtp_invalid": 0},
+                   uncounted=lambda: {"fragment": 3})
+    sb = FakeProbe("mmap_sandbox", violations=lambda: {(11, "exec", "kill"): 1},
+                   sweep_violations=lambda: {(11, "exec", "kill"): 2, (12, "unauthorized", "kill"): 1},
+                   unresolved_opens=lambda: 6)
     reg = registry(daemon([gpu, tc, sb]))
     w = {"node": "n1", "namespace": "serving", "pod": "pod-11", "container": "c"}
+    # #5 counts what the sweep found too; the sweep's share is its own family
+    assert reg.get_sample_value("spanlet_sandbox_violations_total",
+                                {**w, "pod": "pod-12", "rule": "unauthorized", "action": "kill"}) == 1
+    assert reg.get_sample_value("spanlet_sandbox_sweep_violations_total",
+                                {**w, "rule": "exec", "action": "kill"}) == 2
+    assert reg.get_sample_value("spanlet_sandbox_unresolved_opens_total", {"node": "n1"}) == 6
+    assert reg.get_sample_value("spanlet_tc_rejected_total",
+                                {"node": "n1", "reason": "traceparent_duplicate"}) == 4
+    assert reg.get_sample_value("spanlet_tc_uncounted_packets_total",
+                                {"node": "n1", "reason": "fragment"}) == 3
     assert reg.get_sample_value("spanlet_gpu_kernel_launches_total",
                                 {**w, "modality": "image", "api": "driver"}) == 5
     assert reg.get_sample_value("spanlet_gpu_kernel_launches_total",
@@ -78,7 +101,7 @@ def test_kernel_metrics_with_workload_labels():
     assert reg.get_sample_value("spanlet_jitter_sensitivity_score",
                                 {"node": "n1", "protocol": "rtp", "modality": "audio"}) == 0.1
     assert reg.get_sample_value("spanlet_sandbox_violations_total",
-                                {**w, "rule": "exec", "action": "kill"}) == 1
+                                {**w, "rule": "exec", "action": "kill"}) == 3
     assert reg.get_sample_value("spanlet_probe_attached", {"node": "n1", "probe": "tc_classify"}) == 1
     assert reg.get_sample_value("spanlet_events_dropped_total", {"node": "n1", "probe": "gpu_launch"}) == 2
     assert reg.get_sample_value("spanlet_export_dropped_spans_total",

@@ -1,0 +1,458 @@
+"""Hostile paths to tensor pools against the real mmap sandbox: symlinks (into
+a pool from outside, out of the prefix from inside, onto a pool from inside),
+'..', paths relative to a directory fd or the working directory, hard links,
+dup'd and inherited fds, pools replaced while mapped, mprotect after the
+mmap. For each, what the check at the mmap call does, what the sweep by
+inode (SandboxProbe.sweep) adds, and that a bystander is never counted."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent import events
+from agent.config import SandboxGrant
+from agent.probes.sandbox import NOT_A_POOL
+from test_sandbox import KIB, Child, Harness, Pools, _delta
+from test_sandbox import own_cgroup_id  # noqa: F401  (a fixture)
+
+pytestmark = [pytest.mark.kernel,
+              pytest.mark.filterwarnings("ignore:not a bytes object:DeprecationWarning")]
+
+# The child: like test_sandbox's, with the ways a pool can be reached without
+# naming it. Steps run in order; "go" waits for the test.
+CHILD = r'''
+import ctypes, json, os, signal, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+PROT = {"r": 1, "rw": 3, "rx": 5}
+FLAGS = {"shared": 1, "private": 2}
+MAP_FAILED = ctypes.c_void_p(-1).value
+def say(obj):
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+fds, maps = {}, {}
+def mmap(step):
+    fd = fds[step.get("fd", "f")]
+    addr = libc.mmap(None, step["len"], PROT[step.get("prot", "r")],
+                     FLAGS[step.get("flags", "shared")], fd, 0)
+    return addr, (0 if addr != MAP_FAILED else ctypes.get_errno())
+say({"pid": os.getpid(), "tid": threading.get_native_id()})
+for step in json.loads(sys.argv[1]):
+    op = step["op"]
+    if op == "go":
+        say({"waiting": True})
+        if sys.stdin.readline().strip() != "go":
+            sys.exit(3)
+    elif op == "chdir":
+        os.chdir(step["path"])
+    elif op == "open":
+        flags = os.O_RDWR if step.get("mode") == "rw" else os.O_RDONLY
+        if step.get("dir"):
+            fd = os.open(step["path"], flags, dir_fd=fds[step["dir"]])   # openat(dirfd, ...)
+        else:
+            fd = os.open(step["path"], flags | step.get("extra", 0))
+        fds[step.get("as", "f")] = fd
+        say({"fd": fd})
+    elif op == "dup":
+        fds[step["as"]] = os.dup(fds[step.get("fd", "f")])
+        say({"fd": fds[step["as"]]})
+    elif op == "map":
+        addr, err = mmap(step)
+        if err == 0 and step.get("keep"):
+            maps[step["keep"]] = (addr, step["len"])
+        elif err == 0:
+            libc.munmap(addr, step["len"])
+        say({"ok": err == 0, "errno": err})
+    elif op == "mprotect":
+        addr, n = maps[step["m"]]
+        rc = libc.mprotect(addr, n, PROT[step["prot"]])
+        say({"ok": rc == 0, "errno": 0 if rc == 0 else ctypes.get_errno()})
+    elif op == "fork_map":   # a child of this process maps an inherited fd and stays
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            libc.prctl(1, 9)   # PR_SET_PDEATHSIG: SIGKILL when this process's parent ends
+            addr, err = mmap(step)
+            os.write(w, json.dumps({"gpid": os.getpid(), "ok": err == 0}).encode() + b"\n")
+            while True:
+                signal.pause()
+        say(json.loads(os.read(r, 4096)))
+'''
+
+
+class HostileChild(Child):
+    """test_sandbox's Child with the script above."""
+
+    def __init__(self, steps: list[dict]):  # not super().__init__: that runs test_sandbox's script
+        self.proc = subprocess.Popen([sys.executable, "-S", "-c", CHILD, json.dumps(steps)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._buf = b""
+        hello = self._line()
+        assert hello is not None, "child died before saying hello"
+        self.pid, self.tid = hello["pid"], hello["tid"]
+        self.before_go = self._until_waiting()
+
+
+@pytest.fixture
+def spawn():
+    made: list[HostileChild] = []
+    grandchildren: list[int] = []
+
+    def _spawn(steps: list[dict]) -> HostileChild:
+        child = HostileChild(steps)
+        made.append(child)
+        return child
+
+    _spawn.grandchildren = grandchildren
+    yield _spawn
+    for pid in grandchildren:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for child in made:
+        child.end()
+
+
+class Names:
+    """Extra names for the pools: made by the tests, removed at the end."""
+
+    def __init__(self, pools: Pools):
+        self.pools = pools
+        self.token = pools.dir.name.rsplit("_", 1)[1]
+        self.made: list[Path] = []
+        self.dirs: list[Path] = []
+
+    def outside(self, kind: str) -> Path:
+        """A name outside every prefix, in /dev/shm (so a hard link works)."""
+        return Path(f"/dev/shm/spanlet_sbx_{kind}_{self.token}")
+
+    def symlink(self, at: Path | str, to: Path | str) -> Path:
+        at = Path(at)
+        os.symlink(to, at)
+        self.made.append(at)
+        return at
+
+    def hardlink(self, at: Path | str, to: Path | str) -> Path:
+        at = Path(at)
+        os.link(to, at)
+        self.made.append(at)
+        return at
+
+    def folder(self, at: Path) -> Path:
+        at.mkdir()
+        self.dirs.append(at)
+        return at
+
+    def remove(self) -> None:
+        for p in self.made:
+            p.unlink(missing_ok=True)
+        for d in self.dirs:
+            d.rmdir()
+
+
+@pytest.fixture(scope="module")
+def pools():
+    p = Pools(secrets.token_hex(4))
+    try:
+        p.create()
+        yield p
+    finally:
+        p.remove()
+
+
+@pytest.fixture
+def names(pools):
+    n = Names(pools)
+    try:
+        yield n
+    finally:
+        n.remove()
+
+
+@pytest.fixture(scope="module")
+def audit(pools):
+    h = Harness(pools.config())
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+@pytest.fixture
+def bystander(pools, spawn):
+    """A process that keeps an unrelated file mapped (writable, shared) while
+    the test runs: neither the call nor the sweep may ever count it."""
+    child = spawn([{"op": "open", "path": str(pools.outside), "mode": "rw"},
+                   {"op": "map", "len": 8 * KIB, "prot": "rw", "keep": "m"},
+                   {"op": "open", "path": "/dev/null", "as": "n"},
+                   {"op": "go"}])
+    assert [m for m in child.before_go if "ok" in m] == [{"ok": True, "errno": 0}]
+    return child
+
+
+class Counts:
+    """The sandbox's counters before a step, and what changed after it."""
+
+    def __init__(self, h: Harness):
+        self.h = h
+        self.kernel, self.sweep = h.probe.violations(), h.probe.sweep_violations()
+        self.unresolved = h.probe.unresolved_opens()
+
+    def delta(self) -> tuple[dict, dict, int]:
+        p = self.h.probe
+        return (_delta(self.kernel, p.violations()), _delta(self.sweep, p.sweep_violations()),
+                p.unresolved_opens() - self.unresolved)
+
+
+def _rule_events(h: Harness, child) -> list[tuple[str, int, int]]:
+    return [(events.Rule(e.rule).name, e.pool_id, e.fd) for e in h.events_of(child)]
+
+
+# -- reaching a pool by another way than its name -------------------------------------
+def bypass_steps(names: Names, how: str) -> tuple[list[dict], int]:
+    """Steps that open pool "ro" the `how` way (as fd "f") and map it, keeping
+    the mapping; then, after a "go", map it again through the same fd. Also
+    how many '..' opens the kernel counts as unresolved."""
+    pools = names.pools
+    ro = pools.path("ro")
+    if how == "symlink outside the prefix":
+        link = names.outside("link")
+        if not link.is_symlink():
+            names.symlink(link, ro)
+        opening = [{"op": "open", "path": str(link)}]
+    elif how == "'..' under the prefix":
+        sub = pools.dir / "sub"
+        if not sub.exists():
+            names.folder(sub)
+        opening = [{"op": "open", "path": f"{pools.prefix}sub/../ro"}]
+    elif how == "'..' from a folder above the prefix":
+        up = names.outside("dir")
+        if not up.exists():
+            names.folder(up)
+        opening = [{"op": "open", "path": f"{up}/../{pools.dir.name}/ro"}]
+    elif how == "relative to a directory fd":
+        opening = [{"op": "open", "path": pools.prefix, "as": "d", "extra": os.O_DIRECTORY},
+                   {"op": "open", "path": "ro", "dir": "d"}]
+    elif how == "relative to the working directory":
+        opening = [{"op": "chdir", "path": pools.prefix}, {"op": "open", "path": "./ro"}]
+    elif how == "hard link outside the prefix":
+        link = names.outside("hl")
+        if not link.exists():
+            names.hardlink(link, ro)
+        opening = [{"op": "open", "path": str(link)}]
+    elif how == "dup of a pool fd":
+        opening = [{"op": "open", "path": ro, "as": "orig"}, {"op": "dup", "fd": "orig", "as": "f"}]
+    else:
+        raise AssertionError(how)
+    steps = [{"op": "go"}, *opening,
+             {"op": "map", "len": 4 * KIB, "keep": "m1"},
+             {"op": "go"},
+             {"op": "map", "len": 4 * KIB}]
+    return steps, int(how == "'..' under the prefix")
+
+
+BYPASSES = ["symlink outside the prefix", "'..' under the prefix", "'..' from a folder above the prefix",
+            "relative to a directory fd", "relative to the working directory",
+            "hard link outside the prefix", "dup of a pool fd"]
+
+
+@pytest.mark.parametrize("how", BYPASSES)
+def test_pool_reached_without_its_name(how, audit, pools, names, spawn, bystander, own_cgroup_id):
+    """The call does not see the pool (no event, nothing counted); the sweep
+    finds the mapping by inode and counts it once, as a sweep violation of
+    the offender only (a granted process doing the same is not counted), and
+    adopts the fd, so that the next mmap through it is checked at the call."""
+    steps, unresolved = bypass_steps(names, how)
+    offender, granted = spawn(steps), spawn(steps)
+    audit.grant(pools.config({"ro": [SandboxGrant(pids=[granted.pid], access="ro")]}))
+    ro_id = audit.pool_id(pools.path("ro"))
+    before = Counts(audit)
+    results = {c: c.go() for c in (offender, granted)}
+    for c, res in results.items():
+        assert res[-1] == {"ok": True, "errno": 0}, res
+    fd = {c: res[-2]["fd"] for c, res in results.items()}
+    # At the call: nothing seen (the '..' under the prefix counted as unresolved).
+    assert (_rule_events(audit, offender), _rule_events(audit, granted)) == ([], [])
+    assert before.delta() == ({}, {}, 2 * unresolved)
+    assert not any(audit.pool_fd_known(c, fd[c]) for c in (offender, granted))
+
+    audit.probe.sweep()
+    assert before.delta() == ({}, {(own_cgroup_id, "unauthorized", "audit"): 1}, 2 * unresolved)
+    assert all(audit.pool_fd_known(c, fd[c]) for c in (offender, granted))
+
+    # Through the adopted fd the next mmap is judged at the call, as its pool.
+    for c in (offender, granted):
+        assert c.go() == [{"ok": True, "errno": 0}]
+    assert _rule_events(audit, offender) == [("unauthorized", ro_id, fd[offender])]
+    assert _rule_events(audit, granted) == []
+    audit.probe.sweep()  # the first mapping is not counted twice, the second was judged
+    assert before.delta() == ({(own_cgroup_id, "unauthorized", "audit"): 1},
+                              {(own_cgroup_id, "unauthorized", "audit"): 1}, 2 * unresolved)
+    assert _rule_events(audit, bystander) == []
+    for c in (offender, granted):
+        assert c.wait() == 0
+
+
+def test_pool_mapped_by_a_forked_child_through_an_inherited_fd(audit, pools, spawn, bystander,
+                                                               own_cgroup_id):
+    parent = spawn([{"op": "go"}, {"op": "open", "path": pools.path("ro")},
+                    {"op": "fork_map", "len": 4 * KIB}, {"op": "go"}])  # (its child holds stdout)
+    audit.grant(pools.config({"ro": [SandboxGrant(pids=[parent.pid], access="ro")]}))
+    before = Counts(audit)
+    opened, forked = parent.go()
+    spawn.grandchildren.append(forked["gpid"])
+    assert forked["ok"]
+    # The fd was tracked for the parent (granted), not for its child.
+    assert before.delta() == ({}, {}, 0)
+    audit.probe.sweep()
+    assert before.delta() == ({}, {(own_cgroup_id, "unauthorized", "audit"): 1}, 0)
+    table = audit.probe.bpf["sandbox_pool_fds"]
+    assert any(k.tgid == forked["gpid"] and k.fd == opened["fd"] for k in table)
+    assert _rule_events(audit, bystander) == []
+
+
+# -- names under the prefix that the path string judges wrong -----------------------
+def test_symlink_in_the_prefix_pointing_out_of_it(audit, pools, names, spawn, bystander,
+                                                  own_cgroup_id):
+    """Until the sweep has seen the symlink, what is opened through it is a
+    file of the prefix without grants (the path string says so); the sweep
+    makes it an alias that leads to no pool: not tracked, not counted."""
+    audit.grant(pools.config())
+    evil = names.symlink(pools.dir / "evil", pools.outside)
+    steps = [{"op": "go"}, {"op": "open", "path": str(evil)},
+             {"op": "map", "len": 4 * KIB, "keep": "m"}, {"op": "go"}]
+    early, late = spawn(steps), spawn(steps)
+    unlisted_id = audit.probe.policy.prefixes[pools.prefix][1]
+    before = Counts(audit)
+    (opened, _) = early.go()
+    assert _rule_events(audit, early) == [("unauthorized", unlisted_id, opened["fd"])]
+    assert before.delta() == ({(own_cgroup_id, "unauthorized", "audit"): 1}, {}, 0)
+
+    audit.probe.sweep()
+    assert audit.probe.index.aliases == {str(evil): (NOT_A_POOL, 0)}
+    assert not audit.pool_fd_known(early, opened["fd"])     # it names no pool: forgotten
+    (opened, _) = late.go()
+    assert _rule_events(audit, late) == [] and not audit.pool_fd_known(late, opened["fd"])
+    audit.probe.sweep()
+    assert before.delta() == ({(own_cgroup_id, "unauthorized", "audit"): 1}, {}, 0)
+    assert _rule_events(audit, bystander) == []
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hard link"])
+def test_other_name_of_a_pool_in_the_prefix(kind, audit, pools, names, spawn, own_cgroup_id):
+    """Another name under the prefix for pool "rw": until the sweep, the call
+    judges it a file without grants (a process granted "rw" is reported);
+    after it, as "rw" itself (granted: nothing; not granted: "rw" by id)."""
+    rw = pools.path("rw")
+    steps = [{"op": "go"}, {"op": "open", "path": pools.path("alias"), "mode": "rw"},
+             {"op": "map", "len": 4 * KIB, "prot": "rw"}]
+    early, granted, stranger = spawn(steps), spawn(steps), spawn(steps)
+    mine = [SandboxGrant(pids=[early.pid, granted.pid], access="rw")]
+    audit.grant(pools.config({"rw": mine}))
+    (names.symlink if kind == "symlink" else names.hardlink)(pools.path("alias"), rw)
+    rw_id, unlisted_id = audit.pool_id(rw), audit.probe.policy.prefixes[pools.prefix][1]
+    before = Counts(audit)
+    (opened, mapped) = early.go()
+    assert mapped["ok"]
+    assert _rule_events(audit, early) == [("unauthorized", unlisted_id, opened["fd"])]
+
+    audit.probe.sweep()
+    assert audit.probe.index.aliases == {pools.path("alias"): (rw_id, 0)}
+    for c in (granted, stranger):
+        (opened, mapped) = c.go()
+        assert mapped["ok"] and c.wait() == 0
+    assert _rule_events(audit, granted) == []
+    assert _rule_events(audit, stranger) == [("unauthorized", rw_id, opened["fd"])]
+    assert before.delta() == ({(own_cgroup_id, "unauthorized", "audit"): 2}, {}, 0)
+
+
+# -- pools replaced while mapped ----------------------------------------------------------
+@pytest.mark.parametrize("how", ["rename over", "unlink and recreate"])
+def test_pool_replaced_while_mapped(how, audit, pools, spawn, own_cgroup_id):
+    """A mapping stays on the file it was made of. An fd opened before the
+    replacement keeps naming the pool (judged at the call as that pool, even
+    after a sweep); the mapping of the old file is no pool mapping for the
+    sweep; a process that opens the name now gets the new file, a pool."""
+    path = pools.path("capped")
+    old = spawn([{"op": "go"}, {"op": "open", "path": path},
+                 {"op": "map", "len": 4 * KIB, "keep": "m"}, {"op": "go"},
+                 {"op": "map", "len": 4 * KIB}])
+    audit.grant(pools.config())
+    capped_id = audit.pool_id(path)
+    before = Counts(audit)
+    (opened, first) = old.go()
+    assert first["ok"]
+    if how == "rename over":
+        new = Path(path + ".new")
+        new.write_bytes(bytes(128 * KIB))
+        os.rename(new, path)
+    else:
+        os.unlink(path)
+        Path(path).write_bytes(bytes(128 * KIB))
+    audit.probe.sweep()
+    assert audit.pool_fd_known(old, opened["fd"])
+    (second,) = old.go()
+    assert second["ok"] and old.wait() == 0
+    fresh = spawn([{"op": "go"}, {"op": "open", "path": path}, {"op": "map", "len": 4 * KIB}])
+    (fresh_fd, mapped) = fresh.go()
+    assert mapped["ok"] and fresh.wait() == 0
+    assert _rule_events(audit, old) == [("unauthorized", capped_id, opened["fd"])] * 2
+    assert _rule_events(audit, fresh) == [("unauthorized", capped_id, fresh_fd["fd"])]
+    assert before.delta() == ({(own_cgroup_id, "unauthorized", "audit"): 3}, {}, 0)
+
+
+# -- permissions changed after the mmap ----------------------------------------------------
+def test_mprotect_after_an_allowed_mmap(audit, pools, spawn, bystander, own_cgroup_id):
+    """A read-only grant, a read-only shared mapping (allowed at the call),
+    then mprotect to read-write: the sweep finds the writable shared mapping
+    of a read-only pool (mprotect leaves the mapped size as it was, so the
+    sweep reads every process's maps here)."""
+    child = spawn([{"op": "go"}, {"op": "open", "path": pools.path("ro"), "mode": "rw"},
+                   {"op": "map", "len": 8 * KIB, "keep": "m"}, {"op": "go"},
+                   {"op": "mprotect", "m": "m", "prot": "rw"}, {"op": "go"}])
+    audit.grant(pools.config({"ro": [SandboxGrant(pids=[child.pid], access="ro")]}))
+    before = Counts(audit)
+    (_, mapped) = child.go()
+    assert mapped["ok"]
+    audit.probe.sweep(full=True)
+    assert before.delta() == ({}, {}, 0)
+    assert child.go() == [{"ok": True, "errno": 0}]
+    audit.probe.sweep(full=True)
+    assert before.delta() == ({}, {(own_cgroup_id, "write_on_readonly", "audit"): 1}, 0)
+    audit.probe.sweep(full=True)   # still mapped: still one
+    assert before.delta() == ({}, {(own_cgroup_id, "write_on_readonly", "audit"): 1}, 0)
+    assert _rule_events(audit, child) == [] and _rule_events(audit, bystander) == []
+
+
+# -- enforce -----------------------------------------------------------------------------
+def test_enforce_sweep_kills_the_bypassing_offender_only(pools, names, spawn, bystander,
+                                                         own_cgroup_id):
+    link = names.symlink(names.outside("elink"), pools.path("ro"))
+    steps = [{"op": "go"}, {"op": "open", "path": str(link)},
+             {"op": "map", "len": 4 * KIB, "keep": "m"}, {"op": "go"}]
+    offender, granted = spawn(steps), spawn(steps)
+    h = Harness(pools.config({"ro": [SandboxGrant(pids=[granted.pid], access="ro")]}, mode="enforce"))
+    try:
+        for c in (offender, granted):
+            assert c.go()[-1] == {"ok": True, "errno": 0}   # not seen at the call
+        h.probe.sweep()
+        assert offender.wait() == -signal.SIGKILL
+        assert granted.proc.poll() is None and bystander.proc.poll() is None
+        assert h.probe.sweep_violations() == {(own_cgroup_id, "unauthorized", "kill"): 1}
+        assert h.probe.violations() == {}
+        assert granted.go() == [] and granted.wait() == 0
+    finally:
+        h.stop()
