@@ -1,7 +1,8 @@
 """The span join: kernel events that carry a span id wait in a bounded buffer
 until the OTLP span with that id arrives; the span then gets `kernel.*`
 attributes and span events. Events that come after their span was passed on
-are emitted later as their own record (a child span with the same trace id)."""
+(within join.ttl_s of it) are emitted later as their own record (a child span
+with the same trace id)."""
 
 from __future__ import annotations
 
@@ -159,8 +160,10 @@ class SpanJoin:
         self._lock = threading.Lock()
         self._pending: OrderedDict[int, tuple[float, Facts]] = OrderedDict()
         self._buffered = 0
-        # span id → trace id of spans already passed on, for late events.
-        self._done: OrderedDict[int, bytes] = OrderedDict()
+        # span id → (when passed on, trace id) of spans already passed on, for
+        # late events: bounded like _pending, in count and age (ttl_s), so that
+        # it holds ttl_s of spans, not buffer_events whatever the span rate.
+        self._done: OrderedDict[int, tuple[float, bytes]] = OrderedDict()
         self._late: dict[int, Facts] = {}
         # (trace id, traceparent span id) → the request's connection / its bytes
         self._http_flows: OrderedDict[tuple[bytes, int], events.FlowKey] = OrderedDict()
@@ -180,8 +183,8 @@ class SpanJoin:
         trace_id = bytes(ev.hdr.trace_id)
         with self._lock:
             self.stats.events_in += 1
-            done_trace = self._done.get(span_id)
-            if done_trace == trace_id:
+            done = self._done.get(span_id)
+            if done is not None and done[1] == trace_id and done[0] >= self.clock() - self.cfg.ttl_s:
                 late = self._late.get(span_id)
                 if late is None:
                     late = self._late[span_id] = Facts(trace_id, ev.epoch_ns, ev.hdr.cgroup_id)
@@ -224,6 +227,9 @@ class SpanJoin:
 
     def _evict_locked(self) -> None:
         deadline = self.clock() - self.cfg.ttl_s
+        done = self._done
+        while done and next(iter(done.values()))[0] < deadline:
+            done.popitem(last=False)
         while self._pending:
             span_id, (born, facts) = next(iter(self._pending.items()))
             if self._buffered <= self.cfg.buffer_events and born >= deadline:
@@ -255,7 +261,8 @@ class SpanJoin:
         """Enrich one span; the cgroup id of its events, 0 if none joined."""
         span_id = int.from_bytes(span.span_id, "big")
         self.stats.spans_in += 1
-        self._done[span_id] = bytes(span.trace_id)
+        self._done.pop(span_id, None)            # re-inserted at the end: age order
+        self._done[span_id] = (self.clock(), bytes(span.trace_id))
         if len(self._done) > self.cfg.buffer_events:
             self._done.popitem(last=False)
         entry = self._pending.get(span_id)

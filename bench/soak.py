@@ -2,15 +2,17 @@
 stand-in CUDA workload, embedded store on in a temporary data directory, span
 export to an upstream OTLP receiver in this process) under a steady load of
 OTLP spans and GPU launches for --minutes (default 10). Samples the agent's
-RSS and CPU every --interval seconds and prints, side by side, the first and
-the last quarter of the run, the least-squares slope of RSS (MB/min) and of
-CPU (points of one core per minute) with their noise (two standard errors),
-and where every span and launch ended up (store, upstream, drops).
+RSS (and its anonymous and file-backed parts) and CPU every --interval seconds
+and prints, side by side, the first and the last quarter of the run, the
+least-squares slope of RSS (MB/min) and of CPU (points of one core per minute)
+with their noise (two standard errors), and where every span and launch ended
+up (store, upstream, drops). --set KEY=VALUE (repeatable) adds an agent
+setting, e.g. --set store.enabled=false to soak the agent without its store.
 
 "No growth trend" means the RSS slope lies within its noise, or the drift it
 would make over the whole run is under 2% of the mean RSS.
 
-    sudo .venv/bin/python bench/soak.py [--minutes 10] [--interval 5]    (or: make soak)
+    sudo .venv/bin/python bench/soak.py [--minutes 10] [--interval 5] [--set KEY=VALUE]   (or: make soak)
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ SPAN_BATCH = 50
 WATCHED = {
     "spanlet_join_buffer_events": "join buffer",
     "spanlet_export_queue_spans": "export queue",
+    "spanlet_store_queue_rows": "store queue",
 }
 
 
@@ -61,11 +64,16 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> dict[str, float]:
+    """VmRSS and its parts (MB): anonymous memory (heaps, the store's caches) and file pages (mapped code
+    and data, e.g. the pages of the chdb library touched so far)."""
+    out = {"rss": float("nan"), "anon": float("nan"), "file": float("nan")}
+    keys = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file"}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+        key = keys.get(line.split(None, 1)[0] if line else "")
+        if key:
+            out[key] = int(line.split()[1]) / 1024
+    return out
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -168,7 +176,8 @@ def summarize(samples: list[dict], warmup_s: float) -> None:
     print(f"{'':22s}{'min':>9s}{'mean':>9s}{'max':>9s}{'first q':>9s}{'last q':>9s}{'last/first':>11s}"
           f"{'slope/min':>11s}{'± 2 SE':>9s}")
     verdicts = []
-    for key, label, unit in (("rss", "RSS (MB)", "MB"), ("cpu", "CPU (% of a core)", "pts")):
+    for key, label, unit in (("rss", "RSS (MB)", "MB"), ("anon", "  anonymous (MB)", "MB"),
+                             ("file", "  file pages (MB)", "MB"), ("cpu", "CPU (% of a core)", "pts")):
         ys = [s[key] * (100 if key == "cpu" else 1) for s in steady]
         slope, se, sd = fit(xs, ys)
         first, last = quarter_means(ys)
@@ -182,7 +191,7 @@ def summarize(samples: list[dict], warmup_s: float) -> None:
             verdicts.append(f"RSS: {trend} (slope {slope:+.3f} MB/min, "
                             f"noise ±{2 * se:.3f}; drift over the fitted {xs[-1] - xs[0]:.1f} min {drift:+.1f} MB "
                             f"= {drift / mean:+.1%} of the mean; residual sd {sd:.2f} MB)")
-        else:
+        elif key == "cpu":
             within = abs(slope) <= 2 * se
             verdicts.append(f"CPU: {'no trend' if within else 'TREND'} (slope {slope:+.3f} points/min, "
                             f"noise ±{2 * se:.3f})")
@@ -217,6 +226,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=30.0, help="seconds left out of the fit")
     ap.add_argument("--spans", type=float, default=200.0, help="spans per second over OTLP/gRPC")
     ap.add_argument("--launches", type=int, default=1000, help="GPU launches per second (each one stored)")
+    ap.add_argument("--set", dest="agent_set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more agent setting (repeatable), after the soak's own, e.g. store.enabled=false")
     a = ap.parse_args()
     if os.geteuid() != 0:
         print("the soak runs the whole agent: run it as root", file=sys.stderr)
@@ -238,7 +249,8 @@ def main() -> int:
                  "--set", f"otlp.grpc_port={grpc_port}", "--set", f"otlp.http_port={free_port()}",
                  "--set", f"otlp.upstream_endpoint=http://127.0.0.1:{upstream.rx.grpc_port}",
                  "--set", "otlp.upstream_protocol=grpc",
-                 "--set", f"http_port={http_port}", "--set", "http_address=127.0.0.1"],
+                 "--set", f"http_port={http_port}", "--set", "http_address=127.0.0.1",
+                 *(arg for kv in a.agent_set for arg in ("--set", kv))],
                 cwd=REPO, stderr=subprocess.PIPE, text=True)
             log_tail: list[str] = []
             try:
@@ -268,7 +280,8 @@ def main() -> int:
                 except subprocess.TimeoutExpired:
                     agent.kill()
                     agent.wait(10)
-        stored = store_counts(data_dir, w.pid)
+        stored = (store_counts(data_dir, w.pid) if "store.enabled=false" not in a.agent_set
+                  else {"spans": 0, "span_ids": 0, "launches": 0, "events": 0})
     upstream.rx.stop(0)
 
     print(f"soak: {a.minutes:g} min of {a.spans:g} spans/s (OTLP/gRPC) and {a.launches:,} GPU launches/s "
@@ -281,6 +294,10 @@ def main() -> int:
     print(f"launches of the workload: run {launches:,}, stored {stored['launches']:,}; GPU probe records of "
           f"every process on the node: read {final.get('spanlet_events_read_total:gpu_launch', 0):,.0f}, "
           f"dropped in the ring buffer {ring_drops:,.0f}; kernel_events rows {stored['events']:,}")
+    others = final.get("spanlet_events_read_total:gpu_launch", 0) + ring_drops - launches
+    if others > 0.01 * launches:
+        print(f"NOTE: {others:,.0f} GPU probe records came from other processes on the node (their launches "
+              f"through a CUDA library): the load was not the soak's alone; rerun on a quiet node")
     print(f"agent exit status {agent.returncode}")
     if agent.returncode:
         print("".join(log_tail), file=sys.stderr)
@@ -303,7 +320,7 @@ def sample(pid: int, http_port: int, seconds: float, interval: float) -> list[di
         time.sleep(max(0.0, next_at - time.monotonic()))
         now = time.monotonic()
         c = cpu_s(pid)
-        row = {"t": now - t0, "rss": rss_mb(pid), "cpu": (c - c_prev) / (now - t_prev)}
+        row = {"t": now - t0, **rss_mb(pid), "cpu": (c - c_prev) / (now - t_prev)}
         c_prev, t_prev = c, now
         try:
             metrics = scrape(http_port)
@@ -311,7 +328,8 @@ def sample(pid: int, http_port: int, seconds: float, interval: float) -> list[di
         except OSError:
             pass
         out.append(row)
-        print(f"  t={row['t']:6.0f}s  rss {row['rss']:7.1f} MB  cpu {row['cpu']:6.1%}", flush=True)
+        print(f"  t={row['t']:6.0f}s  rss {row['rss']:7.1f} MB (anon {row['anon']:7.1f}, file {row['file']:6.1f})"
+              f"  cpu {row['cpu']:6.1%}", flush=True)
         next_at += interval
         if now - t0 >= seconds:
             return out
