@@ -10,7 +10,10 @@ up (store, upstream, drops). --set KEY=VALUE (repeatable) adds an agent
 setting, e.g. --set store.enabled=false to soak the agent without its store.
 
 "No growth trend" means the RSS slope lies within its noise, or the drift it
-would make over the whole run is under 2% of the mean RSS.
+would make over the whole run is under 2% of the mean RSS. The fit starts after
+--warmup (default 120 s): the start-up (BPF compile, store schema) and the
+store engine's first merges, which raise its working set by ~10 MB to the level
+it then keeps; the RSS of that ramp is printed next to the fitted part's.
 
     sudo .venv/bin/python bench/soak.py [--minutes 10] [--interval 5] [--set KEY=VALUE]   (or: make soak)
 """
@@ -21,6 +24,7 @@ import argparse
 import math
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import cuda_standin  # noqa: E402
 from agent.config import OtlpConfig  # noqa: E402
+from agent.demo.standin import DRIVER, RUNTIME  # noqa: E402
 from exporters.otlp_receiver import OtlpReceiver  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -51,6 +56,24 @@ WATCHED = {
     "spanlet_export_queue_spans": "export queue",
     "spanlet_store_queue_rows": "store queue",
 }
+
+
+# The soak's stand-in libraries under names of their own (the workload still opens
+# libcuda.so.1 / libcudart.so.12, links to them), and the agent told to trace only
+# these: the GPU load is the soak's alone, whatever else on the node launches
+# kernels through a CUDA library (another test's stand-in, a real GPU job).
+SOAK_DRIVER, SOAK_RUNTIME = "libsoakcuda.so", "libsoakcudart.so"
+
+
+def soak_libraries(lib_dir: Path, dest: Path) -> Path:
+    """`dest` holding the stand-ins renamed (SOAK_DRIVER.1, SOAK_RUNTIME.12), with DRIVER and RUNTIME
+    as links to them: a process maps the renamed files, and only those names are traced."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, soak in ((DRIVER, SOAK_DRIVER), (RUNTIME, SOAK_RUNTIME)):
+        renamed = soak + name[name.index(".so") + 3:]
+        shutil.copy2(lib_dir / name, dest / renamed)
+        (dest / name).symlink_to(renamed)
+    return dest
 
 
 def free_port() -> int:
@@ -172,7 +195,12 @@ def summarize(samples: list[dict], warmup_s: float) -> None:
         return
     xs = [s["t"] / 60 for s in steady]
     print(f"\n{len(samples)} samples every ~{samples[1]['t'] - samples[0]['t']:.1f} s; "
-          f"the first {warmup_s:.0f} s (start-up: BPF compile, store schema) left out of the fit")
+          f"the first {warmup_s:.0f} s (start-up: BPF compile, store schema, the store's first merges) "
+          f"left out of the fit")
+    ramp = [s["rss"] for s in samples if 30 <= s["t"] < warmup_s]
+    if ramp:
+        print(f"RSS in the ramp (30 s to {warmup_s:.0f} s): mean {sum(ramp) / len(ramp):.1f} MB, "
+              f"max {max(ramp):.1f} MB; after it: mean {sum(s['rss'] for s in steady) / len(steady):.1f} MB")
     print(f"{'':22s}{'min':>9s}{'mean':>9s}{'max':>9s}{'first q':>9s}{'last q':>9s}{'last/first':>11s}"
           f"{'slope/min':>11s}{'± 2 SE':>9s}")
     verdicts = []
@@ -193,8 +221,8 @@ def summarize(samples: list[dict], warmup_s: float) -> None:
                             f"= {drift / mean:+.1%} of the mean; residual sd {sd:.2f} MB)")
         elif key == "cpu":
             within = abs(slope) <= 2 * se
-            verdicts.append(f"CPU: {'no trend' if within else 'TREND'} (slope {slope:+.3f} points/min, "
-                            f"noise ±{2 * se:.3f})")
+            trend = "no trend" if within else ("GROWTH TREND" if slope > 0 else "falling")
+            verdicts.append(f"CPU: {trend} (slope {slope:+.3f} points/min, noise ±{2 * se:.3f})")
     for key, label in WATCHED.items():
         ys = [s.get(key, float("nan")) for s in steady]
         first, last = quarter_means(ys)
@@ -223,7 +251,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
-    ap.add_argument("--warmup", type=float, default=30.0, help="seconds left out of the fit")
+    ap.add_argument("--warmup", type=float, default=120.0, help="seconds left out of the fit")
     ap.add_argument("--spans", type=float, default=200.0, help="spans per second over OTLP/gRPC")
     ap.add_argument("--launches", type=int, default=1000, help="GPU launches per second (each one stored)")
     ap.add_argument("--set", dest="agent_set", action="append", default=[], metavar="KEY=VALUE",
@@ -240,11 +268,12 @@ def main() -> int:
         standin = cuda_standin.build(tmp_path / "standin")
         data_dir = tmp_path / "data"
         with cuda_standin.Workload(standin.workload, timeout_s=seconds + 120) as w:
-            w.load(standin.lib_dir)
+            w.load(soak_libraries(standin.lib_dir, tmp_path / "soaklib"))
             agent = subprocess.Popen(
                 [sys.executable, "-m", "agent.cli", "run", "--set", "tc.enabled=false",
                  "--set", "sandbox.enabled=false", "--set", "store.enabled=true",
                  "--set", "gpu.launch_events=all", "--set", f"data_dir={data_dir}",
+                 "--set", f"gpu.driver_libraries={SOAK_DRIVER}", "--set", f"gpu.runtime_libraries={SOAK_RUNTIME}",
                  "--set", f"admin_socket={tmp_path / 'admin.sock'}",
                  "--set", f"otlp.grpc_port={grpc_port}", "--set", f"otlp.http_port={free_port()}",
                  "--set", f"otlp.upstream_endpoint=http://127.0.0.1:{upstream.rx.grpc_port}",
@@ -291,13 +320,13 @@ def main() -> int:
     print(f"\nspans: sent {sender.sent:,} (failed {sender.failed:,}), stored {stored['spans']:,} "
           f"({stored['span_ids']:,} distinct ids), exported upstream {upstream.spans:,}, "
           f"export drops {final.get('spanlet_export_dropped_spans_total', 0):.0f}")
-    print(f"launches of the workload: run {launches:,}, stored {stored['launches']:,}; GPU probe records of "
-          f"every process on the node: read {final.get('spanlet_events_read_total:gpu_launch', 0):,.0f}, "
+    print(f"launches of the workload: run {launches:,}, stored {stored['launches']:,}; GPU probe records (of "
+          f"the soak's libraries): read {final.get('spanlet_events_read_total:gpu_launch', 0):,.0f}, "
           f"dropped in the ring buffer {ring_drops:,.0f}; kernel_events rows {stored['events']:,}")
     others = final.get("spanlet_events_read_total:gpu_launch", 0) + ring_drops - launches
     if others > 0.01 * launches:
-        print(f"NOTE: {others:,.0f} GPU probe records came from other processes on the node (their launches "
-              f"through a CUDA library): the load was not the soak's alone; rerun on a quiet node")
+        print(f"NOTE: {others:,.0f} GPU probe records more than the workload's launches: the load was not the "
+              f"soak's alone")
     print(f"agent exit status {agent.returncode}")
     if agent.returncode:
         print("".join(log_tail), file=sys.stderr)
