@@ -7,6 +7,7 @@ dashboards' queries return exactly the expected rows."""
 from __future__ import annotations
 
 import ctypes as C
+import os
 import threading
 import time
 
@@ -339,3 +340,45 @@ def test_sandbox_violations(populated):
                                       since_ns=NOW + 3) == got
     assert queries.sandbox_violations(populated, DB, pod="pod-7") == []
     assert queries.sandbox_violations(populated, DB, until_ns=NOW + 3) == []
+
+
+# -- the embedded engine's configuration ------------------------------------
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_engine_config_is_applied(tmp_path):
+    b = ChdbBackend(str(tmp_path / "store"))
+    try:
+        assert b.query("SELECT value FROM system.merge_tree_settings "
+                       "WHERE name = 'concurrent_part_removal_threshold'") == [("1000000000",)]
+    finally:
+        b.close()
+
+
+def test_removing_many_outdated_parts_starts_no_thread_pool(tmp_path):
+    b = ChdbBackend(str(tmp_path / "store"))
+    try:
+        b.query("CREATE DATABASE IF NOT EXISTS spanlet")
+        b.query("CREATE TABLE spanlet.parts_test (a UInt64) ENGINE = MergeTree ORDER BY a")
+        before = _threads()
+        for i in range(300):                       # one part each; merges leave them outdated
+            b.query(f"INSERT INTO spanlet.parts_test VALUES ({i})")
+
+        def outdated():
+            return b.query("SELECT count() FROM system.parts WHERE database = 'spanlet' "
+                           "AND table = 'parts_test' AND NOT active")[0][0]
+
+        most, seen, deadline = 0, 0, time.monotonic() + 75
+        while time.monotonic() < deadline:
+            most, n = max(most, _threads()), outdated()
+            seen = max(seen, n)
+            if seen > 100 and n == 0:
+                break
+            time.sleep(0.2)
+        most = max(most, _threads())
+        assert seen > 100 and outdated() == 0, seen   # over the threshold, then all removed
+        assert most - before < 20, (before, most)      # without the setting: ~+125 threads
+    finally:
+        b.close()

@@ -188,3 +188,55 @@ def test_request_still_in_progress_is_read_live_and_checked():
     j.http_bytes_reader = lambda flow: (TRACE, 0xDEAD, (1, 1))
     j.add_event(http_event(TRACE, 0xC4))
     assert j.join(server_span(0x54, parent=0xC4)) == [0]
+
+
+# -- the memory of spans already passed on is bounded by ttl_s ----------------
+
+def test_late_event_within_ttl_is_late_and_after_ttl_waits_for_its_span():
+    now = [0.0]
+    out = []
+    j = SpanJoin(JoinConfig(ttl_s=5), on_late=out.extend, clock=lambda: now[0])
+    j.join(request(7, 8))
+    now[0] = 4.0
+    j.add_event(launch(7))                        # within ttl_s of its span: a late record
+    now[0] = 6.0
+    j.add_event(launch(8))                        # span 8 passed on 6 s ago: forgotten, the event waits
+    assert j.flush_late() == 1 and len(out) == 1
+    assert j.pending_events() == 1 and j.stats.late_records == 1
+    assert j.join(request(8)) == [1] and j.pending_events() == 0
+
+
+def test_rejoined_span_is_remembered_from_its_last_pass():
+    now = [0.0]
+    j = SpanJoin(JoinConfig(ttl_s=5), clock=lambda: now[0])
+    j.join(request(1, 2))
+    now[0] = 4.0
+    j.join(request(1))                            # span 1 again: its age restarts
+    now[0] = 7.0
+    j.join(request(3))                            # evicts what is older than 2.0: span 2 only
+    j.add_event(launch(1))
+    j.add_event(launch(2))
+    assert j.flush_late() == 1 and j.pending_events() == 1
+
+
+def test_steady_span_stream_keeps_memory_of_passed_spans_flat():
+    import gc
+    import tracemalloc
+
+    now = [0.0]
+    j = SpanJoin(JoinConfig(ttl_s=5, buffer_events=1_000_000), clock=lambda: now[0])
+    tracemalloc.start()
+    used = []
+    span = 0
+    for second in range(60):                      # 200 spans/s for 60 simulated seconds
+        now[0] = float(second)
+        for _ in range(4):
+            j.join(request(*range(span + 1, span + 51)))
+            span += 50
+        if second in (20, 40, 59):
+            gc.collect()
+            used.append(tracemalloc.get_traced_memory()[0])
+    tracemalloc.stop()
+    # ttl_s of spans (~1,200 here), not one entry per span ever seen
+    assert abs(used[2] - used[1]) < 0.05 * used[1], used
+    assert abs(used[1] - used[0]) < 0.05 * used[0], used
