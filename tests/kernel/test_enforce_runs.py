@@ -18,7 +18,8 @@ import pytest
 from agent import events
 from agent.config import SandboxGrant
 from agent.probes.sandbox import CgroupResolver, cgroup2_mount
-from test_sandbox import KIB, Harness, Pools, _own_cgroup
+from test_sandbox import KIB, Harness, _own_cgroup
+from test_sandbox_hostile import pools  # noqa: F401,F811  (a fixture: the test pools, made once)
 
 pytestmark = [pytest.mark.kernel,
               pytest.mark.filterwarnings("ignore:not a bytes object:DeprecationWarning")]
@@ -97,16 +98,6 @@ def groups():
         for d in reversed(made):
             if d.exists():
                 d.rmdir()
-
-
-@pytest.fixture(scope="module")
-def pools():
-    p = Pools(secrets.token_hex(4))
-    try:
-        p.create()
-        yield p
-    finally:
-        p.remove()
 
 
 def test_1000_runs_kill_every_violator_and_no_one_else(forker, groups, pools):
