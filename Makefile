@@ -31,7 +31,7 @@ test: setup
 native: agent/_native/libspanlet_marker.so agent/_native/standin/libnvidia-ml.so.1
 
 agent/_native/standin/libnvidia-ml.so.1: agent/demo/standin/cuda.c agent/demo/standin/cudart.c agent/demo/standin/nvml.c agent/demo/standin/__init__.py
-	$(PY) -m agent.demo.standin agent/_native/standin
+	$(PY) -m spanlet.demo.standin agent/_native/standin
 
 agent/_native/libspanlet_marker.so: native/spanlet_marker.c
 	mkdir -p agent/_native

@@ -17,8 +17,8 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any, Callable
 
-from agent import events
-from agent.config import redact
+from spanlet import events
+from spanlet.config import redact
 
 log = logging.getLogger("spanlet.admin")
 

@@ -10,8 +10,8 @@ import os
 import sys
 import threading
 
-from agent import config as config_mod
-from agent import kernel
+from spanlet import config as config_mod
+from spanlet import kernel
 
 EXIT_OK = 0
 EXIT_START_REFUSED = 2  # bad config, not root, missing headers or mounts
@@ -29,16 +29,16 @@ def _parser() -> argparse.ArgumentParser:
                      help="print the exact C compiled for each enabled probe, with its flags, and exit")
     run.add_argument("--print-events", action="store_true",
                      help="print every decoded kernel event as one JSON line on stdout")
-    from agent import inspect as inspect_mod
+    from spanlet import inspect as inspect_mod
     inspect_mod.add_parser(sub)
-    from agent.demo import run as demo_mod
+    from spanlet.demo import run as demo_mod
     demo_mod.add_parser(sub)
     return p
 
 
 def _dump_bpf(cfg: config_mod.Config) -> None:
-    from agent.daemon import probe_classes
-    from agent.probes import base
+    from spanlet.daemon import probe_classes
+    from spanlet.probes import base
     owner = None
     for i, cls in enumerate(probe_classes(cfg)):
         probe = cls(cfg)
@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.dump_bpf:
         _dump_bpf(cfg)
         return EXIT_OK
-    from agent.daemon import Daemon
+    from spanlet.daemon import Daemon
 
     sink = None
     if args.print_events:
@@ -125,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         return _run(args)
     if args.command == "inspect":
-        from agent import inspect as inspect_mod
+        from spanlet import inspect as inspect_mod
         return inspect_mod.run(args)
     if args.command == "demo":
-        from agent.demo import run as demo_mod
+        from spanlet.demo import run as demo_mod
         return demo_mod.main(args)
     return EXIT_START_REFUSED
 

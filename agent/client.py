@@ -4,7 +4,7 @@ spanlet agent, through a native marker the agent uprobes, which span each thread
 Usage, in any OTel-instrumented Python process (no privileges needed)::
 
     from opentelemetry.sdk.trace import TracerProvider
-    from agent.client import SpanletSpanProcessor
+    from spanlet.client import SpanletSpanProcessor
 
     provider = TracerProvider()
     provider.add_span_processor(SpanletSpanProcessor())

@@ -289,9 +289,9 @@ def _section_from(settings_cls: type, name: str, exclude: tuple[str, ...] = ()) 
                         **fields)
 
 
-from agent.metrics.serving import ServingSettings  # noqa: E402  (stdlib + protos only)
-from agent.nvml import NvmlSettings  # noqa: E402
-from agent.scheduler import SchedulerThresholds  # noqa: E402
+from spanlet.metrics.serving import ServingSettings  # noqa: E402  (stdlib + protos only)
+from spanlet.nvml import NvmlSettings  # noqa: E402
+from spanlet.scheduler import SchedulerThresholds  # noqa: E402
 
 ServingConfig = _section_from(ServingSettings, "ServingConfig", exclude=("window_s",))
 NvmlConfig = _section_from(NvmlSettings, "NvmlConfig")

@@ -17,37 +17,37 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from agent import events, kernel
-from agent.admin import AdminServer
-from agent.config import Config
-from agent.join import SpanJoin
-from agent.k8s import K8sEnricher, PodWatcher
-from agent.metrics.engine import MetricEngine
-from agent.metrics.serving import ServingMetrics, ServingSettings
-from agent.scheduler import Scheduler, SchedulerThresholds, WindowInputs
-from agent.nvml import NvmlPoller
-from agent.probes.base import Probe, ProbeStatus
+from spanlet import events, kernel
+from spanlet.admin import AdminServer
+from spanlet.config import Config
+from spanlet.join import SpanJoin
+from spanlet.k8s import K8sEnricher, PodWatcher
+from spanlet.metrics.engine import MetricEngine
+from spanlet.metrics.serving import ServingMetrics, ServingSettings
+from spanlet.scheduler import Scheduler, SchedulerThresholds, WindowInputs
+from spanlet.nvml import NvmlPoller
+from spanlet.probes.base import Probe, ProbeStatus
 from prometheus_client import CollectorRegistry
 
-from exporters.otlp_export import OtlpSpanExporter
-from exporters.otlp_metrics import OtlpMetricsExporter
-from exporters.otlp_receiver import OtlpReceiver
-from exporters.prometheus import AgentHttpServer, SpanletCollector
+from spanlet.exporters.otlp_export import OtlpSpanExporter
+from spanlet.exporters.otlp_metrics import OtlpMetricsExporter
+from spanlet.exporters.otlp_receiver import OtlpReceiver
+from spanlet.exporters.prometheus import AgentHttpServer, SpanletCollector
 
 log = logging.getLogger("spanlet")
 
 # (config section, module, class): the order is the start order; the span
 # context owner comes first so the others can share its map.
 PROBES = [
-    ("tc", "agent.probes.tc", "TcProbe"),
-    ("sandbox", "agent.probes.sandbox", "SandboxProbe"),
-    ("gpu", "agent.probes.gpu", "GpuProbe"),
+    ("tc", "spanlet.probes.tc", "TcProbe"),
+    ("sandbox", "spanlet.probes.sandbox", "SandboxProbe"),
+    ("gpu", "spanlet.probes.gpu", "GpuProbe"),
 ]
 
 
 def probe_classes(cfg: Config) -> list[type[Probe]]:
     """The probe classes enabled in the config, the span-context owner first."""
-    from agent.probes.span_ctx import SpanCtxProbe
+    from spanlet.probes.span_ctx import SpanCtxProbe
 
     classes: list[type[Probe]] = [SpanCtxProbe]
     for section, module, cls in PROBES:
@@ -138,19 +138,19 @@ class StorePath:
         self.events_overflow = 0
 
     def start(self) -> None:
-        from exporters.clickhouse import rows
-        from exporters.clickhouse.sink import ClickHouseSink
+        from spanlet.exporters.clickhouse import rows
+        from spanlet.exporters.clickhouse.sink import ClickHouseSink
 
         st, data = self.cfg.store, Path(self.cfg.data_dir)
         self.rows = rows
         try:
             if st.backend == "chdb":
-                from exporters.clickhouse.chdb_backend import ChdbBackend
+                from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
                 (data / "chdb").mkdir(parents=True, exist_ok=True)
                 backend = ChdbBackend(str(data / "chdb"), database=st.database, ttl_days=st.ttl_days)
                 where = f"embedded chdb in {data / 'chdb'}"
             else:
-                from exporters.clickhouse.http_backend import HttpBackend
+                from spanlet.exporters.clickhouse.http_backend import HttpBackend
                 backend = HttpBackend(st.url, database=st.database, user=st.user or None,
                                       password_file=st.password_file or None,
                                       ca_file=st.ca_file or None, ttl_days=st.ttl_days,

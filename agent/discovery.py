@@ -215,7 +215,7 @@ class LibraryFinder:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m agent.discovery [NAME...]`: list what a scan finds and its cost."""
+    """`python -m spanlet.discovery [NAME...]`: list what a scan finds and its cost."""
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__)

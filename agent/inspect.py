@@ -285,7 +285,7 @@ def add_parser(sub) -> None:
 def _socket_path(args) -> str:
     if args.socket:
         return args.socket
-    from agent import config as config_mod
+    from spanlet import config as config_mod
     try:
         return config_mod.load(args.config).admin_socket
     except config_mod.ConfigError:

@@ -15,8 +15,8 @@ from typing import Callable, Iterable
 
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from agent import events
-from agent.config import JoinConfig
+from spanlet import events
+from spanlet.config import JoinConfig
 
 log = logging.getLogger(__name__)
 

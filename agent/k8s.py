@@ -9,7 +9,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from agent.cgroups import CgroupIndex
+from spanlet.cgroups import CgroupIndex
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "kernel")]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 
 import grpc  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noqa: E402
@@ -82,7 +82,7 @@ def run_once(a, mode: str, standin) -> tuple[float, float, int]:
     with cuda_standin.Workload(standin.workload) as w:
         w.load(standin.lib_dir)
         agent = subprocess.Popen(
-            [sys.executable, "-m", "agent.cli", "run", "--set", "tc.enabled=false",
+            [sys.executable, "-m", "spanlet.cli", "run", "--set", "tc.enabled=false",
              "--set", "sandbox.enabled=false", "--set", "store.enabled=false",
              "--set", f"gpu.launch_events={mode}",
              "--set", f"otlp.grpc_port={grpc_port}", "--set", f"otlp.http_port={free_port()}",

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider  # noqa: E402
 
-from agent import client  # noqa: E402
+from spanlet import client  # noqa: E402
 
 MARKER_SOURCE = ROOT / "native" / "spanlet_marker.c"
 

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernel")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
 
 import cuda_standin  # noqa: E402
-from agent import config  # noqa: E402
-from agent.probes.gpu import GpuProbe  # noqa: E402
+from spanlet import config  # noqa: E402
+from spanlet.probes.gpu import GpuProbe  # noqa: E402
 
 RATES = [50_000, 100_000, 200_000, 300_000, 400_000, 500_000, 750_000, 1_000_000]
 

@@ -17,12 +17,12 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "kernel")]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 
 import socket  # noqa: E402
 
-from agent import config  # noqa: E402
-from agent.daemon import Daemon  # noqa: E402
+from spanlet import config  # noqa: E402
+from spanlet.daemon import Daemon  # noqa: E402
 from netns import Namespace, socket_in, veth_pair  # noqa: E402
 
 

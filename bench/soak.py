@@ -36,7 +36,7 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "kernel")]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 
 import grpc  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noqa: E402
@@ -44,9 +44,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import cuda_standin  # noqa: E402
-from agent.config import OtlpConfig  # noqa: E402
-from agent.demo.standin import DRIVER, RUNTIME  # noqa: E402
-from exporters.otlp_receiver import OtlpReceiver  # noqa: E402
+from spanlet.config import OtlpConfig  # noqa: E402
+from spanlet.demo.standin import DRIVER, RUNTIME  # noqa: E402
+from spanlet.exporters.otlp_receiver import OtlpReceiver  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 SPAN_BATCH = 50
@@ -233,7 +233,7 @@ def summarize(samples: list[dict], warmup_s: float) -> None:
 
 
 def store_counts(data_dir: Path, workload_pid: int) -> dict[str, int]:
-    from exporters.clickhouse.chdb_backend import ChdbBackend
+    from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
 
     backend = ChdbBackend(str(data_dir / "chdb"))
     try:
@@ -270,7 +270,7 @@ def main() -> int:
         with cuda_standin.Workload(standin.workload, timeout_s=seconds + 120) as w:
             w.load(soak_libraries(standin.lib_dir, tmp_path / "soaklib"))
             agent = subprocess.Popen(
-                [sys.executable, "-m", "agent.cli", "run", "--set", "tc.enabled=false",
+                [sys.executable, "-m", "spanlet.cli", "run", "--set", "tc.enabled=false",
                  "--set", "sandbox.enabled=false", "--set", "store.enabled=true",
                  "--set", "gpu.launch_events=all", "--set", f"data_dir={data_dir}",
                  "--set", f"gpu.driver_libraries={SOAK_DRIVER}", "--set", f"gpu.runtime_libraries={SOAK_RUNTIME}",

@@ -21,9 +21,9 @@ import grpc  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noqa: E402
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 
-from agent import config, events  # noqa: E402
-from agent.daemon import SpanPath  # noqa: E402
-from exporters.otlp_receiver import OtlpReceiver  # noqa: E402
+from spanlet import config, events  # noqa: E402
+from spanlet.daemon import SpanPath  # noqa: E402
+from spanlet.exporters.otlp_receiver import OtlpReceiver  # noqa: E402
 
 
 def requests(batch: int, count: int) -> list[ExportTraceServiceRequest]:

@@ -30,9 +30,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=4.0)
     a = ap.parse_args()
     before = rss_mb()
-    from agent import events
-    from exporters.clickhouse import rows
-    from exporters.clickhouse.chdb_backend import ChdbBackend
+    from spanlet import events
+    from spanlet.exporters.clickhouse import rows
+    from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
 
     with tempfile.TemporaryDirectory(prefix="spanlet-store-bench-") as tmp:
         db = ChdbBackend(tmp)

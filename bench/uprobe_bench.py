@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernel")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
 
 import cuda_standin  # noqa: E402
-from agent import config  # noqa: E402
-from agent.probes.gpu import GpuProbe  # noqa: E402
+from spanlet import config  # noqa: E402
+from spanlet.probes.gpu import GpuProbe  # noqa: E402
 
 LOOPS = {"cuLaunchKernel": "bench", "cudaLaunchKernel": "benchrt"}
 MODES = {None: "untraced", "none": "traced, none", "spanned": "traced, spanned", "all": "traced, all"}

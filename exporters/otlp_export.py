@@ -28,8 +28,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
-from agent.config import ConfigError, OtlpConfig
-from exporters.otlp_receiver import PROTOBUF, STATUS_DETAILS_KEY, RateLimitedLog
+from spanlet.config import ConfigError, OtlpConfig
+from spanlet.exporters.otlp_receiver import PROTOBUF, STATUS_DETAILS_KEY, RateLimitedLog
 
 log = logging.getLogger(__name__)
 

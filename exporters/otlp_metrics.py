@@ -21,9 +21,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_CUMULATIVE
 
-from agent.config import OtlpConfig
-from agent.metrics import Family, HistogramSample
-from exporters.otlp_export import (
+from spanlet.config import OtlpConfig
+from spanlet.metrics import Family, HistogramSample
+from spanlet.exporters.otlp_export import (
     GRPC,
     HTTP_PROTOBUF,
     INITIAL_BACKOFF_S,
@@ -35,8 +35,8 @@ from exporters.otlp_export import (
     _HttpTransport,
     resolve_upstream,
 )
-from exporters.otlp_receiver import HTTP_PATH as TRACES_PATH
-from exporters.otlp_receiver import RateLimitedLog
+from spanlet.exporters.otlp_receiver import HTTP_PATH as TRACES_PATH
+from spanlet.exporters.otlp_receiver import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
-from agent.config import OtlpConfig
+from spanlet.config import OtlpConfig
 
 log = logging.getLogger(__name__)
 

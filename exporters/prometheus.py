@@ -15,7 +15,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
-from agent.metrics import Family, HistogramSample
+from spanlet.metrics import Family, HistogramSample
 
 log = logging.getLogger(__name__)
 

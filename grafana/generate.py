@@ -20,9 +20,9 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 import yaml  # noqa: E402
 
-from agent.join import FACT_ATTRIBUTES  # noqa: E402
-from exporters.clickhouse.queries import GPU_STALL_ATTRIBUTE, NAMESPACE_ATTRIBUTE, POD_ATTRIBUTE  # noqa: E402
-from exporters.clickhouse.schema import KERNEL_EVENTS, TRACES  # noqa: E402
+from spanlet.join import FACT_ATTRIBUTES  # noqa: E402
+from spanlet.exporters.clickhouse.queries import GPU_STALL_ATTRIBUTE, NAMESPACE_ATTRIBUTE, POD_ATTRIBUTE  # noqa: E402
+from spanlet.exporters.clickhouse.schema import KERNEL_EVENTS, TRACES  # noqa: E402
 
 OUT = ROOT / "grafana" / "dashboards"
 RULES = ROOT / "daemonset" / "prometheus-rules.yaml"

@@ -71,8 +71,8 @@ ln -sfn /usr/lib/python3/dist-packages/bcc "$bccdir/bcc"
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$bccdir" > "$site/spanlet-bcc.pth"
 "$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q -e "$here[test]"
-"$venv/bin/python" -c 'import bcc, pyroute2, yaml, pydantic; print("   python modules import: bcc, pyroute2, yaml, pydantic")'
+"$venv/bin/python" -m pip install -q -e "$here[agent,test]"
+"$venv/bin/python" -c 'import bcc, pyroute2, yaml, pydantic, spanlet.cli; print("   python modules import: bcc, pyroute2, yaml, pydantic")'
 
 step "native parts"
 make -s -C "$here" native CC="${CC:-gcc}"

@@ -5,8 +5,13 @@ where those are missing they skip, except under SPANLET_REQUIRE_KERNEL=1
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 
 import pytest
+
+import cuda_standin
+from gpu_harness import cgroup2_root
 
 REQUIRE_KERNEL = os.environ.get("SPANLET_REQUIRE_KERNEL") == "1"
 
@@ -18,7 +23,7 @@ def _kernel_missing() -> str | None:
         import bcc  # noqa: F401
     except ImportError as e:
         return f"BCC not importable: {e}"
-    from agent import kernel
+    from spanlet import kernel
     try:
         kernel.require_mounts()
         kernel.find_headers(os.environ.get("SPANLET_KERNEL_HEADERS", ""))
@@ -47,5 +52,53 @@ def _kernel_required():
 @pytest.fixture
 def cfg():
     """A default config, untouched by the environment of the test run."""
-    from agent import config
+    from spanlet import config
     return config.load(env={})
+
+
+# ---- shared by the kernel and e2e tiers: stand-in CUDA workloads in a cgroup of the test's own
+
+
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory) -> cuda_standin.StandIn:
+    return cuda_standin.build(tmp_path_factory.mktemp("cuda_standin"))
+
+
+@pytest.fixture
+def cgroup():
+    """A cgroup v2 group of this test's own, so that its counts (keyed by
+    cgroup id) are not mixed with those of any other process on the host that
+    maps a libcuda while the test runs. Removed at teardown."""
+    path = cgroup2_root() / f"spanlet-gpu-test-{os.getpid()}-{os.urandom(3).hex()}"
+    path.mkdir()
+    assert (path / "cgroup.procs").exists(), f"{path} is not a cgroup"
+    try:
+        yield path
+    finally:
+        for _ in range(50):  # the last process may still be on its way out
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+@pytest.fixture
+def spawn(cgroup):
+    """Start workload processes in the test's cgroup; each is ended (by its
+    own pid) at teardown."""
+    started: list[cuda_standin.Workload] = []
+
+    def start(exe: Path | None, argv_prefix: list[str] | None = None) -> cuda_standin.Workload:
+        w = cuda_standin.Workload(exe, argv_prefix)
+        started.append(w)
+        (cgroup / "cgroup.procs").write_text(str(w.pid))
+        return w
+
+    try:
+        yield start
+    finally:
+        for w in started:
+            w.close()

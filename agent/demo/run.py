@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from agent.demo import net, standin
+from spanlet.demo import net, standin
 
 NETNS = "spanlet-demo"
 HOST_IF, NS_IF = "spldemo0", "spldemo1"
@@ -158,7 +158,7 @@ class Demo:
         return self.tmp
 
     def start_workers(self) -> None:
-        base = [sys.executable, "-m", "agent.demo.worker", "--netns", NETNS, "--address", NS_IP,
+        base = [sys.executable, "-m", "spanlet.demo.worker", "--netns", NETNS, "--address", NS_IP,
                 "--otlp-endpoint", self.otlp_endpoint, "--lib-dir", str(self.lib_dir),
                 "--pool-dir", str(POOL_DIR), "--parent", str(os.getpid())]
         for modality in [*HTTP_PORTS, "rogue"]:

@@ -40,7 +40,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from agent.demo.net import socket_in
+from spanlet.demo.net import socket_in
 
 MODELS = {"text": "demo-llm", "image": "demo-vlm", "audio": "demo-asr", "video": "demo-vlm"}
 SLO_CLASSES = {"text": "gold", "image": "silver", "audio": "gold", "video": "bronze"}
@@ -99,7 +99,7 @@ class Worker:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        from agent.client import SpanletSpanProcessor
+        from spanlet.client import SpanletSpanProcessor
 
         self.args = args
         self.modality = args.modality
@@ -268,7 +268,7 @@ def rogue(args: argparse.Namespace, stop: threading.Event) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m agent.demo.worker")
+    p = argparse.ArgumentParser(prog="python -m spanlet.demo.worker")
     p.add_argument("--modality", choices=sorted(MODELS) + ["rogue"], required=True)
     p.add_argument("--netns", required=True)
     p.add_argument("--address", required=True)

@@ -3,7 +3,7 @@ without NVML. One function per metric, named after it."""
 
 from __future__ import annotations
 
-from agent.metrics import Family, Sample, labels
+from spanlet.metrics import Family, Sample, labels
 
 
 def spanlet_gpu_utilization_ratio(nvml) -> Family:

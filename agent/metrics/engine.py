@@ -9,7 +9,7 @@ import threading
 from collections import defaultdict
 from typing import Callable
 
-from agent.metrics import Family, Sample, device, kernel, labels
+from spanlet.metrics import Family, Sample, device, kernel, labels
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable
 
-from agent.metrics import Family, HistogramSample, Sample, labels
+from spanlet.metrics import Family, HistogramSample, Sample, labels
 
 # The kernel keeps log2 µs buckets of sync waits (bucket i: below 2^i µs);
 # every second one is exported: 1 µs × 4^n, up to ~67 s.

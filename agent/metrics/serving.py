@@ -89,7 +89,7 @@ from typing import Iterable, Mapping
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from agent.metrics import Family, HistogramSample, Labels, Sample, labels
+from spanlet.metrics import Family, HistogramSample, Labels, Sample, labels
 
 MODALITIES = ("text", "image", "audio", "video", "other")
 

@@ -4,6 +4,7 @@ drain its ring buffer into the decoder, report attached-or-why, detach."""
 from __future__ import annotations
 
 import ctypes
+import importlib.resources
 import logging
 import mmap
 import re
@@ -12,13 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from agent import events
-from agent.config import Config
-from agent.ringbuf import RingBufferReader
+from spanlet import events
+from spanlet.config import Config
+from spanlet.ringbuf import RingBufferReader
 
 log = logging.getLogger(__name__)
 
-BPF_DIR = Path(__file__).resolve().parent.parent.parent / "bpf"
+# The C sources are package data of spanlet.bpf (the bpf/ folder of the checkout).
+BPF_DIR = Path(str(importlib.resources.files("spanlet.bpf")))
 _LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.-]+\.h)"\s*$', re.M)
 
 EventSink = Callable[[events._Event], None]

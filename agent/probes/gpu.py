@@ -9,10 +9,10 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from agent import events
-from agent.config import Config
-from agent.discovery import LibraryFinder, MappedLibrary
-from agent.probes.base import EventSink, Probe
+from spanlet import events
+from spanlet.config import Config
+from spanlet.discovery import LibraryFinder, MappedLibrary
+from spanlet.probes.base import EventSink, Probe
 
 log = logging.getLogger(__name__)
 

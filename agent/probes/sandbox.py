@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from agent import events
-from agent.config import Config, SandboxConfig
-from agent.kernel import TRACEFS
-from agent.cgroups import CgroupError, CgroupResolver, cgroup2_mount  # noqa: F401
-from agent.discovery import PF_KTHREAD
-from agent.probes.base import Probe, ProbeError, percpu_sum
+from spanlet import events
+from spanlet.config import Config, SandboxConfig
+from spanlet.kernel import TRACEFS
+from spanlet.cgroups import CgroupError, CgroupResolver, cgroup2_mount  # noqa: F401
+from spanlet.discovery import PF_KTHREAD
+from spanlet.probes.base import Probe, ProbeError, percpu_sum
 
 log = logging.getLogger(__name__)
 
@@ -780,7 +780,7 @@ class SandboxProbe(Probe):
         """{tgid: [(address, length, prot, flags)]} of the mappings the call
         judged; with `alive`, those of processes gone are deleted (a reused
         pid must not inherit them)."""
-        from agent.probes.tc import dump_table  # the batch reader of BCC hash tables
+        from spanlet.probes.tc import dump_table  # the batch reader of BCC hash tables
 
         table = self.bpf["sandbox_judged_maps"]
         out: dict[int, list] = {}

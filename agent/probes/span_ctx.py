@@ -9,10 +9,10 @@ import logging
 import os
 import shutil
 
-from agent import events
-from agent.discovery import LibraryFinder, MappedLibrary
-from agent.probes import base
-from agent.probes.base import EventSink, Probe, percpu_sum
+from spanlet import events
+from spanlet.discovery import LibraryFinder, MappedLibrary
+from spanlet.probes import base
+from spanlet.probes.base import EventSink, Probe, percpu_sum
 
 log = logging.getLogger(__name__)
 

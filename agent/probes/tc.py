@@ -19,9 +19,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
-from agent import events
-from agent.config import Config, TcConfig
-from agent.probes.base import Probe, ProbeError
+from spanlet import events
+from spanlet.config import Config, TcConfig
+from spanlet.probes.base import Probe, ProbeError
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import threading
 import time
 from typing import Any, Sequence
 
-from exporters.clickhouse import BackendError, BackendUnavailable
-from exporters.clickhouse import schema
-from exporters.clickhouse.http_backend import RETRYABLE_CLICKHOUSE_CODES
+from spanlet.exporters.clickhouse import BackendError, BackendUnavailable
+from spanlet.exporters.clickhouse import schema
+from spanlet.exporters.clickhouse.http_backend import RETRYABLE_CLICKHOUSE_CODES
 
 _DT64 = re.compile(r"^(?:LowCardinality\()?(?:Nullable\()?DateTime64\((\d)")
 _ARRAY_DT64 = re.compile(r"^Array\(DateTime64\((\d)")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from exporters.clickhouse import BackendError, BackendUnavailable
+from spanlet.exporters.clickhouse import BackendError, BackendUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class HttpBackend:
                     self._statement(statement)
                 version = len(statements)
             else:
-                from exporters.clickhouse import schema
+                from spanlet.exporters.clickhouse import schema
 
                 target = schema.Target(database=self.database, ttl_days=self.ttl_days, cluster=self.cluster)
                 version = schema.migrate(self._statement, target)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from exporters.clickhouse import Backend
-from exporters.clickhouse.schema import (
+from spanlet.exporters.clickhouse import Backend
+from spanlet.exporters.clickhouse.schema import (
     KERNEL_EVENTS,
     TRACES,
     check_identifier,

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Mapping
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from agent import events
+from spanlet import events
 
 # ---------------------------------------------------------------------------
 # otel_traces
@@ -249,7 +249,7 @@ METRIC_COLUMNS = ("Timestamp", "MetricName", "MetricType", "Unit", "Labels", "Va
 def metric_rows(families: Iterable, ts_ns: int) -> list[list]:
     """One metric_samples row per series of each Family (agent.metrics), all
     stamped with the window's time `ts_ns`."""
-    from agent.metrics import HistogramSample
+    from spanlet.metrics import HistogramSample
 
     out = []
     for fam in families:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exporters.clickhouse import Backend, BackendError, BackendUnavailable
+from spanlet.exporters.clickhouse import Backend, BackendError, BackendUnavailable
 
 log = logging.getLogger(__name__)
 

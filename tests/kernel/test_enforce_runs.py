@@ -1,5 +1,5 @@
 """The sandbox in enforce mode over 1,000 runs: one probe load, children forked
-in batches by a small C helper (tests/kernel/enforce_fork.c), a mix of
+in batches by a small C helper (tests/support/enforce_fork.c), a mix of
 processes granted by pid or by cgroup, bystanders and violators, each doing
 one mmap. Every violator dies of SIGKILL (seen by waitpid), no one else dies;
 the survivors hold their mappings while the sweep runs, and it kills no one;
@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from agent import events
-from agent.config import SandboxGrant
-from agent.probes.sandbox import CgroupResolver, cgroup2_mount
-from test_sandbox import KIB, Harness, _own_cgroup
-from test_sandbox_hostile import pools  # noqa: F401,F811  (a fixture: the test pools, made once)
+from spanlet import events
+from spanlet.config import SandboxGrant
+from spanlet.probes.sandbox import CgroupResolver, cgroup2_mount
+from sandbox_harness import KIB, Harness, _own_cgroup
 
 pytestmark = [pytest.mark.kernel,
               pytest.mark.filterwarnings("ignore:not a bytes object:DeprecationWarning")]
 
-HERE = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
 RUNS, BATCH = 1000, 100
 R, RW, RX = 1, 3, 5
 SHARED, PRIVATE = 1, 2
@@ -74,7 +73,7 @@ class Forker:
 @pytest.fixture(scope="module")
 def forker(tmp_path_factory):
     exe = tmp_path_factory.mktemp("enforce") / "enforce_fork"
-    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-o", str(exe), str(HERE / "enforce_fork.c")],
+    subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-o", str(exe), str(SUPPORT / "enforce_fork.c")],
                    check=True, capture_output=True)
     f = Forker(exe)
     try:

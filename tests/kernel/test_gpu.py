@@ -9,17 +9,16 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from agent import config, events
-from agent.events import Api, Entry, Modality
+from spanlet import config, events
+from spanlet.events import Api, Entry, Modality
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cuda_standin  # noqa: E402  (a folder of this test tier)
+import cuda_standin
+from gpu_harness import cgroup_id, counts
 
 pytestmark = pytest.mark.kernel
 
@@ -28,62 +27,10 @@ OTHER = Modality.other
 FUNC = 0xF00D  # the "kernel" the workload names in every launch
 
 
-@pytest.fixture(scope="module")
-def standin(tmp_path_factory) -> cuda_standin.StandIn:
-    return cuda_standin.build(tmp_path_factory.mktemp("cuda_standin"))
-
-
-def cgroup2_root() -> Path:
-    """Where cgroup v2 is mounted (/sys/fs/cgroup, or .../unified on hybrid hosts)."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        if fields[fields.index("-") + 1] == "cgroup2":
-            return Path(fields[4])
-    raise AssertionError("cgroup v2 is not mounted")
-
-
-@pytest.fixture
-def cgroup():
-    """A cgroup v2 group of this test's own, so that its counts (keyed by
-    cgroup id) are not mixed with those of any other process on the host that
-    maps a libcuda while the test runs. Removed at teardown."""
-    path = cgroup2_root() / f"spanlet-gpu-test-{os.getpid()}-{os.urandom(3).hex()}"
-    path.mkdir()
-    assert (path / "cgroup.procs").exists(), f"{path} is not a cgroup"
-    try:
-        yield path
-    finally:
-        for _ in range(50):  # the last process may still be on its way out
-            try:
-                path.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
-
-
-@pytest.fixture
-def spawn(cgroup):
-    """Start workload processes in the test's cgroup; each is ended (by its
-    own pid) at teardown."""
-    started: list[cuda_standin.Workload] = []
-
-    def start(exe: Path | None, argv_prefix: list[str] | None = None) -> cuda_standin.Workload:
-        w = cuda_standin.Workload(exe, argv_prefix)
-        started.append(w)
-        (cgroup / "cgroup.procs").write_text(str(w.pid))
-        return w
-
-    try:
-        yield start
-    finally:
-        for w in started:
-            w.close()
-
-
 @pytest.fixture
 def probes():
     """Start probes (GPU ones with a config tweak); stopped at teardown, last first."""
-    from agent.probes.gpu import GpuProbe
+    from spanlet.probes.gpu import GpuProbe
 
     started = []
 
@@ -101,7 +48,7 @@ def probes():
         return p
 
     def span_ctx():
-        from agent.probes.span_ctx import SpanCtxProbe
+        from spanlet.probes.span_ctx import SpanCtxProbe
 
         p = SpanCtxProbe(config.load(env={}))
         started.append(p)
@@ -112,19 +59,6 @@ def probes():
     yield gpu
     for p in reversed(started):
         p.stop()
-
-
-def cgroup_id(pid: int) -> int:
-    """What bpf_get_current_cgroup_id() returns for that process (cgroup v2)."""
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        if line.startswith("0::"):
-            return os.stat(f"{cgroup2_root()}{line[3:]}").st_ino
-    raise AssertionError(f"pid {pid} has no cgroup v2 entry")
-
-
-def counts(table: dict, cg: int) -> dict:
-    """The entries of launches()/sync_wait() for one cgroup."""
-    return {k: v for k, v in table.items() if k[0] == cg}
 
 
 def mine(libs, folder: Path) -> list:

@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from agent import config, events
-from agent.probes.tc import FILTER_NAME, Method, Rejected, TcProbe, dump_table, path_hash
+from spanlet import config, events
+from spanlet.probes.tc import FILTER_NAME, Method, Rejected, TcProbe, dump_table, path_hash
 from netns import Capture, eth, ipv4, ipv6, linked, socket_in, tcp, udp
-from test_tc import CLIENT_IP, SERVER_IP, Env, TcpPair, recv_exact
+from tc_harness import CLIENT_IP, SERVER_IP, Env, TcpPair, recv_exact
 
 pytestmark = pytest.mark.kernel
 

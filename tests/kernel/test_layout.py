@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from agent import events
-from agent.probes.base import BPF_DIR, expand_source
+from spanlet import events
+from spanlet.probes.base import BPF_DIR, expand_source
 
 pytestmark = pytest.mark.kernel
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -17,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from agent import events
-from agent.config import SandboxGrant
-from agent.probes.sandbox import NOT_A_POOL
-from test_sandbox import KIB, Child, Harness, Pools, _delta
-from test_sandbox import own_cgroup_id  # noqa: F401  (a fixture)
+from spanlet import events
+from spanlet.config import SandboxGrant
+from spanlet.probes.sandbox import NOT_A_POOL
+from sandbox_harness import KIB, Child, Harness, Pools, _delta
 
 pytestmark = [pytest.mark.kernel,
               pytest.mark.filterwarnings("ignore:not a bytes object:DeprecationWarning")]
@@ -163,16 +161,6 @@ class Names:
             d.rmdir()
 
 
-@pytest.fixture(scope="module")
-def pools():
-    p = Pools(secrets.token_hex(4))
-    try:
-        p.create()
-        yield p
-    finally:
-        p.remove()
-
-
 @pytest.fixture
 def names(pools):
     n = Names(pools)
@@ -180,15 +168,6 @@ def names(pools):
         yield n
     finally:
         n.remove()
-
-
-@pytest.fixture(scope="module")
-def audit(pools):
-    h = Harness(pools.config())
-    try:
-        yield h
-    finally:
-        h.stop()
 
 
 @pytest.fixture

@@ -13,19 +13,19 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from agent import config, events
-from agent.probes.tc import FILTER_NAME, Method, TcProbe, path_hash
+from spanlet import config, events
+from spanlet.probes.tc import FILTER_NAME, Method, TcProbe, path_hash
+from tc_harness import CLIENT_IP, SERVER_IP, Env, TcpPair
 from netns import Capture, Namespace, eth, ipv4, ipv6, socket_in, tcp, udp, veth_pair
 
 pytestmark = pytest.mark.kernel
 
 REPO = Path(__file__).resolve().parents[2]
-CLIENT_IP, SERVER_IP = "169.254.77.1", "169.254.77.2"
+
 CLIENT_IF, SERVER_IF = "tcc0", "tcs0"
 
 # What each server port carries, as the test knows it (the independent side).
@@ -52,20 +52,6 @@ SPAN_ID2 = "00f067aa0ba902b7"
 
 # ---- fixtures ----------------------------------------------------------------------
 
-@dataclass
-class Env:
-    cli: Namespace
-    srv: Namespace
-    probe: TcProbe
-    events: list = field(default_factory=list)
-
-    def http_events(self, port: int) -> list[events.HttpRequest]:
-        self.probe.drain()
-        return [e for e in self.events if isinstance(e, events.HttpRequest) and e.flow.dport == port]
-
-    def flow_events(self) -> list[events.FlowSeen]:
-        self.probe.drain()
-        return [e for e in self.events if isinstance(e, events.FlowSeen)]
 
 
 def make_cfg(**tc) -> config.Config:
@@ -109,47 +95,6 @@ def capture(env):
 
 # ---- traffic helpers ---------------------------------------------------------------
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return buf
-
-
-class TcpPair:
-    """A connected client (client namespace) and server (server namespace) socket."""
-
-    def __init__(self, env: Env, port: int):
-        listener = socket_in(env.srv.name)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((SERVER_IP, port))
-            listener.listen(1)
-            self.client = socket_in(env.cli.name)
-            self.client.settimeout(10)
-            self.client.connect((SERVER_IP, port))
-            self.server, _ = listener.accept()
-            self.server.settimeout(10)
-        finally:
-            listener.close()
-
-    def exchange(self, request: bytes, response: bytes) -> None:
-        self.client.sendall(request)
-        assert recv_exact(self.server, len(request)) == request
-        if response:
-            self.server.sendall(response)
-            assert recv_exact(self.client, len(response)) == response
-
-    def close(self) -> None:
-        """Orderly close, both FINs seen by the other side before returning."""
-        self.client.shutdown(socket.SHUT_WR)
-        assert self.server.recv(1) == b""
-        self.server.close()
-        assert self.client.recv(1) == b""
-        self.client.close()
 
 
 def http_request(method: str, target: str, headers: list[tuple[str, str]], body: bytes = b"") -> bytes:
@@ -618,8 +563,8 @@ def test_all_configured_interfaces_missing_is_not_attached(lone_ns):
 CHILD = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from agent import config
-from agent.probes.tc import TcProbe
+from spanlet import config
+from spanlet.probes.tc import TcProbe
 p = TcProbe(config.load(env={{}}, overrides=["tc.interfaces=[tcl0,tcl1]"]), netns={ns!r})
 s = p.start()
 print(p.prog_ids["ingress"] if s.attached else "failed: " + s.reason, flush=True)

@@ -1,6 +1,6 @@
 """Probe base: our headers are inlined so BCC rewrites their map calls."""
 
-from agent.probes.base import BPF_DIR, expand_source
+from spanlet.probes.base import BPF_DIR, expand_source
 
 
 def test_expand_source_inlines_local_headers_with_line_markers(tmp_path):
@@ -20,8 +20,8 @@ def test_every_probe_source_includes_the_shared_header():
 
 
 def test_a_failing_consumer_does_not_stop_the_reader(cfg):
-    from agent import events
-    from agent.probes.base import Probe
+    from spanlet import events
+    from spanlet.probes.base import Probe
 
     def broken(ev):
         raise RuntimeError("consumer bug")

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from agent.cgroups import CgroupIndex, Container, cgroup2_root, parse_cgroup_path
+from spanlet.cgroups import CgroupIndex, Container, cgroup2_root, parse_cgroup_path
 
 CID = "3f2a" + "0" * 56 + "beef"
 UID = "5c1e3f4a-1b2c-4d5e-8f90-0123456789ab"

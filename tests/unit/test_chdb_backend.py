@@ -14,10 +14,10 @@ import time
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from agent import events, join
-from agent.metrics import Family, HistogramSample, Sample, labels
-from exporters.clickhouse import BackendError, queries, rows
-from exporters.clickhouse.chdb_backend import ChdbBackend
+from spanlet import events, join
+from spanlet.metrics import Family, HistogramSample, Sample, labels
+from spanlet.exporters.clickhouse import BackendError, queries, rows
+from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
 
 DB = "spanlet"
 NOW = time.time_ns() - 600 * 1_000_000_000   # recent (inside the TTL), fixed for the run

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from exporters.clickhouse import BackendError
-from exporters.clickhouse import schema
-from exporters.clickhouse.chdb_backend import ChdbBackend
+from spanlet.exporters.clickhouse import BackendError
+from spanlet.exporters.clickhouse import schema
+from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
 
 # The collector exporter's otel_traces columns (traces_table.sql), in order.
 COLLECTOR_TRACE_COLUMNS = [

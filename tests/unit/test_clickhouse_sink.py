@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from exporters.clickhouse import BackendError, BackendUnavailable
-from exporters.clickhouse.sink import (DROP_CLOSED, DROP_REJECTED, DROP_SPOOL_CORRUPT, DROP_SPOOL_FULL, ClickHouseSink, decode_batch,
+from spanlet.exporters.clickhouse import BackendError, BackendUnavailable
+from spanlet.exporters.clickhouse.sink import (DROP_CLOSED, DROP_REJECTED, DROP_SPOOL_CORRUPT, DROP_SPOOL_FULL, ClickHouseSink, decode_batch,
                                        encode_batch)
 
 COLUMNS = ("Seq", "Body")
@@ -136,7 +136,7 @@ def test_rejected_batch_is_dropped_and_counted_the_rest_delivered(sinks, tmp_pat
     backend = GatedBackend(down=False)
     backend.refused_batch = 10
     sink = make_sink(sinks, backend, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="exporters.clickhouse.sink"):
+    with caplog.at_level(logging.WARNING, logger="spanlet.exporters.clickhouse.sink"):
         for b in range(3):
             sink.write("t", COLUMNS, rows(b * 10, 10))
         assert sink.flush(5.0)
@@ -282,7 +282,7 @@ def test_without_spool_overflow_is_dropped_and_counted(sinks, tmp_path):
 def test_drop_log_is_rate_limited(sinks, tmp_path, caplog):
     backend = GatedBackend(down=True)
     sink = make_sink(sinks, backend, tmp_path, spool_dir=None, queue_rows=10)
-    with caplog.at_level(logging.WARNING, logger="exporters.clickhouse.sink"):
+    with caplog.at_level(logging.WARNING, logger="spanlet.exporters.clickhouse.sink"):
         for b in range(50):
             sink.write("t", COLUMNS, rows(b * 10, 10))
     drops = [r for r in caplog.records if "dropped" in r.getMessage()]

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from agent import client
+from spanlet import client
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "native" / "spanlet_marker.c"
@@ -193,7 +193,7 @@ def test_modality_from_start_attributes(recorder, attributes, modality):
 
 def test_modality_numbers_match_the_agents_decoder():
     """client.py may not import the agent, so it repeats agent/events.py Modality."""
-    from agent.events import Modality
+    from spanlet.events import Modality
     assert client.MODALITIES == {m.name: m.value for m in Modality}
 
 
@@ -356,7 +356,7 @@ def test_unusable_library_in_a_fresh_process_logs_exactly_one_warning(libs, tmp_
     script = (
         "import logging\n"
         "from opentelemetry.sdk.trace import TracerProvider\n"
-        "from agent.client import SpanletSpanProcessor\n"
+        "from spanlet.client import SpanletSpanProcessor\n"
         "logging.basicConfig(format='%(name)s %(levelname)s %(message)s')\n"
         "p = TracerProvider()\n"
         "for _ in range(3): p.add_span_processor(SpanletSpanProcessor())\n"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from agent import config
+from spanlet import config
 
 
 def write(tmp_path, text):

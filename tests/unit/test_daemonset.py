@@ -7,22 +7,20 @@ holds no privileged container, every capability says why, the PrometheusRule
 is exactly daemonset/prometheus-rules.yaml, and the Dockerfile installs what
 scripts/setup.sh installs.
 
-The PrometheusRule is generated from the rules file:
-    .venv/bin/python tests/unit/test_daemonset.py --write-prometheusrule"""
+The PrometheusRule is generated from the rules file by scripts/prometheusrule.py."""
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
 
+import prometheusrule
+
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # run as a script to regenerate the PrometheusRule
-    sys.path.insert(0, str(ROOT))
 DS = ROOT / "daemonset"
 RULES = DS / "prometheus-rules.yaml"
 PROMRULE = DS / "prometheusrule.yaml"
@@ -63,7 +61,7 @@ def config_text() -> str:
 
 @pytest.fixture(scope="module")
 def cfg(config_text, tmp_path_factory):
-    from agent import config
+    from spanlet import config
     path = tmp_path_factory.mktemp("cm") / "config.yaml"
     path.write_text(config_text)
     return config.load(path, env={})
@@ -193,35 +191,13 @@ def test_prometheusrule_has_the_fields_the_crd_requires():
                               "keep_firing_for"}
 
 
-def render_prometheusrule() -> str:
-    """prometheusrule.yaml: the groups of prometheus-rules.yaml, unchanged."""
-    groups = yaml.safe_load(RULES.read_text())["groups"]
-    obj = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-           "metadata": {"name": "spanlet", "namespace": "spanlet",
-                        "labels": {"app.kubernetes.io/name": "spanlet", "release": "prometheus"}},
-           "spec": {"groups": groups}}
-
-    class Dumper(yaml.SafeDumper):
-        pass
-
-    def text(dumper, s):
-        style = "|" if "\n" in s else None
-        return dumper.represent_scalar("tag:yaml.org,2002:str", s, style=style)
-
-    Dumper.add_representer(str, text)
-    head = ("# GENERATED from daemonset/prometheus-rules.yaml (the source of truth; edit that\n"
-            "# file, then run: .venv/bin/python tests/unit/test_daemonset.py --write-prometheusrule).\n"
-            "# tests/unit/test_daemonset.py fails when the two differ.\n")
-    return head + yaml.dump(obj, Dumper=Dumper, sort_keys=False, width=1000, allow_unicode=True)
-
-
 def test_prometheusrule_groups_equal_the_rules_file():
     [pr] = docs("prometheusrule.yaml")
     want = yaml.safe_load(RULES.read_text())["groups"]
     assert pr["spec"]["groups"] == want, (
         "daemonset/prometheusrule.yaml differs from prometheus-rules.yaml; regenerate it: "
-        ".venv/bin/python tests/unit/test_daemonset.py --write-prometheusrule")
-    assert PROMRULE.read_text() == render_prometheusrule()
+        ".venv/bin/python scripts/prometheusrule.py")
+    assert PROMRULE.read_text() == prometheusrule.render_prometheusrule()
 
 
 # -- the config and the DaemonSet agree ----------------------------------------------------
@@ -233,7 +209,7 @@ def test_configmap_config_passes_the_agent_validator(cfg):
 
 
 def test_configmap_clickhouse_block_is_valid_when_uncommented(config_text, tmp_path):
-    from agent import config
+    from spanlet import config
     lines = config_text.splitlines()
     start = next(i for i, l in enumerate(lines) if l.strip() == "# backend: clickhouse")
     out = []
@@ -250,7 +226,7 @@ def test_configmap_clickhouse_block_is_valid_when_uncommented(config_text, tmp_p
 
 
 def test_daemonset_environment_is_the_agents(container, config_text, tmp_path):
-    from agent import config
+    from spanlet import config
     env = {e["name"]: e for e in container["env"]}
     assert env["SPANLET_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["SPANLET_OTLP_RECEIVER_ADDRESS"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
@@ -417,10 +393,3 @@ def test_dockerfile_installs_what_setup_installs():
     # The agent's entry point is on PATH (the DaemonSet runs `spanlet run`).
     assert re.search(r"^ENV PATH=\S*/bin:", text, re.M)
 
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--write-prometheusrule"]:
-        PROMRULE.write_text(render_prometheusrule())
-        print(f"wrote {PROMRULE}")
-    else:
-        sys.exit(f"usage: {sys.argv[0]} --write-prometheusrule")

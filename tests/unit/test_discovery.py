@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.discovery import PF_KTHREAD, LibraryFinder, library_pattern
+from spanlet.discovery import PF_KTHREAD, LibraryFinder, library_pattern
 
 NAMES = ["libcuda.so", "libcudart.so"]
 

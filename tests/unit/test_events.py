@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from agent import events
+from spanlet import events
 
 
 def record(cls, **hdr):

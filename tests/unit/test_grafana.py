@@ -38,17 +38,17 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import grafana_queries as gq
-from agent import admin, events
-from agent.join import SpanJoin
-from agent.metrics.serving import ServingMetrics, ServingSettings
-from agent.nvml import GpuSample
-from agent.scheduler import Scheduler, WindowInputs
-from exporters.clickhouse import rows, schema
-from exporters.clickhouse.chdb_backend import ChdbBackend
-from exporters.clickhouse.sink import ClickHouseSink
-from exporters.prometheus import AgentHttpServer
-from test_prometheus_collector import FakeProbe, daemon as collector_daemon, registry
-from test_rules import THRESHOLDS as METRICS_MD_THRESHOLDS
+from spanlet import admin, events
+from spanlet.join import SpanJoin
+from spanlet.metrics.serving import ServingMetrics, ServingSettings
+from spanlet.nvml import GpuSample
+from spanlet.scheduler import Scheduler, WindowInputs
+from spanlet.exporters.clickhouse import rows, schema
+from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
+from spanlet.exporters.clickhouse.sink import ClickHouseSink
+from spanlet.exporters.prometheus import AgentHttpServer
+from collector_fakes import FakeProbe, daemon as collector_daemon, registry
+from metrics_md import THRESHOLDS as METRICS_MD_THRESHOLDS
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"
@@ -377,7 +377,7 @@ def agent_registry():
                     launches=lambda: {(11, events.Modality.image, events.Api.driver): 5},
                     sync_wait=lambda: {(11, events.Modality.image, events.Api.driver): (2, 5_000_000)},
                     sync_wait_buckets=lambda: {(11, events.Modality.image, events.Api.driver): gpu_buckets})
-    from agent.probes.tc import JitterStats
+    from spanlet.probes.tc import JitterStats
     tc = FakeProbe("tc_classify", totals=lambda: {("ingress", "rtp", "audio"): (10, 1420)},
                    jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)})
     sb = FakeProbe("mmap_sandbox", violations=lambda: {(11, "exec", "kill"): 1})
@@ -688,7 +688,7 @@ def store(tmp_path_factory):
     """A real chdb store with the agent's schema, filled through the agent's
     path: kernel events joined to their spans (agent/join.py), rows built by
     exporters/clickhouse/rows.py, written by the sink."""
-    from agent.config import JoinConfig
+    from spanlet.config import JoinConfig
     backend = ChdbBackend(str(tmp_path_factory.mktemp("chdb") / "store"), database="spanlet")
     sink = ClickHouseSink(backend, batch_interval_s=0.05)
     try:

@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from agent import config
+from spanlet import config
 
 ROOT = Path(__file__).resolve().parents[2]
 SPANLET = [str(Path(sys.executable).with_name("spanlet"))]
 if not Path(SPANLET[0]).exists():     # not installed as a console script: the same entry point
-    SPANLET = [sys.executable, "-m", "agent.cli"]
+    SPANLET = [sys.executable, "-m", "spanlet.cli"]
 
 
 def laughs(levels: int = 9) -> str:

@@ -25,11 +25,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client import generate_latest
 
-from agent import config, events
-from agent import inspect as inspect_mod
-from agent.daemon import Daemon
-from agent.join import FACT_ATTRIBUTES
-from exporters.otlp_receiver import GRPC_METHOD, OtlpReceiver
+from spanlet import config, events
+from spanlet import inspect as inspect_mod
+from spanlet.daemon import Daemon
+from spanlet.join import FACT_ATTRIBUTES
+from spanlet.exporters.otlp_receiver import GRPC_METHOD, OtlpReceiver
 
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
 MAX_BYTES = 256 * 1024

@@ -14,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from exporters.clickhouse import BackendError, BackendUnavailable, schema
-from exporters.clickhouse.http_backend import HttpBackend
-from exporters.clickhouse.sink import ClickHouseSink, backoff_delay
+from spanlet.exporters.clickhouse import BackendError, BackendUnavailable, schema
+from spanlet.exporters.clickhouse.http_backend import HttpBackend
+from spanlet.exporters.clickhouse.sink import ClickHouseSink, backoff_delay
 
 PASSWORD = "s3cr3t-Pa55w0rd-do-not-log"
 USER = "spanlet_writer"

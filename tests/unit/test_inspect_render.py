@@ -12,8 +12,8 @@ import pytest
 import yaml
 from rich.console import Console
 
-from agent import admin, inspect
-from agent.metrics import Family, HistogramSample, Sample, labels
+from spanlet import admin, inspect
+from spanlet.metrics import Family, HistogramSample, Sample, labels
 
 ROOT = Path(__file__).resolve().parents[2]
 

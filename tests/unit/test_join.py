@@ -2,9 +2,9 @@
 
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from agent import events
-from agent.config import JoinConfig
-from agent.join import LATE_SPAN_NAME, SpanJoin
+from spanlet import events
+from spanlet.config import JoinConfig
+from spanlet.join import LATE_SPAN_NAME, SpanJoin
 
 TRACE = bytes(range(1, 17))
 

@@ -8,8 +8,8 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from kubernetes import client
 
-from agent.cgroups import CgroupIndex
-from agent.k8s import K8sEnricher, PodWatcher
+from spanlet.cgroups import CgroupIndex
+from spanlet.k8s import K8sEnricher, PodWatcher
 from loopback_http import LoopbackHttp, QuietHandler
 
 UID = "5c1e3f4a-1b2c-4d5e-8f90-0123456789ab"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.demo.standin import build_nvml
-from agent.nvml import pcie_link_bytes_per_s
+from spanlet.demo.standin import build_nvml
+from spanlet.nvml import pcie_link_bytes_per_s
 
-HERE = Path(__file__).parent
-REPO = HERE.parents[1]
+REPO = Path(__file__).resolve().parents[2]
+SUPPORT = REPO / "tests" / "support"
 GIB = 1024 ** 3
 
 # The known values of agent/demo/standin/nvml.c.
@@ -41,7 +41,7 @@ def drive(*steps, settings=None, lib_dir=None, env=None):
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("STANDIN_")}
     child_env.update(PYTHONPATH=str(REPO), LD_LIBRARY_PATH=str(lib_dir or ""), **(env or {}))
     proc = subprocess.run(
-        [sys.executable, str(HERE / "nvml_standin" / "drive.py"), json.dumps(settings or {}), *steps],
+        [sys.executable, str(SUPPORT / "nvml_standin" / "drive.py"), json.dumps(settings or {}), *steps],
         env=child_env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)

@@ -20,8 +20,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
-from agent.config import ConfigError, OtlpConfig
-from exporters.otlp_export import (
+from spanlet.config import ConfigError, OtlpConfig
+from spanlet.exporters.otlp_export import (
     GRPC,
     HTTP_PROTOBUF,
     OtlpSpanExporter,
@@ -31,7 +31,7 @@ from exporters.otlp_export import (
     split_resource_spans,
 )
 from loopback_http import LoopbackHttp, QuietHandler
-from exporters.otlp_receiver import GRPC_SERVICE, STATUS_DETAILS_KEY, Backpressure, OtlpReceiver
+from spanlet.exporters.otlp_receiver import GRPC_SERVICE, STATUS_DETAILS_KEY, Backpressure, OtlpReceiver
 
 BACKOFF_S = 0.1
 NO_PROXY = {"NO_PROXY": "*", "no_proxy": "*"}   # requests and grpc honour these

@@ -19,11 +19,11 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_CUMULATIVE
 
-from agent.config import OtlpConfig
-from agent.metrics import Family, HistogramSample, Sample, labels
-from exporters.otlp_export import GRPC, HTTP_PROTOBUF
+from spanlet.config import OtlpConfig
+from spanlet.metrics import Family, HistogramSample, Sample, labels
+from spanlet.exporters.otlp_export import GRPC, HTTP_PROTOBUF
 from loopback_http import LoopbackHttp, QuietHandler
-from exporters.otlp_metrics import (
+from spanlet.exporters.otlp_metrics import (
     OtlpMetricsExporter,
     families_to_request,
     otlp_unit,

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from agent import config
-from agent.config import SandboxConfig, SandboxGrant, SandboxPool
-from agent.probes import sandbox as sbx
-from agent.cgroups import CgroupError
-from agent.probes.base import BPF_DIR, ProbeError
+from spanlet import config
+from spanlet.config import SandboxConfig, SandboxGrant, SandboxPool
+from spanlet.probes import sandbox as sbx
+from spanlet.cgroups import CgroupError
+from spanlet.probes.base import BPF_DIR, ProbeError
 
 
 # -- paths --------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from agent.scheduler import (AUDIO_P95, GIB, GPU_MEMORY_FREE_MIN, GPU_MEMORY_PEAK_MAX,
+from spanlet.scheduler import (AUDIO_P95, GIB, GPU_MEMORY_FREE_MIN, GPU_MEMORY_PEAK_MAX,
                              GPU_UTIL_MAX, TEXT_KV_HIT, TEXT_RTT, TEXT_TOKENS_MAX,
                              TEXT_TOKENS_MEAN, Scheduler, SchedulerThresholds, WindowInputs)
 

@@ -33,9 +33,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import (
     TraceServiceStub,
 )
 
-from agent import cli, config
-from agent import inspect as inspect_mod
-from agent.daemon import Daemon
+from spanlet import cli, config
+from spanlet import inspect as inspect_mod
+from spanlet.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -70,10 +70,10 @@ print(json.dumps({"answer": buf.decode()}))
 """
 
 
-# `spanlet` (agent.cli.main) run by a non-root user.
+# `spanlet` (spanlet.cli.main) run by a non-root user.
 CLI = r"""
 import sys
-from agent import cli, inspect
+from spanlet import cli, inspect
 import rich.console, rich.live, rich.table, rich.text
 cli._parser()          # its lazy imports, while the interpreter's files are readable
 """ + DROP + r"""
@@ -264,7 +264,7 @@ def test_the_cli_log_handler_and_the_admin_answers_redact(tmp_path, open_dir, ca
     root.handlers = []
     try:
         cli._setup_logging(cfg)
-        logging.getLogger("exporters.anything").error("sent Authorization: Bearer %s", SECRET_TOKEN)
+        logging.getLogger("spanlet.exporters.anything").error("sent Authorization: Bearer %s", SECRET_TOKEN)
         try:
             raise RuntimeError(f"server said: {BASIC}")
         except RuntimeError:
@@ -376,7 +376,7 @@ store:
     env["OTEL_EXPORTER_OTLP_HEADERS"] = OTEL_HEADERS
     err_path = open_dir / "stderr"
     with open(err_path, "w") as err_file:
-        agent = subprocess.Popen([sys.executable, "-m", "agent.cli", "run", "--config", str(cfg_file)],
+        agent = subprocess.Popen([sys.executable, "-m", "spanlet.cli", "run", "--config", str(cfg_file)],
                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err_file, text=True)
     outputs = []
     try:
@@ -406,7 +406,7 @@ store:
             assert agent.poll() is None and time.monotonic() < deadline, log_text()[-3000:]
             time.sleep(0.2)
         for args in (["summary", "--json"], ["spans", "--json"], ["summary"], ["hints", "--json"]):
-            r = subprocess.run([sys.executable, "-m", "agent.cli", "inspect", *args, "--socket",
+            r = subprocess.run([sys.executable, "-m", "spanlet.cli", "inspect", *args, "--socket",
                                 f"{open_dir}/admin.sock"], cwd=ROOT, env=env, capture_output=True,
                                text=True, timeout=60, check=False)
             assert r.returncode == 0, r.stderr

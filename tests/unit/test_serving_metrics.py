@@ -12,8 +12,8 @@ from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from agent.metrics import HistogramSample
-from agent.metrics.serving import (REJECT_REASONS, ServingMetrics, ServingSettings,
+from spanlet.metrics import HistogramSample
+from spanlet.metrics.serving import (REJECT_REASONS, ServingMetrics, ServingSettings,
                                    percentile_linear)
 
 SERVER = trace_pb2.Span.SPAN_KIND_SERVER

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from clickhouse_standin import HUNG, REFUSED, UNAVAILABLE_503, UP, ChdbHttpStandin
-from exporters.clickhouse.http_backend import HttpBackend
-from exporters.clickhouse.sink import DROP_SPOOL_FULL, ClickHouseSink
+from spanlet.exporters.clickhouse.http_backend import HttpBackend
+from spanlet.exporters.clickhouse.sink import DROP_SPOOL_FULL, ClickHouseSink
 from store_load import BASE_NS, KERNEL_EVENTS, STORED_SQL, TRACES, Feed, offered_ids
 
-HERE = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
 REQUIRE_KERNEL = os.environ.get("SPANLET_REQUIRE_KERNEL") == "1"
 
 
@@ -77,7 +77,7 @@ def _private_mount_namespace(probe_dir: Path) -> list[str]:
 
 def test_chdb_store_disk_full_then_freed_and_a_restart_keep_every_row_within_the_bounds(tmp_path):
     prefix = _private_mount_namespace(tmp_path)
-    child = subprocess.run(prefix + [sys.executable, str(HERE / "chdb_disk_full_child.py"), str(tmp_path)],
+    child = subprocess.run(prefix + [sys.executable, str(SUPPORT / "chdb_disk_full_child.py"), str(tmp_path)],
                            capture_output=True, text=True, timeout=80)
     assert child.returncode == 0, child.stderr[-4000:]
     facts = json.loads(child.stdout)

@@ -9,10 +9,10 @@ import socket
 
 import pytest
 
-from agent import config, events
-from agent.probes import tc as tcmod
-from agent.probes.base import BPF_DIR
-from agent.probes.tc import (FlowAggregator, FlowSample, JssWindow, Link, Method, TcProbe,
+from spanlet import config, events
+from spanlet.probes import tc as tcmod
+from spanlet.probes.base import BPF_DIR
+from spanlet.probes.tc import (FlowAggregator, FlowSample, JssWindow, Link, Method, TcProbe,
                              Uncounted, fnv1a_32, late_threshold_ns, path_hash,
                              payload_type_entries, port_map_entries, select_interfaces)
 

@@ -14,9 +14,9 @@ from collections import Counter
 import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
-from agent.config import OtlpConfig
-from exporters.otlp_export import GRPC, HTTP_PROTOBUF, OtlpSpanExporter
-from exporters.otlp_receiver import OtlpReceiver
+from spanlet.config import OtlpConfig
+from spanlet.exporters.otlp_export import GRPC, HTTP_PROTOBUF, OtlpSpanExporter
+from spanlet.exporters.otlp_receiver import OtlpReceiver
 
 NO_PROXY = {"NO_PROXY": "*", "no_proxy": "*"}
 SPANS_PER_STEP = 100

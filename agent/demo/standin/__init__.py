@@ -3,7 +3,7 @@ their real signatures and no GPU behind them. `spanlet demo` launches
 "kernels" through them, the demo agent config reads "GPUs" through the NVML
 one, and the tests build their own copies from the same sources.
 
-    python -m agent.demo.standin OUTDIR    # build all three into OUTDIR
+    python -m spanlet.demo.standin OUTDIR    # build all three into OUTDIR
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def built(lib: Path) -> bool:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
-        sys.exit("usage: python -m agent.demo.standin OUTDIR")
+        sys.exit("usage: python -m spanlet.demo.standin OUTDIR")
     try:
         print(build_all(Path(argv[0])))
     except BuildError as e:

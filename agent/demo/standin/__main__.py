@@ -1,5 +1,5 @@
 import sys
 
-from agent.demo.standin import main
+from spanlet.demo.standin import main
 
 main(sys.argv[1:])

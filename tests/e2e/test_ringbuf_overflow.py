@@ -13,12 +13,12 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import config, events
-from agent.daemon import Daemon
-from agent.inspect import ask
+from spanlet import config, events
+from spanlet.daemon import Daemon
+from spanlet.inspect import ask
 from otlp_upstream import wait_for
-from test_gpu import cgroup, cgroup_id, counts, spawn, standin  # noqa: F401  (fixtures)
-from test_prometheus import free_port
+from gpu_harness import cgroup_id, counts
+from prometheus_server import free_port
 
 pytestmark = pytest.mark.kernel
 

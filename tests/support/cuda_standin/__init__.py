@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.demo.standin import DRIVER, RUNTIME, build_cuda, gcc
+from spanlet.demo.standin import DRIVER, RUNTIME, build_cuda, gcc
 
 HERE = Path(__file__).resolve().parent
 

@@ -11,7 +11,7 @@ import socket
 import struct
 import subprocess
 
-from agent.demo.net import inside, run, socket_in
+from spanlet.demo.net import inside, run, socket_in
 
 __all__ = ["inside", "run", "socket_in", "Namespace", "veth_pair", "linked", "Capture"]
 

@@ -9,7 +9,7 @@ import sys
 import time
 import traceback
 
-from agent.nvml import NvmlPoller, NvmlSettings
+from spanlet.nvml import NvmlPoller, NvmlSettings
 
 
 class _Records(logging.Handler):

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.demo import run as demo
-from exporters.clickhouse.chdb_backend import ChdbBackend
-from test_prometheus import Prometheus, free_port
+from spanlet.demo import run as demo
+from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
+from prometheus_server import Prometheus, free_port
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-grafana_queries = pytest.importorskip("grafana_queries")  # noqa: E402
+import grafana_queries
 
 pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +56,7 @@ def demo_processes() -> list[int]:
                 cmd = (d / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"agent.demo.worker" in cmd:
+            if b"spanlet.demo.worker" in cmd:
                 pids.append(int(d.name))
     return pids
 
@@ -77,7 +76,7 @@ def agent(tmp_path):
     port, grpc_port = free_port(), free_port()
     host_links = ",".join(sorted(os.listdir("/sys/class/net")))
     data = tmp_path / "data"
-    argv = [sys.executable, "-m", "agent.cli", "run", "--config", str(ROOT / "agent/demo/agent.yaml"),
+    argv = [sys.executable, "-m", "spanlet.cli", "run", "--config", str(ROOT / "agent/demo/agent.yaml"),
             "--set", f"data_dir={data}", "--set", f"admin_socket={tmp_path / 'admin.sock'}",
             "--set", "http_address=127.0.0.1", "--set", f"http_port={port}",
             "--set", f"otlp.grpc_port={grpc_port}", "--set", "otlp.http_port=0",
@@ -115,7 +114,7 @@ def test_demo_lights_every_dashboard_query(agent, tmp_path):
     assert len(prom_queries) >= 17
     started_ns = time.time_ns()
     out = open(tmp_path / "demo.log", "w+")
-    run = subprocess.Popen([sys.executable, "-m", "agent.cli", "demo", "--duration", str(DEMO_S),
+    run = subprocess.Popen([sys.executable, "-m", "spanlet.cli", "demo", "--duration", str(DEMO_S),
                             "--progress", "5", "--otlp-endpoint", f"http://127.0.0.1:{grpc_port}",
                             "--seed", "11"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -178,7 +177,7 @@ def test_a_killed_demo_leaves_nothing_for_long(tmp_path):
     runs and removes its own."""
     assert not demo.POOL_DIR.exists() and not os.path.exists(f"/run/netns/{demo.NETNS}"), \
         "a demo is running on this machine"
-    argv = [sys.executable, "-m", "agent.cli", "demo", "--duration", "300", "--progress", "1",
+    argv = [sys.executable, "-m", "spanlet.cli", "demo", "--duration", "300", "--progress", "1",
             "--otlp-endpoint", f"http://127.0.0.1:{free_port()}"]
     parent_existed = demo.POOL_PARENT.exists()
     try:

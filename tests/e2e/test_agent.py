@@ -40,7 +40,7 @@ class Agent:
         self.proc = subprocess.Popen(
             # nsenter switches only the network namespace (ip netns exec would
             # also remount /sys, hiding tracefs and bpffs)
-            ["nsenter", f"--net=/run/netns/{ns.name}", sys.executable, "-m", "agent.cli", "run",
+            ["nsenter", f"--net=/run/netns/{ns.name}", sys.executable, "-m", "spanlet.cli", "run",
              "--config", str(config), "--print-events", *extra],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out: queue.Queue = queue.Queue()

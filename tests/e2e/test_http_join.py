@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import config
-from agent.daemon import Daemon
+from spanlet import config
+from spanlet.daemon import Daemon
 from netns import Capture, linked, socket_in
 from otlp_upstream import Upstream, kernel_attrs, wait_for
 
@@ -58,7 +58,7 @@ def test_server_span_carries_its_requests_bytes(nets):
     agent.start()
     cap = Capture(server, "hjs0")
     child = subprocess.Popen(
-        [sys.executable, str(Path(__file__).parent / "http_server_child.py"), server.name,
+        [sys.executable, str(ROOT / "tests" / "support" / "http_server_child.py"), server.name,
          SERVER, str(PORT), f"127.0.0.1:{agent.spans.receiver.grpc_port}",
          str(RESPONSE[0]), "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -13,9 +13,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 import cuda_standin
-from agent import config
-from agent.daemon import Daemon
-from exporters.clickhouse.chdb_backend import ChdbBackend
+from spanlet import config
+from spanlet.daemon import Daemon
+from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
 from otlp_upstream import wait_for
 
 pytestmark = pytest.mark.kernel

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import cuda_standin
-from agent import config, events
-from agent.daemon import Daemon
+from spanlet import config, events
+from spanlet.daemon import Daemon
 from otlp_upstream import Upstream, kernel_attrs, wait_for
 
 pytestmark = pytest.mark.kernel
@@ -45,7 +45,7 @@ def child(agent, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT),
                SPANLET_MARKER_LIB=str(ROOT / "agent" / "_native" / "libspanlet_marker.so"))
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).parent / "span_child.py"),
+        [sys.executable, str(ROOT / "tests" / "support" / "span_child.py"),
          f"127.0.0.1:{agent.spans.receiver.grpc_port}", str(standin.lib_dir / cuda_standin.DRIVER)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:

@@ -9,9 +9,7 @@ argv: NETNS ADDRESS PORT OTLP_ENDPOINT RESPONSE_BYTES REQUESTS
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from netns import inside  # noqa: E402
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SPANLET = [sys.executable, "-m", "agent.cli"]
+SPANLET = [sys.executable, "-m", "spanlet.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from exporters.clickhouse.chdb_backend import ChdbBackend  # noqa: E402
-from exporters.clickhouse.sink import ClickHouseSink  # noqa: E402
+from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend  # noqa: E402
+from spanlet.exporters.clickhouse.sink import ClickHouseSink  # noqa: E402
 from store_load import BASE_NS, KERNEL_EVENTS, STORED_SQL, TRACES, Feed  # noqa: E402
 
 # Compressed time: small bounds, fast retries.

@@ -23,12 +23,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 import cuda_standin
-from agent import config
-from agent.daemon import Daemon
-from agent.demo.standin import build_nvml
+from spanlet import config
+from spanlet.daemon import Daemon
+from spanlet.demo.standin import build_nvml
 from netns import linked, socket_in
 from otlp_upstream import wait_for
-from test_prometheus import Prometheus, free_port
+from prometheus_server import Prometheus, free_port
 
 pytestmark = pytest.mark.kernel
 METRICS = [

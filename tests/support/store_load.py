@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from agent import events
-from exporters.clickhouse import rows
+from spanlet import events
+from spanlet.exporters.clickhouse import rows
 
 TRACES, KERNEL_EVENTS = "otel_traces", "kernel_events"
 BASE_NS = time.time_ns() - 3600 * 1_000_000_000  # inside the tables' TTL

@@ -30,9 +30,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 import cuda_standin
-from agent import config, events
-from agent import inspect as inspect_mod
-from agent.daemon import Daemon
+from spanlet import config, events
+from spanlet import inspect as inspect_mod
+from spanlet.daemon import Daemon
 from netns import Namespace, socket_in, veth_pair
 from otlp_upstream import wait_for
 
@@ -48,7 +48,7 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 def cli(*args: str, user: int | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
     pre = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPANLET_")}
-    return subprocess.run([*pre, sys.executable, "-m", "agent.cli", "inspect", *args], cwd=ROOT,
+    return subprocess.run([*pre, sys.executable, "-m", "spanlet.cli", "inspect", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -58,7 +58,7 @@ def in_pty(*args: str, columns: int = 80) -> str:
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPANLET_")}
     env.update(COLUMNS=str(columns), LINES="50", TERM="xterm-256color")
-    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "inspect", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "spanlet.cli", "inspect", *args], cwd=ROOT,
                             env=env, stdin=slave, stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
     out = b""
@@ -255,7 +255,7 @@ def test_human_view_fits_80_columns(running, what):
 
 def test_watch_refreshes_until_interrupted(running):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPANLET_")}
-    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "inspect", "gpu", "--json",
+    proc = subprocess.Popen([sys.executable, "-m", "spanlet.cli", "inspect", "gpu", "--json",
                              "--watch", "--interval", "0.2", "--socket", str(running["sock"])],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
-from agent import config
-from exporters.otlp_receiver import OtlpReceiver
+from spanlet import config
+from spanlet.exporters.otlp_receiver import OtlpReceiver
 
 
 class Upstream:
