@@ -7,7 +7,7 @@ export time. Windows are windows of arrival (the agent's clock), not of span
 timestamps: a span counts in the window in which it reached the agent.
 
 Readings of METRICS.md that the code rests on (every threshold is a field of
-`ServingSettings`):
+`spanlet.config.ServingSettings`, checked where it is made):
 
 - A *request* (#9, #12) is a span of kind SERVER whose parent is not a local span:
   no `parent_span_id`, or span flags with SPAN_FLAGS_CONTEXT_IS_REMOTE (0x200)
@@ -81,9 +81,8 @@ import threading
 from array import array
 from bisect import bisect_left
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from itertools import combinations
-from types import MappingProxyType
 from typing import Iterable, Mapping
 
 from opentelemetry.proto.common.v1 import common_pb2
@@ -133,89 +132,6 @@ ALIGNMENT_EVICTED = "alignment_evicted"
 REJECT_REASONS = (MISSING_TIMESTAMP, END_BEFORE_START, NOT_FINITE, NEGATIVE_VALUE, OUT_OF_RANGE,
                   WRONG_TYPE, MISSING_ATTRIBUTE, EMBEDDING_EMPTY, EMBEDDING_TOO_LARGE,
                   EMBEDDING_DIMS_MISMATCH, EMBEDDING_ZERO_NORM, ALIGNMENT_EVICTED)
-
-
-@dataclass(frozen=True)
-class ServingSettings:
-    """Defaults of the `serving` config section; ServingMetrics also takes any
-    object with these attributes (the daemon's cfg.serving)."""
-    # Length of a window; the daemon calls roll() at this period.
-    window_s: float = 10.0
-    # #11: closed windows the p99 volatility looks back over.
-    volatility_windows: int = 12
-    # #12: latency target per SLO class, seconds.
-    slo_target_s: Mapping[str, float] = field(
-        default_factory=lambda: {"gold": 0.2, "silver": 0.5, "bronze": 0.8})
-    # #12: the compliance each class must reach (alert thresholds, not used here).
-    slo_min_compliance_ratio: Mapping[str, float] = field(
-        default_factory=lambda: {"gold": 0.95, "silver": 0.85})
-    # #13: peak output tokens/s per model (gen_ai.request.model); no entry, no TDR.
-    peak_tokens_per_s: Mapping[str, float] = field(default_factory=dict)
-    # #13: the three-level bottleneck rule.
-    memory_bottleneck_ratio: float = 0.95
-    pcie_bottleneck_ratio: float = 0.85
-    kv_cache_bottleneck_ratio: float = 0.70
-    # #14: audio/video sync tolerance, and the bounds on traces awaiting a partner.
-    delta_sync_s: float = 0.0167
-    alignment_ttl_s: float = 30.0
-    alignment_max_pending: int = 10_000
-    # #16: closed windows of the drift stddev; embeddings sampled per window,
-    # modality and pod; the largest embedding accepted.
-    drift_windows: int = 3
-    embedding_samples_per_window: int = 32
-    embedding_max_dims: int = 4096
-    # #9/#10: longer durations are rejected as out_of_range.
-    max_duration_s: float = 86_400.0
-    # #11: request durations kept per series and window (uniform sample beyond).
-    max_window_durations: int = 10_000
-    # Cardinality: live values per free-text label; idle series are dropped.
-    max_label_values: int = 256
-    series_idle_s: float = 3600.0
-    # Histogram upper bounds (seconds). They hold the thresholds of METRICS.md
-    # and the scheduler feed (4/8 ms audio p95, class targets, TTFT 0.4 s,
-    # alignment 20/120 ms) so that those can be read off the buckets.
-    request_duration_bounds_s: tuple[float, ...] = (
-        0.002, 0.004, 0.008, 0.016, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.8,
-        1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
-    time_to_first_token_bounds_s: tuple[float, ...] = (
-        0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
-    alignment_delay_bounds_s: tuple[float, ...] = (
-        0.0, 0.005, 0.01, 0.02, 0.04, 0.08, 0.12, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, Mapping):
-                object.__setattr__(self, f.name, MappingProxyType(dict(v)))
-            elif isinstance(v, list):
-                object.__setattr__(self, f.name, tuple(v))
-        check_settings(self)
-
-
-def check_settings(s) -> None:
-    """ValueError naming the key for settings no metric could work with."""
-    def need(ok: bool, key: str, what: str) -> None:
-        if not ok:
-            raise ValueError(f"serving.{key}: {what}")
-    for key in ("window_s", "alignment_ttl_s", "max_duration_s", "series_idle_s"):
-        need(getattr(s, key) > 0, key, "must be > 0")
-    for key in ("volatility_windows", "drift_windows"):
-        need(getattr(s, key) >= 2, key, "must be >= 2 (a stddev needs two windows)")
-    for key in ("alignment_max_pending", "embedding_samples_per_window", "embedding_max_dims",
-                "max_window_durations", "max_label_values"):
-        need(getattr(s, key) >= 1, key, "must be >= 1")
-    for key in ("memory_bottleneck_ratio", "pcie_bottleneck_ratio", "kv_cache_bottleneck_ratio"):
-        need(0 <= getattr(s, key) <= 1, key, "must be in 0..1")
-    need(s.delta_sync_s >= 0, "delta_sync_s", "must be >= 0")
-    for key in ("slo_target_s", "peak_tokens_per_s"):
-        for name, v in getattr(s, key).items():
-            need(math.isfinite(v) and v > 0, f"{key}.{name}", "must be a finite number > 0")
-    for key in ("request_duration_bounds_s", "time_to_first_token_bounds_s",
-                "alignment_delay_bounds_s"):
-        b = list(getattr(s, key))
-        need(bool(b) and all(math.isfinite(x) for x in b)
-             and all(x < y for x, y in zip(b, b[1:])), key,
-             "must be finite upper bounds in strictly ascending order")
 
 
 class _Reject(Exception):
@@ -763,13 +679,12 @@ class ServingMetrics:
     roll and families; a batch holds it ~3 µs per span without triggers, ~20 µs
     for a request span, ~1 ms per sampled 1024-d embedding (K per window).
 
-    `start`: the beginning of the first window on the caller's clock (the same
+    `settings`: a spanlet.config.ServingSettings, or any object with its
+    attributes. `start`: the beginning of the first window on the caller's clock (the same
     clock as `now`); without it the first window starts at the first call."""
 
-    def __init__(self, settings=None, start: float | None = None):
-        s = ServingSettings() if settings is None else settings
-        check_settings(s)
-        self.s = s
+    def __init__(self, settings, start: float | None = None):
+        s = self.s = settings
         rng = random.Random(0)        # sampling need not be unpredictable, only uniform
         self._lock = threading.Lock()
         self._window_start = start

@@ -40,7 +40,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import grafana_queries as gq
 from spanlet import admin, events
 from spanlet.join import SpanJoin
-from spanlet.metrics.serving import ServingMetrics, ServingSettings
+from spanlet.config import ServingSettings
+from spanlet.metrics.serving import ServingMetrics
 from spanlet.nvml import GpuSample
 from spanlet.scheduler import Scheduler, WindowInputs
 from spanlet.exporters.clickhouse import rows, schema
