@@ -15,7 +15,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from spanlet.metrics import HistogramSample
 from spanlet.config import ServingSettings
 from spanlet.metrics.serving import REJECT_REASONS, ServingMetrics
-from spanlet.metrics.serving import percentile_linear
+from spanlet.metrics.windows import percentile_linear
 
 SERVER = trace_pb2.Span.SPAN_KIND_SERVER
 INTERNAL = trace_pb2.Span.SPAN_KIND_INTERNAL
