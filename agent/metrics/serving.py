@@ -88,6 +88,7 @@ from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from spanlet.metrics import Family, Labels, Sample, labels
+from spanlet.metrics.catalogue import family
 from spanlet.metrics.windows import (EMBEDDING_ZERO_NORM, _Histograms, _LabelLimiter, _Reject,
                                      _Reservoir, _WindowHistory, cosine_distance, percentile_linear)
 
@@ -237,9 +238,7 @@ class RequestDurationSeconds:
         return closed
 
     def family(self) -> Family:
-        return Family("spanlet_request_duration_seconds", "histogram",
-                      "Duration of server-kind root spans (requests)", "seconds",
-                      self.hist.samples())
+        return family("spanlet_request_duration_seconds", self.hist.samples())
 
 
 class TimeToFirstTokenSeconds:
@@ -266,9 +265,7 @@ class TimeToFirstTokenSeconds:
         return x
 
     def family(self) -> Family:
-        return Family("spanlet_time_to_first_token_seconds", "histogram",
-                      "Span start to the first_token event (or gen_ai.server.time_to_first_token)",
-                      "seconds", self.hist.samples())
+        return family("spanlet_time_to_first_token_seconds", self.hist.samples())
 
 
 class P99LatencyVolatilityRatio:
@@ -287,9 +284,7 @@ class P99LatencyVolatilityRatio:
                 self.values.append(Sample(lab, statistics.pstdev(p99s) / mean))
 
     def family(self) -> Family:
-        return Family("spanlet_p99_latency_volatility_ratio", "gauge",
-                      "Stddev / mean of the per-window p99 request duration over the last windows",
-                      "ratio", list(self.values))
+        return family("spanlet_p99_latency_volatility_ratio", list(self.values))
 
 
 class SloComplianceRatio:
@@ -313,9 +308,7 @@ class SloComplianceRatio:
         self.window = {}
 
     def family(self) -> Family:
-        return Family("spanlet_slo_compliance_ratio", "gauge",
-                      "Share of the window's requests that met their SLO class target", "ratio",
-                      list(self.values))
+        return family("spanlet_slo_compliance_ratio", list(self.values))
 
 
 class ThroughputDecayRatio:
@@ -366,9 +359,7 @@ class ThroughputDecayRatio:
         self.tokens, self.kv_max = {}, {}
 
     def family(self) -> Family:
-        return Family("spanlet_throughput_decay_ratio", "gauge",
-                      "1 - observed output tokens/s / configured peak tokens/s of the model",
-                      "ratio", list(self.values))
+        return family("spanlet_throughput_decay_ratio", list(self.values))
 
 
 class ModalityAlignmentDelaySeconds:
@@ -419,9 +410,7 @@ class ModalityAlignmentDelaySeconds:
         return len(self._waiting)
 
     def family(self) -> Family:
-        return Family("spanlet_modality_alignment_delay_seconds", "histogram",
-                      "max(0, |pts_audio - pts_video| - delta_sync) per trace", "seconds",
-                      self.hist.samples())
+        return family("spanlet_modality_alignment_delay_seconds", self.hist.samples())
 
 
 class ModalityDegradationsTotal:
@@ -440,9 +429,8 @@ class ModalityDegradationsTotal:
             del self.counts[lab]
 
     def family(self) -> Family:
-        return Family("spanlet_modality_degradations_total", "counter",
-                      "Modality fallbacks reported by spans (mm.degraded_from -> mm.degraded_to)",
-                      "", [Sample(lab, c[0]) for lab, c in sorted(self.counts.items())])
+        return family("spanlet_modality_degradations_total",
+                      [Sample(lab, c[0]) for lab, c in sorted(self.counts.items())])
 
 
 class EmbeddingDriftScore:
@@ -506,9 +494,7 @@ class EmbeddingDriftScore:
         return left_out
 
     def family(self) -> Family:
-        return Family("spanlet_embedding_drift_score", "gauge",
-                      "CMSD: stddev over the last windows of the cosine distance between two "
-                      "modalities' mean embeddings", "", list(self.values))
+        return family("spanlet_embedding_drift_score", list(self.values))
 
 
 # -- the engine ------------------------------------------------------------------
@@ -692,13 +678,10 @@ class ServingMetrics:
 
     def families(self) -> list[Family]:
         with self._lock:
-            rejected = Family("spanlet_serving_rejected_total", "counter",
-                              "Span contributions to the serving metrics that did not count, "
-                              "by reason", "",
+            rejected = family("spanlet_serving_rejected_total",
                               [Sample(labels(reason=r), n)
                                for r, n in self._rejected_locked().items()])
-            overflow = Family("spanlet_serving_label_overflow_total", "counter",
-                              "Label values folded into 'overflow' by the cardinality limit", "",
+            overflow = family("spanlet_serving_label_overflow_total",
                               [Sample(labels(label=k), n)
                                for k, n in sorted(self._limiter.overflows.items())])
             return [self.request_duration.family(), self.time_to_first_token.family(),
