@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from spanlet import events
 from spanlet.config import redact
+from spanlet.metrics import catalogue
 
 log = logging.getLogger("spanlet.admin")
 
@@ -29,34 +30,33 @@ RING_SPANS = 512
 MAX_PIDS = 4096                 # processes whose launches are counted from events
 RATE_WINDOW_S = 10.0
 
-# The alert thresholds of daemonset/prometheus-rules.yaml, per metric of
-# METRICS.md (tests/unit/test_inspect_render.py checks they agree with that
-# file): (metric, how the value now is read, comparison, thresholds). The
-# thresholds are {"": t} or, where the rules differ by a label, {"label=value": t}.
-#   gauge_max / gauge_min: the largest / smallest sample; pNN: that quantile of
-#   the cumulative (since start) histogram; total: the counter's sum.
+
+def _stat(m: catalogue.Metric) -> str:
+    """How a value is read now: gauge_max / gauge_min, the largest / smallest
+    sample (smallest where low is bad); pNN, that quantile of the cumulative
+    (since start) histogram; total, the counter's sum."""
+    quantile = next((t.quantile for t in m.thresholds if t.quantile), None)
+    if quantile is not None:
+        return f"p{round(quantile * 100)}"
+    if m.type == "counter":
+        return "total"
+    return "gauge_min" if any(t.op == "<" for t in m.thresholds) else "gauge_max"
+
+
+def _readable(m: catalogue.Metric) -> tuple[str, dict[str, float]]:
+    """The comparison and the defaults one reading can be held against: those
+    with an alert rule that is not on a rate (#15's is, over 5m). Keyed "" or,
+    where the rules differ by a label, "label=value"."""
+    mine = [t for t in m.thresholds if t.alert and not t.rate]
+    return (mine[0].op if mine else "",
+            {(f"slo_class={t.slo_class}" if t.slo_class else ""): float(t.value) for t in mine})
+
+
+# Per metric of METRICS.md, from the catalogue: (metric, how the value now is
+# read, comparison, thresholds); tests/unit/test_inspect_render.py checks them
+# against daemonset/prometheus-rules.yaml.
 THRESHOLDS: list[tuple[str, str, str, dict[str, float]]] = [
-    ("spanlet_gpu_kernel_launches_total", "total", "", {}),
-    ("spanlet_gpu_sync_wait_seconds", "p99", ">", {"": 0.05}),
-    ("spanlet_network_bytes_total", "total", "", {}),
-    ("spanlet_jitter_sensitivity_score", "gauge_max", ">", {"": 0.08}),
-    ("spanlet_sandbox_violations_total", "total", ">", {"": 0.0}),
-    ("spanlet_gpu_utilization_ratio", "gauge_max", "", {}),
-    ("spanlet_gpu_memory_peak_ratio", "gauge_max", ">", {"": 0.87}),
-    ("spanlet_gpu_pcie_utilization_ratio", "gauge_max", ">", {"": 0.85}),
-    ("spanlet_request_duration_seconds", "p95", ">",
-     {"slo_class=gold": 0.2, "slo_class=silver": 0.5, "slo_class=bronze": 0.8}),
-    ("spanlet_time_to_first_token_seconds", "p95", ">", {"": 0.4}),
-    ("spanlet_p99_latency_volatility_ratio", "gauge_max", ">", {"": 0.032}),
-    ("spanlet_slo_compliance_ratio", "gauge_min", "<",
-     {"slo_class=gold": 0.95, "slo_class=silver": 0.85, "slo_class=bronze": 0.75}),
-    ("spanlet_throughput_decay_ratio", "gauge_max", ">", {"": 0.45}),
-    ("spanlet_modality_alignment_delay_seconds", "p95", ">", {"": 0.02}),
-    # its alert is on the rate (> 0.05/s over 5m), which one reading cannot give
-    ("spanlet_modality_degradations_total", "total", "", {}),
-    ("spanlet_embedding_drift_score", "gauge_max", ">", {"": 0.018}),
-    ("spanlet_span_kernel_coverage_ratio", "gauge_min", "<", {"": 0.95}),
-]
+    (m.name, _stat(m), *_readable(m)) for m in catalogue.SERVING_METRICS]
 
 _RULES = {r.value: r.name for r in events.Rule}
 _ACTIONS = {a.value: a.name for a in events.Action}

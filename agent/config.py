@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import math
 import os
 import socket
 import typing
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 from urllib.parse import quote, unquote, urlsplit
 
@@ -289,9 +291,147 @@ def _section_from(settings_cls: type, name: str, exclude: tuple[str, ...] = ()) 
                         **fields)
 
 
-from spanlet.metrics.serving import ServingSettings  # noqa: E402  (stdlib + protos only)
-from spanlet.nvml import NvmlSettings  # noqa: E402
-from spanlet.scheduler import SchedulerThresholds  # noqa: E402
+# -- settings of the metric engine, NVML poller and scheduler feed -----------------
+# Plain frozen dataclasses (the modules that use them take any object with these
+# attributes); the config sections below are made from them.
+
+@dataclasses.dataclass(frozen=True)
+class ServingSettings:
+    """Defaults of the `serving` config section; ServingMetrics also takes any
+    object with these attributes (the daemon's cfg.serving)."""
+    # Length of a window; the daemon calls roll() at this period.
+    window_s: float = 10.0
+    # #11: closed windows the p99 volatility looks back over.
+    volatility_windows: int = 12
+    # #12: latency target per SLO class, seconds.
+    slo_target_s: Mapping[str, float] = dataclasses.field(
+        default_factory=lambda: {"gold": 0.2, "silver": 0.5, "bronze": 0.8})
+    # #12: the compliance each class must reach (alert thresholds, not used here).
+    slo_min_compliance_ratio: Mapping[str, float] = dataclasses.field(
+        default_factory=lambda: {"gold": 0.95, "silver": 0.85})
+    # #13: peak output tokens/s per model (gen_ai.request.model); no entry, no TDR.
+    peak_tokens_per_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # #13: the three-level bottleneck rule.
+    memory_bottleneck_ratio: float = 0.95
+    pcie_bottleneck_ratio: float = 0.85
+    kv_cache_bottleneck_ratio: float = 0.70
+    # #14: audio/video sync tolerance, and the bounds on traces awaiting a partner.
+    delta_sync_s: float = 0.0167
+    alignment_ttl_s: float = 30.0
+    alignment_max_pending: int = 10_000
+    # #16: closed windows of the drift stddev; embeddings sampled per window,
+    # modality and pod; the largest embedding accepted.
+    drift_windows: int = 3
+    embedding_samples_per_window: int = 32
+    embedding_max_dims: int = 4096
+    # #9/#10: longer durations are rejected as out_of_range.
+    max_duration_s: float = 86_400.0
+    # #11: request durations kept per series and window (uniform sample beyond).
+    max_window_durations: int = 10_000
+    # Cardinality: live values per free-text label; idle series are dropped.
+    max_label_values: int = 256
+    series_idle_s: float = 3600.0
+    # Histogram upper bounds (seconds). They hold the thresholds of METRICS.md
+    # and the scheduler feed (4/8 ms audio p95, class targets, TTFT 0.4 s,
+    # alignment 20/120 ms) so that those can be read off the buckets.
+    request_duration_bounds_s: tuple[float, ...] = (
+        0.002, 0.004, 0.008, 0.016, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.8,
+        1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
+    time_to_first_token_bounds_s: tuple[float, ...] = (
+        0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+    alignment_delay_bounds_s: tuple[float, ...] = (
+        0.0, 0.005, 0.01, 0.02, 0.04, 0.08, 0.12, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Mapping):
+                object.__setattr__(self, f.name, MappingProxyType(dict(v)))
+            elif isinstance(v, list):
+                object.__setattr__(self, f.name, tuple(v))
+        check_settings(self)
+
+
+def check_settings(s) -> None:
+    """ValueError naming the key for settings no metric could work with."""
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"serving.{key}: {what}")
+    for key in ("window_s", "alignment_ttl_s", "max_duration_s", "series_idle_s"):
+        need(getattr(s, key) > 0, key, "must be > 0")
+    for key in ("volatility_windows", "drift_windows"):
+        need(getattr(s, key) >= 2, key, "must be >= 2 (a stddev needs two windows)")
+    for key in ("alignment_max_pending", "embedding_samples_per_window", "embedding_max_dims",
+                "max_window_durations", "max_label_values"):
+        need(getattr(s, key) >= 1, key, "must be >= 1")
+    for key in ("memory_bottleneck_ratio", "pcie_bottleneck_ratio", "kv_cache_bottleneck_ratio"):
+        need(0 <= getattr(s, key) <= 1, key, "must be in 0..1")
+    need(s.delta_sync_s >= 0, "delta_sync_s", "must be >= 0")
+    for key in ("slo_target_s", "peak_tokens_per_s"):
+        for name, v in getattr(s, key).items():
+            need(math.isfinite(v) and v > 0, f"{key}.{name}", "must be a finite number > 0")
+    for key in ("request_duration_bounds_s", "time_to_first_token_bounds_s",
+                "alignment_delay_bounds_s"):
+        b = list(getattr(s, key))
+        need(bool(b) and all(math.isfinite(x) for x in b)
+             and all(x < y for x, y in zip(b, b[1:])), key,
+             "must be finite upper bounds in strictly ascending order")
+
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerThresholds:
+    """The policy numbers of METRICS.md "Scheduler feed"; field names are the
+    keys of the config section `scheduler`."""
+
+    # Share of a threshold an input must cross back by to leave a rule.
+    hysteresis_ratio: float = 0.10
+    audio_p95_high_s: float = 0.008
+    audio_utilization_high: float = 0.75
+    audio_p95_low_s: float = 0.004
+    audio_utilization_low: float = 0.40
+    audio_batch_busy: int = 2
+    audio_batch_default: int = 4
+    audio_batch_idle: int = 8
+    text_short_input_tokens: float = 64
+    text_short_rtt_s: float = 0.015
+    text_long_input_tokens: float = 2048
+    text_kv_cache_hit_min: float = 0.72
+    text_batch_short: tuple[int, int] = (8, 16)
+    text_batch_default: tuple[int, int] = (4, 8)
+    text_batch_long: tuple[int, int] = (2, 4)
+    vision_memory_peak_max: float = 0.87
+    vision_memory_free_min_bytes: float = 1.2 * GIB
+    vision_batch_min: int = 1
+    vision_batch_default: int = 8
+    vision_batch_max: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.hysteresis_ratio < 1.0:
+            raise ValueError(f"hysteresis_ratio: {self.hysteresis_ratio} is not in [0, 1)")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("text_batch_"):
+                if len(value) != 2 or not 1 <= value[0] <= value[1]:
+                    raise ValueError(f"{f.name}: {value} is not a range (min, max), 1 <= min <= max")
+            elif "_batch_" in f.name and value < 1:
+                raise ValueError(f"{f.name}: {value} is below 1")
+        if not self.vision_batch_min <= self.vision_batch_default <= self.vision_batch_max:
+            raise ValueError("vision_batch_default must lie in [vision_batch_min, vision_batch_max]")
+
+
+@dataclasses.dataclass(frozen=True)
+class NvmlSettings:
+    """Defaults of the `nvml` config section (the daemon may pass cfg.nvml instead,
+    anything with these attributes)."""
+    enabled: bool = True
+    poll_interval_s: float = 1.0
+    # Empty: libnvidia-ml.so.1 as the dynamic linker finds it. An absolute path
+    # where the driver is mounted elsewhere (e.g. /usr/local/nvidia/lib64/...).
+    library: str = ""
+
 
 ServingConfig = _section_from(ServingSettings, "ServingConfig", exclude=("window_s",))
 NvmlConfig = _section_from(NvmlSettings, "NvmlConfig")

@@ -19,12 +19,12 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from spanlet import events, kernel
 from spanlet.admin import AdminServer
-from spanlet.config import Config
+from spanlet.config import Config, SchedulerThresholds, ServingSettings
 from spanlet.join import SpanJoin
 from spanlet.k8s import K8sEnricher, PodWatcher
 from spanlet.metrics.engine import MetricEngine
-from spanlet.metrics.serving import ServingMetrics, ServingSettings
-from spanlet.scheduler import Scheduler, SchedulerThresholds, WindowInputs
+from spanlet.metrics.serving import ServingMetrics
+from spanlet.scheduler import Scheduler, WindowInputs
 from spanlet.nvml import NvmlPoller
 from spanlet.probes.base import Probe, ProbeStatus
 from prometheus_client import CollectorRegistry

@@ -12,6 +12,8 @@ import sys
 import time
 from datetime import datetime, timezone
 
+from spanlet.metrics import catalogue
+
 EXIT_OK = 0
 EXIT_NOT_RUNNING = 3      # no socket, or nothing listening on it
 EXIT_PERMISSION = 4       # the socket is root's (mode 0600)
@@ -156,7 +158,7 @@ def _summary(d: dict) -> list:
     j = d["join"]
     cov = j["span_coverage"]
     out.append(Text.assemble(
-        "Join: span coverage ", Text(_pct(cov), style="bold red" if cov is not None and cov < 0.95 else ""),
+        "Join: span coverage ", Text(_pct(cov), style=_alarm("spanlet_span_kernel_coverage_ratio", cov)),
         f", event coverage {_pct(j['event_coverage'])}, pending {j['pending_events']} events, "
         f"{j['spans_in']} spans in, {j['events_evicted']} events evicted"))
     e = _table("Exporters", "exporter", "state", "queue", "sent", "dropped")
@@ -209,8 +211,13 @@ def _flows(d: dict) -> list:
         b = f["bytes"]
         t.add_row(ends, f["protocol"], f["modality"],
                   "/".join(_bytes(v) for v in b.values()), _num(jit, "{:.2f}"),
-                  Text(_num(f["jss"]), style="bold red" if (f["jss"] or 0) > 0.08 else ""))
+                  Text(_num(f["jss"]), style=_alarm("spanlet_jitter_sensitivity_score", f["jss"])))
     return [t]
+
+
+def _alarm(metric: str, value: float | None) -> str:
+    """Red where the value is past the metric's default alert threshold."""
+    return "bold red" if catalogue.breached(metric, value) else ""
 
 
 def _sandbox(d: dict) -> list:
@@ -236,7 +243,7 @@ def _gpu(d: dict) -> list:
             t.add_row(str(g["index"]), g["name"] or g["gpu"], _pct(g["sm_utilization_ratio"]),
                       _pct(g["memory_used_ratio"]),
                       Text(_pct(g["memory_peak_ratio"]),
-                           style="bold red" if (g["memory_peak_ratio"] or 0) > 0.87 else ""),
+                           style=_alarm("spanlet_gpu_memory_peak_ratio", g["memory_peak_ratio"])),
                       f"{_pct(g['pcie_tx_ratio'])}/{_pct(g['pcie_rx_ratio'])}")
         out.append(t)
     else:

@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from spanlet.config import NvmlSettings
+
 log = logging.getLogger("spanlet.nvml")
 
 # Usable GB/s (10^9 bytes) per lane and direction, after line encoding (8b/10b for
@@ -24,17 +26,6 @@ PCIE_LANE_GB_PER_S = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 PCIE_THROUGHPUT_UNIT_BYTES = 1000
 
 DEFAULT_LIBRARY = "libnvidia-ml.so.1"
-
-
-@dataclass(frozen=True)
-class NvmlSettings:
-    """Defaults of the `nvml` config section (the daemon may pass cfg.nvml instead,
-    anything with these attributes)."""
-    enabled: bool = True
-    poll_interval_s: float = 1.0
-    # Empty: libnvidia-ml.so.1 as the dynamic linker finds it. An absolute path
-    # where the driver is mounted elsewhere (e.g. /usr/local/nvidia/lib64/...).
-    library: str = ""
 
 
 @dataclass(frozen=True)

@@ -71,10 +71,10 @@ batch to form, the meaning it has for audio and vision.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-GIB = 1 << 30
+from spanlet.config import SchedulerThresholds
 
 MODALITIES = ("audio", "text", "image", "video")
 
@@ -87,47 +87,6 @@ TEXT_TOKENS_MEAN = "text_input_tokens_mean"
 TEXT_TOKENS_MAX = "text_input_tokens_max"
 TEXT_KV_HIT = "text_kv_cache_hit_ratio"
 TEXT_RTT = "text_network_rtt_seconds"
-
-
-@dataclass(frozen=True)
-class SchedulerThresholds:
-    """The policy numbers of METRICS.md "Scheduler feed"; field names are the
-    keys of the config section `scheduler`."""
-
-    # Share of a threshold an input must cross back by to leave a rule.
-    hysteresis_ratio: float = 0.10
-    audio_p95_high_s: float = 0.008
-    audio_utilization_high: float = 0.75
-    audio_p95_low_s: float = 0.004
-    audio_utilization_low: float = 0.40
-    audio_batch_busy: int = 2
-    audio_batch_default: int = 4
-    audio_batch_idle: int = 8
-    text_short_input_tokens: float = 64
-    text_short_rtt_s: float = 0.015
-    text_long_input_tokens: float = 2048
-    text_kv_cache_hit_min: float = 0.72
-    text_batch_short: tuple[int, int] = (8, 16)
-    text_batch_default: tuple[int, int] = (4, 8)
-    text_batch_long: tuple[int, int] = (2, 4)
-    vision_memory_peak_max: float = 0.87
-    vision_memory_free_min_bytes: float = 1.2 * GIB
-    vision_batch_min: int = 1
-    vision_batch_default: int = 8
-    vision_batch_max: int = 16
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.hysteresis_ratio < 1.0:
-            raise ValueError(f"hysteresis_ratio: {self.hysteresis_ratio} is not in [0, 1)")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name.startswith("text_batch_"):
-                if len(value) != 2 or not 1 <= value[0] <= value[1]:
-                    raise ValueError(f"{f.name}: {value} is not a range (min, max), 1 <= min <= max")
-            elif "_batch_" in f.name and value < 1:
-                raise ValueError(f"{f.name}: {value} is below 1")
-        if not self.vision_batch_min <= self.vision_batch_default <= self.vision_batch_max:
-            raise ValueError("vision_batch_default must lie in [vision_batch_min, vision_batch_max]")
 
 
 @dataclass(frozen=True)

@@ -15,22 +15,25 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
-from spanlet.metrics import Family, HistogramSample
+from spanlet.metrics import Family, HistogramSample, catalogue
 
 log = logging.getLogger(__name__)
 
 
 
+def _metric_family(type_: str, name: str, help_: str, label_names: list[str]) -> Metric:
+    """An empty prometheus_client family; counters are named without _total there."""
+    if type_ == "counter":
+        return CounterMetricFamily(name.removesuffix("_total"), help_, labels=label_names)
+    if type_ == "gauge":
+        return GaugeMetricFamily(name, help_, labels=label_names)
+    return HistogramMetricFamily(name, help_, labels=label_names)
+
+
 def _render(fam: Family, node: str) -> Metric:
     """One engine Family as a prometheus_client metric family; `node` on every series."""
     names = ["node"] + [k for k, _ in (fam.samples[0].labels if fam.samples else ())]
-    if fam.type == "counter":
-        name = fam.name[:-len("_total")] if fam.name.endswith("_total") else fam.name
-        out = CounterMetricFamily(name, fam.help, labels=names)
-    elif fam.type == "gauge":
-        out = GaugeMetricFamily(fam.name, fam.help, labels=names)
-    else:
-        out = HistogramMetricFamily(fam.name, fam.help, labels=names)
+    out = _metric_family(fam.type, fam.name, fam.help, names)
     for s in fam.samples:
         values = [node] + [v for _, v in s.labels]
         if isinstance(s, HistogramSample):
@@ -54,7 +57,10 @@ class SpanletCollector:
         self.node = node
 
     def describe(self) -> Iterable[Metric]:
-        return []  # registration must not read maps
+        """Every family the agent can export, from the catalogue: registration
+        learns the names without reading a map."""
+        for m in catalogue.CATALOGUE:
+            yield _metric_family(m.type, m.name, m.help, ["node", *m.labels])
 
     def collect(self) -> Iterable[Metric]:
         for fam in self.engine.families():

@@ -1,279 +1,37 @@
-"""Builds spanlet's Grafana dashboards (grafana/dashboards/*.json) from one
-place: `python grafana/generate.py` writes them, `--check` says if they are stale.
+"""Builds spanlet's Grafana dashboards (grafana/dashboards/*.json), one function
+per dashboard: `python grafana/generate.py` writes them, `--check` says if they are stale.
 
-Thresholds come from the alert rules (daemonset/prometheus-rules.yaml), so a
-dashboard line and its alert never disagree; store columns come from
-exporters/clickhouse/schema.py and the kernel.* facts from agent/join.py."""
+Metric names, help and thresholds come from the metric catalogue
+(agent/metrics/catalogue.py), so a dashboard line and its alert never disagree;
+store columns come from exporters/clickhouse/schema.py and the kernel.* facts
+from agent/join.py; the panel pieces are in grafana/panels.py."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
+for where in (ROOT, ROOT / "grafana"):  # run as a script from anywhere; panels.py beside it
+    if str(where) not in sys.path:
+        sys.path.insert(0, str(where))
 
-import yaml  # noqa: E402
-
+from panels import (CH, CH_FORMATS, CLICKHOUSE, Panel, Threshold, catalogue_thresholds,  # noqa: E402,F401
+                    ch, ch_var, dashboard, describe, ds_var, prom, prom_var, row, text_var)
 from spanlet.join import FACT_ATTRIBUTES  # noqa: E402
 from spanlet.exporters.clickhouse.queries import GPU_STALL_ATTRIBUTE, NAMESPACE_ATTRIBUTE, POD_ATTRIBUTE  # noqa: E402
 from spanlet.exporters.clickhouse.schema import KERNEL_EVENTS, TRACES  # noqa: E402
+from spanlet.metrics import catalogue  # noqa: E402
 
 OUT = ROOT / "grafana" / "dashboards"
-RULES = ROOT / "daemonset" / "prometheus-rules.yaml"
-SCHEMA_VERSION = 39          # Grafana 11.x dashboard JSON
-CLICKHOUSE = "grafana-clickhouse-datasource"
-PROM = {"type": "prometheus", "uid": "${ds_prometheus}"}
-CH = {"type": CLICKHOUSE, "uid": "${ds_clickhouse}"}
-TAG = "spanlet"
-
-# The ClickHouse plugin's query types and the numeric `format` each maps to
-# (grafana/clickhouse-datasource src/data/utils.ts, mapQueryTypeToGrafanaFormat).
-CH_FORMATS = {"timeSeries": 0, "table": 1, "logs": 2, "traces": 3}
-
-# METRICS.md #14 has a second default the alert rules do not carry yet (no label
-# tells frame alignment from action-speech alignment): drawn as a second step.
-ACTION_SPEECH_ALIGNMENT_S = 0.12
-
-
-# -- thresholds from the alert rules ---------------------------------------------
-
-@dataclass(frozen=True)
-class Threshold:
-    value: float
-    upper: bool               # True: values above are bad; False: values below are bad
-    slo_class: str = ""       # per-class defaults (#9, #12)
-
-
-def rule_thresholds(path: Path = RULES) -> dict[str, list[Threshold]]:
-    """metric family -> its alert thresholds: the last comparison with a
-    literal in each alert's expr, and the slo_class it matches on, if any."""
-    out: dict[str, list[Threshold]] = {}
-    for group in yaml.safe_load(path.read_text())["groups"]:
-        for rule in group["rules"]:
-            op, value = re.findall(r"(==|!=|>=|<=|>|<)\s*(-?[0-9]+(?:\.[0-9]+)?)\b", rule["expr"])[-1]
-            if op not in (">", "<"):
-                continue
-            cls = re.search(r'slo_class="([a-z]+)"', rule["expr"])
-            out.setdefault(rule["labels"]["metric"], []).append(
-                Threshold(float(value), op == ">", cls.group(1) if cls else ""))
-    return out
-
-
-def threshold_steps(thresholds: list[Threshold]) -> dict:
-    """Grafana thresholds: a step is in force from its value upwards."""
-    upper = thresholds[0].upper
-    steps = [{"color": "green" if upper else "red", "value": None}]
-    colours = ["red"] if len(thresholds) == 1 else ["orange", "red"]
-    for t, colour in zip(sorted(thresholds, key=lambda t: t.value), colours):
-        steps.append({"color": colour if upper else "green", "value": t.value})
-    return {"mode": "absolute", "steps": steps}
-
-
-def describe(thresholds: list[Threshold], unit: str) -> str:
-    if not thresholds:
-        return "no threshold"
-    def num(v: float) -> str:
-        if unit == "s":
-            return f"{v * 1000:g} ms" if v < 1 else f"{v:g} s"
-        return f"{v:g}/s" if unit == "cps" else f"{v:g}"
-    sign = "≤" if thresholds[0].upper else "≥"
-    if thresholds[0].slo_class:
-        what = "class targets" if thresholds[0].upper else "class objectives"
-        return what + " " + ", ".join(f"{t.slo_class} {sign} {num(t.value)}" for t in thresholds)
-    if len(thresholds) == 1 and thresholds[0].upper and thresholds[0].value == 0:
-        return "threshold 0: any is too many"
-    return "threshold " + " / ".join(f"{sign} {num(t.value)}" for t in thresholds)
-
-
-# -- panels ---------------------------------------------------------------------------
-
-def prom(expr: str, legend: str = "", *, instant: bool = False, fmt: str = "time_series") -> dict:
-    t = {"datasource": PROM, "expr": " ".join(expr.split()), "legendFormat": legend or "__auto",
-         "range": not instant, "instant": instant, "format": fmt}
-    return t
-
-
-def ch(sql: str, query_type: str = "table") -> dict:
-    return {"datasource": CH, "editorType": "sql", "queryType": query_type,
-            "format": CH_FORMATS[query_type], "rawSql": sql.strip()}
-
-
-@dataclass
-class Panel:
-    kind: str                              # timeseries, stat, table, bargauge, heatmap
-    title: str
-    targets: list[dict]
-    description: str = ""
-    unit: str = "short"
-    w: int = 8
-    h: int = 8
-    thresholds: list[Threshold] = field(default_factory=list)
-    min: float | None = None
-    max: float | None = None
-    stack: bool = False
-    overrides: list[dict] = field(default_factory=list)
-    options: dict = field(default_factory=dict)
-    custom: dict = field(default_factory=dict)
-    links: list[dict] = field(default_factory=list)
-
-
-def _class_overrides(thresholds: list[Threshold]) -> list[dict]:
-    """Per-SLO-class thresholds: series whose legend starts with the class."""
-    return [{"matcher": {"id": "byRegexp", "options": f"^{t.slo_class} .*"},
-             "properties": [{"id": "thresholds", "value": threshold_steps([t])}]}
-            for t in thresholds]
-
-
-def _field_config(p: Panel) -> dict:
-    defaults: dict = {"unit": p.unit, "color": {"mode": "palette-classic"}}
-    per_class = bool(p.thresholds) and bool(p.thresholds[0].slo_class)
-    if p.thresholds and not per_class:
-        defaults["thresholds"] = threshold_steps(p.thresholds)
-    else:
-        defaults["thresholds"] = {"mode": "absolute", "steps": [{"color": "green", "value": None}]}
-    if p.min is not None:
-        defaults["min"] = p.min
-    if p.max is not None:
-        defaults["max"] = p.max
-    if p.kind in ("stat", "bargauge"):
-        defaults["color"] = {"mode": "thresholds"}
-    if p.kind == "timeseries":
-        defaults["custom"] = {
-            "drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if not p.stack else 40,
-            "showPoints": "never", "spanNulls": False,
-            "stacking": {"mode": "normal" if p.stack else "none", "group": "A"},
-            "thresholdsStyle": {"mode": "line+area" if p.thresholds else "off"}}
-    if p.custom:
-        defaults.setdefault("custom", {}).update(p.custom)
-    if p.links:
-        defaults["links"] = p.links
-    overrides = (_class_overrides(p.thresholds) if per_class else []) + p.overrides
-    return {"defaults": defaults, "overrides": overrides}
-
-
-def _options(p: Panel) -> dict:
-    if p.kind == "timeseries":
-        base = {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
-                           "calcs": ["lastNotNull", "max"]},
-                "tooltip": {"mode": "multi", "sort": "desc"}}
-    elif p.kind == "stat":
-        base = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                "colorMode": "background", "graphMode": "area", "textMode": "auto",
-                "justifyMode": "auto", "orientation": "auto"}
-    elif p.kind == "bargauge":
-        base = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                "displayMode": "gradient", "orientation": "horizontal", "showUnfilled": True}
-    elif p.kind == "table":
-        base = {"showHeader": True, "cellHeight": "sm",
-                "footer": {"show": False, "reducer": ["sum"], "countRows": False}}
-    else:  # heatmap
-        base = {"calculate": False, "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges"},
-                "yAxis": {"axisPlacement": "left", "unit": p.unit},
-                "rowsFrame": {"layout": "auto"}, "tooltip": {"mode": "single", "yHistogram": True},
-                "legend": {"show": True}}
-    base.update(p.options)
-    return base
-
-
-def row(title: str) -> Panel:
-    return Panel("row", title, [])
-
-
-class Layout:
-    """Places panels left to right on Grafana's 24-column grid."""
-
-    def __init__(self):
-        self.x = self.y = self.row_h = 0
-        self.next_id = 1
-
-    def place(self, p: Panel) -> dict:
-        if p.kind == "row":
-            self._newline()
-            out = {"type": "row", "id": self._id(), "title": p.title, "collapsed": False,
-                   "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y}, "panels": []}
-            self.y += 1
-            return out
-        if self.x + p.w > 24:
-            self._newline()
-        datasource = p.targets[0]["datasource"]
-        targets = [{"refId": chr(ord("A") + i), **t} for i, t in enumerate(p.targets)]
-        out = {"type": p.kind, "id": self._id(), "title": p.title, "description": p.description,
-               "datasource": datasource, "targets": targets,
-               "gridPos": {"h": p.h, "w": p.w, "x": self.x, "y": self.y},
-               "fieldConfig": _field_config(p), "options": _options(p)}
-        self.x += p.w
-        self.row_h = max(self.row_h, p.h)
-        return out
-
-    def _newline(self) -> None:
-        self.y += self.row_h
-        self.x = self.row_h = 0
-
-    def _id(self) -> int:
-        self.next_id += 1
-        return self.next_id - 1
-
-
-# -- variables ------------------------------------------------------------------------
-
-def ds_var(name: str, plugin: str, label: str) -> dict:
-    return {"type": "datasource", "name": name, "label": label, "query": plugin,
-            "refresh": 1, "regex": "", "hide": 0, "includeAll": False, "multi": False,
-            "options": []}
-
-
-def _all() -> dict:
-    return {"selected": True, "text": ["All"], "value": ["$__all"]}
-
-
-def prom_var(name: str, label: str, query: str) -> dict:
-    """A label_values() variable; "All" is the regex .* (matchers use =~)."""
-    return {"type": "query", "name": name, "label": label, "datasource": PROM,
-            "query": query, "refresh": 2, "regex": "", "sort": 1, "hide": 0,
-            "includeAll": True, "allValue": ".*", "multi": True, "current": _all(), "options": []}
-
-
-def ch_var(name: str, label: str, sql: str) -> dict:
-    """A ClickHouse variable; "All" turns $__conditionalAll(...) into 1=1."""
-    return {"type": "query", "name": name, "label": label, "datasource": CH,
-            "query": " ".join(sql.split()), "refresh": 2, "regex": "", "sort": 1, "hide": 0,
-            "includeAll": True, "multi": True, "current": _all(), "options": []}
-
-
-def text_var(name: str, label: str, default: str, description: str) -> dict:
-    return {"type": "textbox", "name": name, "label": label, "query": default,
-            "description": description, "hide": 0,
-            "current": {"text": default, "value": default}, "options": []}
 
 
 DATABASE_VAR = text_var("database", "ClickHouse database", "spanlet",
                         "store.database of the agent config (SPANLET_STORE_DATABASE)")
 NODE_VAR = prom_var("node", "Node", "label_values(spanlet_probe_attached, node)")
-
-
-def dashboard(uid: str, title: str, description: str, variables: list[dict],
-              panels: list[Panel]) -> dict:
-    layout = Layout()
-    return {
-        "id": None, "uid": uid, "title": title, "description": description,
-        "tags": [TAG], "timezone": "browser", "editable": True, "graphTooltip": 1,
-        "schemaVersion": SCHEMA_VERSION, "version": 1, "refresh": "30s",
-        "time": {"from": "now-1h", "to": "now"}, "timepicker": {},
-        "fiscalYearStartMonth": 0, "liveNow": False, "weekStart": "",
-        # Grafana adds its built-in annotation query itself when the list is empty.
-        "annotations": {"list": []},
-        "links": [{"title": "spanlet dashboards", "type": "dashboards", "tags": [TAG],
-                   "asDropdown": True, "includeVars": True, "keepTime": True,
-                   "icon": "external link", "tooltip": "", "url": "", "targetBlank": False}],
-        "templating": {"list": variables},
-        "panels": [layout.place(p) for p in panels],
-    }
 
 
 # -- (a) node overview: the 17 metrics of METRICS.md ----------------------------------
@@ -285,14 +43,23 @@ RATE = "[$__rate_interval]"
 
 @dataclass(frozen=True)
 class Metric:
+    """A node-overview panel of one METRICS.md metric; its name, help and
+    thresholds are the catalogue's."""
     number: int               # row of METRICS.md
-    family: str               # exported family (histograms: without _bucket)
     meaning: str              # what the panel shows, for its title
-    definition: str           # METRICS.md's definition, for the description
+    note: str                 # what the panel adds to the metric's help
     expr: str
     legend: str
     unit: str
-    extra: tuple[float, ...] = ()    # thresholds METRICS.md has beyond the alert rules
+
+    @property
+    def family(self) -> str:
+        return catalogue.by_number(self.number).name
+
+    @property
+    def description(self) -> str:
+        help_ = catalogue.by_number(self.number).help
+        return f"{self.family}: {help_}." + (f" {self.note}" if self.note else "")
 
 
 def _quantile(q: float, family: str, by: str, sel: str = W) -> str:
@@ -301,91 +68,87 @@ def _quantile(q: float, family: str, by: str, sel: str = W) -> str:
 
 
 METRICS = [
-    Metric(1, "spanlet_gpu_kernel_launches_total", "GPU kernel launches per second",
-           "Launches seen by the launch uprobes; nested runtime->driver calls count once.",
+    Metric(1, "GPU kernel launches per second",
+           "",
            f"sum by (node, namespace, pod, modality, api) "
            f"(rate(spanlet_gpu_kernel_launches_total{{{W}}}{RATE}))",
            "{{namespace}}/{{pod}} {{modality}} {{api}}", "ops"),
-    Metric(2, "spanlet_gpu_sync_wait_seconds", "CUDA sync wait p99 (GPU stall)",
-           "Time a thread spends inside a CUDA synchronisation call.",
+    Metric(2, "CUDA sync wait p99 (GPU stall)",
+           "The GPU stall of a request; the threshold is on the p99.",
            _quantile(0.99, "spanlet_gpu_sync_wait_seconds", "node, namespace, pod, modality"),
            "{{namespace}}/{{pod}} {{modality}}", "s"),
-    Metric(3, "spanlet_network_bytes_total", "Network bytes per second seen by TC",
-           "Bytes seen by the TC classifier by direction, protocol class and modality.",
+    Metric(3, "Network bytes per second seen by TC",
+           "By direction, protocol class and modality.",
            f"sum by (node, direction, protocol, modality) (rate(spanlet_network_bytes_total{{{N}}}{RATE}))",
-           "{{direction}} {{protocol}} {{modality}}", "Bps"),
-    Metric(4, "spanlet_jitter_sensitivity_score", "Jitter Sensitivity Score of media flows",
-           "Share of packets in the window whose inter-arrival deviation exceeds "
-           "tau_plc + delta_buffer (30 ms + 10 ms); RTP uses the RFC 3550 jitter.",
+           "{{direction}} {{protocol}} {{modality}}",
+           "Bps"),
+    Metric(4, "Jitter Sensitivity Score of media flows",
+           "tau_plc + delta_buffer: 30 ms + 10 ms by default; RTP uses the RFC 3550 jitter.",
            f"max by (node, protocol, modality) (spanlet_jitter_sensitivity_score{{{N}}})",
            "{{protocol}} {{modality}}", "percentunit"),
-    Metric(5, "spanlet_sandbox_violations_total", "mmap sandbox violations",
-           "Violations per interval by rule (unauthorized, write_on_readonly, exec, oversize) "
-           "and action (audit, kill); any violation is above the threshold. A series is born "
-           "at its first violation, already at 1, which increase() cannot see: the second arm "
+    Metric(5, "mmap sandbox violations",
+           "Per interval by rule (unauthorized, write_on_readonly, exec, oversize) and "
+           "action (audit, kill); any violation is above the threshold. A series is born at "
+           "its first violation, already at 1, which increase() cannot see: the second arm "
            "(as in the alert rule) counts a series that did not exist an interval ago.",
            f"sum by (node, namespace, pod, rule, action) "
            f"(increase(spanlet_sandbox_violations_total{{{W}}}{RATE}) or "
            f"(spanlet_sandbox_violations_total{{{W}}} unless "
            f"spanlet_sandbox_violations_total{{{W}}} offset $__rate_interval))",
            "{{namespace}}/{{pod}} {{rule}} {{action}}", "short"),
-    Metric(6, "spanlet_gpu_utilization_ratio", "GPU SM utilisation",
-           "SM utilisation 0..1 per GPU from NVML; feeds the schedulers.",
-           f"max by (node, gpu) (spanlet_gpu_utilization_ratio{{{N}}})", "{{node}} {{gpu}}",
-           "percentunit"),
-    Metric(7, "spanlet_gpu_memory_peak_ratio", "GPU memory peak (used / total)",
-           "Peak of used/total memory over the window per GPU (activation memory peak). "
-           "METRICS.md also asks for >= 1.2 GiB free, which is not exported as a metric.",
-           f"max by (node, gpu) (spanlet_gpu_memory_peak_ratio{{{N}}})", "{{node}} {{gpu}}",
-           "percentunit"),
-    Metric(8, "spanlet_gpu_pcie_utilization_ratio", "PCIe utilisation of link capacity",
-           "PCIe throughput / link capacity (generation x width) per GPU and direction.",
+    Metric(6, "GPU SM utilisation",
+           "Per GPU from NVML; feeds the schedulers.",
+           f"max by (node, gpu) (spanlet_gpu_utilization_ratio{{{N}}})",
+           "{{node}} {{gpu}}", "percentunit"),
+    Metric(7, "GPU memory peak (used / total)",
+           "Per GPU (activation memory peak). METRICS.md also asks for >= 1.2 GiB free, "
+           "which is not exported as a metric.",
+           f"max by (node, gpu) (spanlet_gpu_memory_peak_ratio{{{N}}})",
+           "{{node}} {{gpu}}", "percentunit"),
+    Metric(8, "PCIe utilisation of link capacity",
+           "Per GPU and direction.",
            f"max by (node, gpu, direction) (spanlet_gpu_pcie_utilization_ratio{{{N}}})",
            "{{gpu}} {{direction}}", "percentunit"),
-    Metric(9, "spanlet_request_duration_seconds", "Request duration p95 per SLO class",
-           "Duration of server-kind root spans; each class is drawn against its target.",
+    Metric(9, "Request duration p95 per SLO class",
+           "Each class is drawn against its target.",
            _quantile(0.95, "spanlet_request_duration_seconds", "node, namespace, modality, slo_class"),
            "{{slo_class}} {{modality}} {{namespace}} {{node}}", "s"),
-    Metric(10, "spanlet_time_to_first_token_seconds", "Time to first token p95",
-           "Span start to its first_token event (or gen_ai.server.time_to_first_token).",
+    Metric(10, "Time to first token p95",
+           "",
            _quantile(0.95, "spanlet_time_to_first_token_seconds",
                      "node, namespace, modality, slo_class"),
            "{{slo_class}} {{modality}} {{namespace}} {{node}}", "s"),
-    Metric(11, "spanlet_p99_latency_volatility_ratio", "p99 latency volatility",
-           "stddev / mean of the per-window p99 request duration over the last 12 windows.",
+    Metric(11, "p99 latency volatility",
+           "Over the last 12 windows by default (serving.volatility_windows).",
            f"max by (node, namespace, modality, slo_class) "
            f"(spanlet_p99_latency_volatility_ratio{{{W}}})",
            "{{slo_class}} {{modality}} {{namespace}} {{node}}", "percentunit"),
-    Metric(12, "spanlet_slo_compliance_ratio", "SLO compliance per class",
-           "Share of the window's requests that met their class target "
-           "(gold 200 ms, silver 500 ms, bronze 800 ms).",
+    Metric(12, "SLO compliance per class",
+           "Class targets: gold 200 ms, silver 500 ms, bronze 800 ms by default "
+           "(serving.slo_target_s).",
            f"min by (node, namespace, modality, slo_class) (spanlet_slo_compliance_ratio{{{W}}})",
            "{{slo_class}} {{modality}} {{namespace}} {{node}}", "percentunit"),
-    Metric(13, "spanlet_throughput_decay_ratio", "Throughput decay vs configured peak",
-           "1 - output tokens/s / configured peak tokens/s of the model; label bottleneck "
-           "names the cause (gpu_memory, pcie, kv_cache, none).",
+    Metric(13, "Throughput decay vs configured peak",
+           "Label bottleneck names the cause (gpu_memory, pcie, kv_cache, none).",
            f"max by (node, namespace, pod, model, bottleneck) "
            f"(spanlet_throughput_decay_ratio{{{W}}})",
            "{{namespace}}/{{pod}} {{model}} ({{bottleneck}})", "percentunit"),
-    Metric(14, "spanlet_modality_alignment_delay_seconds", "Audio/video alignment delay p95",
-           "|t_audio - t_video| - delta_sync (16.7 ms) per trace; 20 ms for frames, "
-           "120 ms for action-speech.",
+    Metric(14, "Audio/video alignment delay p95",
+           "delta_sync is 16.7 ms by default; the defaults are 20 ms for frames, 120 ms for "
+           "action-speech.",
            _quantile(0.95, "spanlet_modality_alignment_delay_seconds", "node, namespace"),
-           "{{namespace}} {{node}}", "s", extra=(ACTION_SPEECH_ALIGNMENT_S,)),
-    Metric(15, "spanlet_modality_degradations_total", "Modality fallbacks per second",
-           "Fallbacks (vision -> OCR text -> plain text) reported by spans; the alert "
-           "rule's default rate is drawn.",
+           "{{namespace}} {{node}}", "s"),
+    Metric(15, "Modality fallbacks per second",
+           "Vision -> OCR text -> plain text; the alert rule's default rate is drawn.",
            f"sum by (node, namespace, from, to) "
            f"(rate(spanlet_modality_degradations_total{{{W}}}{RATE}))",
            "{{namespace}} {{from}} -> {{to}}", "cps"),
-    Metric(16, "spanlet_embedding_drift_score", "Cross-modal embedding drift (CMSD)",
-           "stddev over 3 windows of the cosine distance between two modalities' "
-           "mean embeddings.",
+    Metric(16, "Cross-modal embedding drift (CMSD)",
+           "Over the last 3 windows by default (serving.drift_windows).",
            f"max by (node, namespace, pod, pair) (spanlet_embedding_drift_score{{{W}}})",
            "{{namespace}}/{{pod}} {{pair}}", "none"),
-    Metric(17, "spanlet_span_kernel_coverage_ratio", "Span <-> kernel join coverage",
-           "Share of spans joined to a kernel event (what=spans) and of kernel events that "
-           "found their span (what=events); the health of the join.",
+    Metric(17, "Span <-> kernel join coverage",
+           "The health of the join.",
            f"min by (node, what) (spanlet_span_kernel_coverage_ratio{{{N}}})",
            "{{what}} {{node}}", "percentunit"),
 ]
@@ -393,18 +156,11 @@ LAYERS = {1: "Kernel layer (eBPF): METRICS.md #1-#5", 6: "Device layer (NVML): #
           9: "Serving layer (spans joined with kernel events): #9-#17"}
 
 
-def metric_thresholds(m: Metric, rules: dict[str, list[Threshold]]) -> list[Threshold]:
-    found = list(rules.get(m.family, []))
-    if found and m.extra:
-        found += [Threshold(v, found[0].upper) for v in m.extra]
-    return found
-
-
-def metric_panel(m: Metric, rules: dict[str, list[Threshold]]) -> Panel:
-    th = metric_thresholds(m, rules)
+def metric_panel(m: Metric) -> Panel:
+    th = catalogue_thresholds(m.family)
     ratio = m.unit == "percentunit"
     return Panel("timeseries", f"#{m.number} {m.meaning} ({describe(th, m.unit)})",
-                 [prom(m.expr, m.legend)], description=f"{m.family}: {m.definition}",
+                 [prom(m.expr, m.legend)], description=m.description,
                  unit=m.unit, thresholds=th, min=0 if ratio or m.unit == "s" else None)
 
 
@@ -444,12 +200,12 @@ def agent_health() -> list[Panel]:
     ]
 
 
-def node_overview(rules: dict[str, list[Threshold]]) -> dict:
+def node_overview() -> dict:
     panels: list[Panel] = []
     for m in METRICS:
         if m.number in LAYERS:
             panels.append(row(LAYERS[m.number]))
-        panels.append(metric_panel(m, rules))
+        panels.append(metric_panel(m))
     panels += agent_health()
     ns = "label_values(spanlet_request_duration_seconds_count{node=~\"$node\"}, namespace)"
     pod = ("label_values(spanlet_request_duration_seconds_count"
@@ -469,8 +225,8 @@ SYNC = "spanlet_gpu_sync_wait_seconds"
 LAUNCHES = "spanlet_gpu_kernel_launches_total"
 
 
-def gpu(rules: dict[str, list[Threshold]]) -> dict:
-    sync_th = rules[SYNC]
+def gpu() -> dict:
+    sync_th = catalogue_thresholds(SYNC)
     panels = [
         row("Kernel launches (uprobes on libcuda / libcudart)"),
         Panel("timeseries", "Kernel launches per second by pod and modality",
@@ -512,7 +268,7 @@ def gpu(rules: dict[str, list[Threshold]]) -> dict:
     ]
     for m in METRICS:
         if m.number in (6, 7, 8):
-            p = metric_panel(m, rules)
+            p = metric_panel(m)
             for t in p.targets:
                 t["expr"] = t["expr"].replace(N, G)
             panels.append(p)
@@ -522,7 +278,7 @@ def gpu(rules: dict[str, list[Threshold]]) -> dict:
                                     "are absent.", thresholds=[Threshold(1, False)], w=6, h=6,
                         options={"graphMode": "none"}))
     panels.append(row("Span join and model throughput"))
-    panels += [metric_panel(m, rules) for m in METRICS if m.number in (17, 13)]
+    panels += [metric_panel(m) for m in METRICS if m.number in (17, 13)]
     return dashboard(
         "spanlet-gpu", "spanlet / GPU",
         "GPU kernel launches and synchronisation stalls per workload (eBPF uprobes), NVML "
@@ -544,9 +300,9 @@ PACKETS = "spanlet_network_packets_total"
 WEB = "http1|http2|websocket"
 
 
-def network(rules: dict[str, list[Threshold]]) -> dict:
+def network() -> dict:
     jss = next(m for m in METRICS if m.number == 4)
-    jss_th = rules[jss.family]
+    jss_th = catalogue_thresholds(jss.family)
     panels = [
         row("Traffic seen by the TC classifier (never dropped or altered)"),
         Panel("timeseries", "Bytes per second by direction",
@@ -582,7 +338,7 @@ def network(rules: dict[str, list[Threshold]]) -> dict:
         Panel("timeseries", f"Jitter Sensitivity Score ({describe(jss_th, jss.unit)})",
               [prom(f"max by (node, protocol, modality) ({jss.family}{{{F}}})",
                     "{{node}} {{protocol}} {{modality}}")],
-              description=f"{jss.family}: {jss.definition}", unit="percentunit",
+              description=jss.description, unit="percentunit",
               thresholds=jss_th, min=0, w=16),
         Panel("bargauge", f"JSS now by flow class ({describe(jss_th, jss.unit)})",
               [prom(f"max by (protocol, modality) ({jss.family}{{{F}}})", "{{protocol}} {{modality}}",
@@ -690,7 +446,7 @@ def sandbox_filters() -> str:
                          ch_in("Action", "action")])
 
 
-def sandbox(rules: dict[str, list[Threshold]]) -> dict:
+def sandbox() -> dict:
     # Integer counts: the default "any violation" (> 0) is drawn as >= 1.
     any_violation = [Threshold(1, True)]
     step = {"lineInterpolation": "stepAfter"}
@@ -766,7 +522,7 @@ def sandbox(rules: dict[str, list[Threshold]]) -> dict:
 
 # -- (e) request drill-down (ClickHouse) -----------------------------------------------------------
 
-def drilldown(rules: dict[str, list[Threshold]]) -> dict:
+def drilldown() -> dict:
     spans_where = span_filters()
     ev_where = " AND ".join(["$__timeFilter(Timestamp)", ch_in("K8sNamespace", "namespace"),
                              ch_in("K8sPodName", "pod"), trace_filter()])
@@ -869,8 +625,7 @@ BUILDERS = {"node-overview.json": node_overview, "gpu.json": gpu, "network.json"
 
 def build() -> dict[str, dict]:
     """file name -> dashboard JSON."""
-    rules = rule_thresholds()
-    return {name: fn(rules) for name, fn in BUILDERS.items()}
+    return {name: fn() for name, fn in BUILDERS.items()}
 
 
 def render(d: dict) -> str:

@@ -4,25 +4,24 @@ without NVML. One function per metric, named after it."""
 from __future__ import annotations
 
 from spanlet.metrics import Family, Sample, labels
+from spanlet.metrics.catalogue import family
 
 
 def spanlet_gpu_utilization_ratio(nvml) -> Family:
-    fam = Family("spanlet_gpu_utilization_ratio", "gauge", "SM utilisation 0..1", unit="ratio")
+    fam = family("spanlet_gpu_utilization_ratio")
     fam.samples = [Sample(labels(gpu=g), s.sm_utilization_ratio)
                    for g, s in sorted(nvml.snapshot().items()) if s.sm_utilization_ratio is not None]
     return fam
 
 
 def spanlet_gpu_memory_peak_ratio(peaks: dict[str, float]) -> Family:
-    fam = Family("spanlet_gpu_memory_peak_ratio", "gauge",
-                 "Peak of used/total GPU memory over the last window", unit="ratio")
+    fam = family("spanlet_gpu_memory_peak_ratio")
     fam.samples = [Sample(labels(gpu=g), r) for g, r in sorted(peaks.items())]
     return fam
 
 
 def spanlet_gpu_pcie_utilization_ratio(nvml) -> Family:
-    fam = Family("spanlet_gpu_pcie_utilization_ratio", "gauge",
-                 "PCIe throughput / link capacity (generation x width)", unit="ratio")
+    fam = family("spanlet_gpu_pcie_utilization_ratio")
     for g, s in sorted(nvml.snapshot().items()):
         if s.pcie_tx_ratio is not None:
             fam.samples.append(Sample(labels(gpu=g, direction="tx"), s.pcie_tx_ratio))

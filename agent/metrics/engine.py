@@ -10,14 +10,13 @@ from collections import defaultdict
 from typing import Callable
 
 from spanlet.metrics import Family, Sample, device, kernel, labels
+from spanlet.metrics.catalogue import family
 
 log = logging.getLogger(__name__)
 
 
 def spanlet_span_kernel_coverage_ratio(join) -> Family:
-    fam = Family("spanlet_span_kernel_coverage_ratio", "gauge",
-                 "Share of spans joined to a kernel event (what=spans) and of kernel events that "
-                 "found their span (what=events)", unit="ratio")
+    fam = family("spanlet_span_kernel_coverage_ratio")
     spans, evs = join.coverage()
     if spans is not None:
         fam.samples.append(Sample(labels(what="spans"), spans))
@@ -26,16 +25,16 @@ def spanlet_span_kernel_coverage_ratio(join) -> Family:
     return fam
 
 
-def _single(name: str, type_: str, help_: str, value: float, unit: str = "") -> Family:
-    return Family(name, type_, help_, unit, [Sample((), value)])
+def _single(name: str, value: float) -> Family:
+    return family(name, [Sample((), value)])
 
 
 def self_metrics(daemon) -> list[Family]:
     """Probes, join and export queues of the agent itself."""
-    attached = Family("spanlet_probe_attached", "gauge", "1 if the probe is attached")
-    failed = Family("spanlet_probe_failed_attachments", "gauge", "Attachments of the probe that failed")
-    read = Family("spanlet_events_read_total", "counter", "Ring-buffer records decoded")
-    dropped = Family("spanlet_events_dropped_total", "counter", "Ring-buffer records that found no room")
+    attached = family("spanlet_probe_attached")
+    failed = family("spanlet_probe_failed_attachments")
+    read = family("spanlet_events_read_total")
+    dropped = family("spanlet_events_dropped_total")
     for p in daemon.probes:
         lab = labels(probe=p.name)
         attached.samples.append(Sample(lab, 1 if p.status.attached else 0))
@@ -44,34 +43,23 @@ def self_metrics(daemon) -> list[Family]:
         dropped.samples.append(Sample(lab, p.events_dropped()))
     join = daemon.spans.join
     exp = daemon.spans.exporter.stats()
-    drops = Family("spanlet_export_dropped_spans_total", "counter", "Spans not exported upstream")
+    drops = family("spanlet_export_dropped_spans_total")
     drops.samples = [Sample(labels(reason=r), exp.get(f"dropped_{r}", 0))
                      for r in ("queue_full", "failed", "shutdown")]
     rx = daemon.spans.receiver.stats()
-    otlp_req = Family("spanlet_otlp_receiver_requests_total", "counter",
-                      "OTLP export requests by transport and outcome (ok, partial, invalid, "
-                      "too_large, not_received, timeout, malformed_http, ...)")
+    otlp_req = family("spanlet_otlp_receiver_requests_total")
     otlp_req.samples = [Sample(labels(transport=t, outcome=o), n)
                         for t, by in sorted(rx["requests"].items()) for o, n in sorted(by.items())]
-    otlp_rej = Family("spanlet_otlp_receiver_rejected_spans_total", "counter",
-                      "Spans the OTLP receiver refused, by reason")
+    otlp_rej = family("spanlet_otlp_receiver_rejected_spans_total")
     otlp_rej.samples = [Sample(labels(reason=r), n) for r, n in sorted(rx["spans_rejected"].items())]
     return [attached, failed, read, dropped, drops, *store_metrics(daemon), otlp_req, otlp_rej,
-            _single("spanlet_otlp_receiver_accepted_spans_total", "counter",
-                    "Spans the OTLP receiver passed on", rx["spans_accepted"]),
-            _single("spanlet_export_queue_bytes", "gauge",
-                    "Serialized bytes of spans waiting for upstream export",
-                    exp.get("queue_bytes", 0), unit="bytes"),
-            _single("spanlet_join_buffer_events", "gauge", "Kernel events waiting for their span",
-                    join.pending_events()),
-            _single("spanlet_join_evicted_events_total", "counter",
-                    "Kernel events whose span never came (TTL or size bound)", join.stats.events_evicted),
-            _single("spanlet_join_late_records_total", "counter",
-                    "Spans emitted for kernel events that came after their span", join.stats.late_records),
-            _single("spanlet_export_queue_spans", "gauge", "Spans waiting for upstream export",
-                    exp.get("queue_spans", 0)),
-            _single("spanlet_nvml_available", "gauge", "1 if NVML answers",
-                    1 if daemon.nvml.status.available else 0)]
+            _single("spanlet_otlp_receiver_accepted_spans_total", rx["spans_accepted"]),
+            _single("spanlet_export_queue_bytes", exp.get("queue_bytes", 0)),
+            _single("spanlet_join_buffer_events", join.pending_events()),
+            _single("spanlet_join_evicted_events_total", join.stats.events_evicted),
+            _single("spanlet_join_late_records_total", join.stats.late_records),
+            _single("spanlet_export_queue_spans", exp.get("queue_spans", 0)),
+            _single("spanlet_nvml_available", 1 if daemon.nvml.status.available else 0)]
 
 
 STORE_TABLES = ("otel_traces", "kernel_events", "metric_samples")
@@ -88,18 +76,13 @@ def store_metrics(daemon) -> list[Family]:
     by_table = st["dropped_rows_by_table"]
     keys = {(t, r) for t in STORE_TABLES for r in STORE_DROP_REASONS}
     keys |= {(t, r) for t, reasons in by_table.items() for r in reasons}
-    drops = Family("spanlet_store_dropped_rows_total", "counter",
-                   "Rows that never reached the store (spool_full: memory queue and spool at "
-                   "their bounds; rejected: refused by the store)")
+    drops = family("spanlet_store_dropped_rows_total")
     drops.samples = [Sample(labels(table=t, reason=r), by_table.get(t, {}).get(r, 0))
                      for t, r in sorted(keys)]
     return [drops,
-            _single("spanlet_store_queue_rows", "gauge", "Rows waiting in memory for the store",
-                    st["queued_rows"]),
-            _single("spanlet_store_spool_bytes", "gauge", "Bytes spooled on disk for the store",
-                    st["spooled_bytes"], unit="bytes"),
-            _single("spanlet_store_events_overflow_total", "counter",
-                    "Kernel events dropped before the store's queue", store.events_overflow)]
+            _single("spanlet_store_queue_rows", st["queued_rows"]),
+            _single("spanlet_store_spool_bytes", st["spooled_bytes"]),
+            _single("spanlet_store_events_overflow_total", store.events_overflow)]
 
 
 class MetricEngine:
@@ -146,6 +129,9 @@ class MetricEngine:
             out += self._guard("mmap_sandbox", lambda: [
                 kernel.spanlet_sandbox_violations_total(sb, self._workload),
                 *kernel.sandbox_self_metrics(sb, self._workload)])
+        span_ctx = self._probe("span_ctx")
+        if span_ctx is not None:
+            out += self._guard("span_ctx", lambda: [kernel.spanlet_span_marks_total(span_ctx)])
         if d.nvml.status.available:
             out += self._guard("nvml", lambda: [
                 device.spanlet_gpu_utilization_ratio(d.nvml),
@@ -159,7 +145,7 @@ class MetricEngine:
         if scheduler is not None:
             out += self._guard("scheduler", lambda: [scheduler_batch_size_hint(scheduler)])
         out += self._guard("self", lambda: self_metrics(d))
-        errors = Family("spanlet_scrape_errors_total", "counter", "Metric sources that failed")
+        errors = family("spanlet_scrape_errors_total")
         with self._lock:
             errors.samples = [Sample(labels(source=s), n) for s, n in sorted(self.scrape_errors.items())]
         out.append(errors)
@@ -167,8 +153,7 @@ class MetricEngine:
 
 
 def scheduler_batch_size_hint(scheduler) -> Family:
-    fam = Family("spanlet_scheduler_batch_size_hint", "gauge",
-                 "Batch size hint per modality for the serving stack's schedulers")
+    fam = family("spanlet_scheduler_batch_size_hint")
     for modality, hint in sorted(scheduler.hints()["hints"].items()):
         fam.samples.append(Sample(labels(modality=modality), hint["batch_size"]))
     return fam

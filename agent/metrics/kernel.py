@@ -7,6 +7,7 @@ from collections import defaultdict
 from typing import Callable
 
 from spanlet.metrics import Family, HistogramSample, Sample, labels
+from spanlet.metrics.catalogue import family
 
 # The kernel keeps log2 µs buckets of sync waits (bucket i: below 2^i µs);
 # every second one is exported: 1 µs × 4^n, up to ~67 s.
@@ -19,8 +20,7 @@ Workload = Callable[[int], dict[str, str]]   # cgroup id → namespace, pod, con
 
 
 def spanlet_gpu_kernel_launches_total(gpu, workload: Workload) -> Family:
-    fam = Family("spanlet_gpu_kernel_launches_total", "counter",
-                 "GPU kernel launches seen by the launch uprobes (nested runtime->driver calls once)")
+    fam = family("spanlet_gpu_kernel_launches_total")
     sums: dict = defaultdict(int)
     for (cgroup, modality, api), n in gpu.launches().items():
         sums[labels(**workload(cgroup), modality=modality.name, api=api.name)] += n
@@ -29,8 +29,7 @@ def spanlet_gpu_kernel_launches_total(gpu, workload: Workload) -> Family:
 
 
 def spanlet_gpu_sync_wait_seconds(gpu, workload: Workload) -> Family:
-    fam = Family("spanlet_gpu_sync_wait_seconds", "histogram",
-                 "Time threads spent inside CUDA synchronisation calls", unit="seconds")
+    fam = family("spanlet_gpu_sync_wait_seconds")
     stats = gpu.sync_wait()
     acc: dict = {}
     for key, kernel_buckets in gpu.sync_wait_buckets().items():
@@ -54,10 +53,8 @@ def spanlet_gpu_sync_wait_seconds(gpu, workload: Workload) -> Family:
 
 
 def spanlet_network_bytes_total(tc) -> list[Family]:
-    nbytes = Family("spanlet_network_bytes_total", "counter", "Bytes seen by the TC classifier",
-                    unit="bytes")
-    packets = Family("spanlet_network_packets_total", "counter",
-                     "Packets seen by the TC classifier")
+    nbytes = family("spanlet_network_bytes_total")
+    packets = family("spanlet_network_packets_total")
     for (direction, proto, modality), (p, b) in sorted(tc.totals().items()):
         lab = labels(direction=direction, protocol=proto, modality=modality)
         nbytes.samples.append(Sample(lab, b))
@@ -66,9 +63,7 @@ def spanlet_network_bytes_total(tc) -> list[Family]:
 
 
 def spanlet_jitter_sensitivity_score(tc) -> Family:
-    fam = Family("spanlet_jitter_sensitivity_score", "gauge",
-                 "Share of media packets in the window whose inter-arrival deviation exceeds "
-                 "tau_plc + delta_buffer", unit="ratio")
+    fam = family("spanlet_jitter_sensitivity_score")
     fam.samples = [Sample(labels(protocol=p, modality=m), st.jss)
                    for (p, m), st in sorted(tc.jitter().items())]
     return fam
@@ -87,35 +82,31 @@ def spanlet_sandbox_violations_total(sandbox, workload: Workload) -> Family:
     counts: dict = defaultdict(int, sandbox.violations())
     for key, n in sandbox.sweep_violations().items():
         counts[key] += n
-    return _violations(Family("spanlet_sandbox_violations_total", "counter",
-                              "mmap sandbox violations"), counts, workload)
+    return _violations(family("spanlet_sandbox_violations_total"), counts, workload)
 
 
 def sandbox_self_metrics(sandbox, workload: Workload) -> list[Family]:
     """How the sandbox saw what it judged: late (sweep), unresolved, adopted."""
     return [
-        _violations(Family("spanlet_sandbox_sweep_violations_total", "counter",
-                           "Violations of #5 found by the /proc sweep, not at the mmap call "
-                           "(links, relative paths, inherited or dup'd fds, mprotect)"),
+        _violations(family("spanlet_sandbox_sweep_violations_total"),
                     sandbox.sweep_violations(), workload),
-        Family("spanlet_sandbox_unresolved_opens_total", "counter",
-               "Opens under a prefix with a '..' component, left to the sweep",
-               samples=[Sample((), sandbox.unresolved_opens())]),
-        Family("spanlet_sandbox_adopted_fds_total", "counter",
-               "Pool fds the sweep found and handed to the kernel",
-               samples=[Sample((), sandbox.adopted_fds)]),
-        Family("spanlet_sandbox_sweep_seconds", "gauge", "Duration of the last /proc sweep",
-               unit="seconds", samples=[Sample((), sandbox.sweep_seconds)]),
+        family("spanlet_sandbox_unresolved_opens_total", [Sample((), sandbox.unresolved_opens())]),
+        family("spanlet_sandbox_untracked_fds_total", [Sample((), sandbox.untracked_fds())]),
+        family("spanlet_sandbox_adopted_fds_total", [Sample((), sandbox.adopted_fds)]),
+        family("spanlet_sandbox_sweep_seconds", [Sample((), sandbox.sweep_seconds)]),
     ]
+
+
+def spanlet_span_marks_total(span_ctx) -> Family:
+    """Marker calls the span context uprobe saw: zero while spans flow means
+    the marker is not attached in the serving processes."""
+    return family("spanlet_span_marks_total", [Sample((), span_ctx.marks())])
 
 
 def tc_self_metrics(tc) -> list[Family]:
     """Packets and headers the classifier looked at and did not use, by reason."""
-    rejected = Family("spanlet_tc_rejected_total", "counter",
-                      "Headers and datagrams refused (invalid, truncated or duplicate "
-                      "traceparent, invalid RTP, unknown RTP payload type, impossible headers)")
+    rejected = family("spanlet_tc_rejected_total")
     rejected.samples = [Sample(labels(reason=r), n) for r, n in sorted(tc.rejected().items())]
-    uncounted = Family("spanlet_tc_uncounted_packets_total", "counter",
-                       "TCP/UDP packets not counted (IP fragments, headers outside linear data)")
+    uncounted = family("spanlet_tc_uncounted_packets_total")
     uncounted.samples = [Sample(labels(reason=r), n) for r, n in sorted(tc.uncounted().items())]
     return [rejected, uncounted]

@@ -7,7 +7,7 @@ export time. Windows are windows of arrival (the agent's clock), not of span
 timestamps: a span counts in the window in which it reached the agent.
 
 Readings of METRICS.md that the code rests on (every threshold is a field of
-`ServingSettings`):
+`spanlet.config.ServingSettings`, checked where it is made):
 
 - A *request* (#9, #12) is a span of kind SERVER whose parent is not a local span:
   no `parent_span_id`, or span flags with SPAN_FLAGS_CONTEXT_IS_REMOTE (0x200)
@@ -79,17 +79,18 @@ import random
 import statistics
 import threading
 from array import array
-from bisect import bisect_left
-from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass, field, fields
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from itertools import combinations
-from types import MappingProxyType
 from typing import Iterable, Mapping
 
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from spanlet.metrics import Family, HistogramSample, Labels, Sample, labels
+from spanlet.metrics import Family, Labels, Sample, labels
+from spanlet.metrics.catalogue import family
+from spanlet.metrics.windows import (EMBEDDING_ZERO_NORM, _Histograms, _LabelLimiter, _Reject,
+                                     _Reservoir, _WindowHistory, cosine_distance, percentile_linear)
 
 MODALITIES = ("text", "image", "audio", "video", "other")
 
@@ -114,8 +115,6 @@ SPAN_FLAGS_CONTEXT_IS_REMOTE = trace_pb2.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK      
 
 SLO_NONE = "none"        # no slo.class attribute
 SLO_OTHER = "other"      # a class without a configured target
-OVERFLOW = "overflow"    # a free-text label value past the limiter's cap
-MAX_LABEL_CHARS = 128
 
 # Why a contribution did not count (label `reason`); all are always exported.
 MISSING_TIMESTAMP = "missing_timestamp"
@@ -128,101 +127,10 @@ MISSING_ATTRIBUTE = "missing_attribute"
 EMBEDDING_EMPTY = "embedding_empty"
 EMBEDDING_TOO_LARGE = "embedding_too_large"
 EMBEDDING_DIMS_MISMATCH = "embedding_dims_mismatch"
-EMBEDDING_ZERO_NORM = "embedding_zero_norm"
 ALIGNMENT_EVICTED = "alignment_evicted"
 REJECT_REASONS = (MISSING_TIMESTAMP, END_BEFORE_START, NOT_FINITE, NEGATIVE_VALUE, OUT_OF_RANGE,
                   WRONG_TYPE, MISSING_ATTRIBUTE, EMBEDDING_EMPTY, EMBEDDING_TOO_LARGE,
                   EMBEDDING_DIMS_MISMATCH, EMBEDDING_ZERO_NORM, ALIGNMENT_EVICTED)
-
-
-@dataclass(frozen=True)
-class ServingSettings:
-    """Defaults of the `serving` config section; ServingMetrics also takes any
-    object with these attributes (the daemon's cfg.serving)."""
-    # Length of a window; the daemon calls roll() at this period.
-    window_s: float = 10.0
-    # #11: closed windows the p99 volatility looks back over.
-    volatility_windows: int = 12
-    # #12: latency target per SLO class, seconds.
-    slo_target_s: Mapping[str, float] = field(
-        default_factory=lambda: {"gold": 0.2, "silver": 0.5, "bronze": 0.8})
-    # #12: the compliance each class must reach (alert thresholds, not used here).
-    slo_min_compliance_ratio: Mapping[str, float] = field(
-        default_factory=lambda: {"gold": 0.95, "silver": 0.85})
-    # #13: peak output tokens/s per model (gen_ai.request.model); no entry, no TDR.
-    peak_tokens_per_s: Mapping[str, float] = field(default_factory=dict)
-    # #13: the three-level bottleneck rule.
-    memory_bottleneck_ratio: float = 0.95
-    pcie_bottleneck_ratio: float = 0.85
-    kv_cache_bottleneck_ratio: float = 0.70
-    # #14: audio/video sync tolerance, and the bounds on traces awaiting a partner.
-    delta_sync_s: float = 0.0167
-    alignment_ttl_s: float = 30.0
-    alignment_max_pending: int = 10_000
-    # #16: closed windows of the drift stddev; embeddings sampled per window,
-    # modality and pod; the largest embedding accepted.
-    drift_windows: int = 3
-    embedding_samples_per_window: int = 32
-    embedding_max_dims: int = 4096
-    # #9/#10: longer durations are rejected as out_of_range.
-    max_duration_s: float = 86_400.0
-    # #11: request durations kept per series and window (uniform sample beyond).
-    max_window_durations: int = 10_000
-    # Cardinality: live values per free-text label; idle series are dropped.
-    max_label_values: int = 256
-    series_idle_s: float = 3600.0
-    # Histogram upper bounds (seconds). They hold the thresholds of METRICS.md
-    # and the scheduler feed (4/8 ms audio p95, class targets, TTFT 0.4 s,
-    # alignment 20/120 ms) so that those can be read off the buckets.
-    request_duration_bounds_s: tuple[float, ...] = (
-        0.002, 0.004, 0.008, 0.016, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.8,
-        1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
-    time_to_first_token_bounds_s: tuple[float, ...] = (
-        0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
-    alignment_delay_bounds_s: tuple[float, ...] = (
-        0.0, 0.005, 0.01, 0.02, 0.04, 0.08, 0.12, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, Mapping):
-                object.__setattr__(self, f.name, MappingProxyType(dict(v)))
-            elif isinstance(v, list):
-                object.__setattr__(self, f.name, tuple(v))
-        check_settings(self)
-
-
-def check_settings(s) -> None:
-    """ValueError naming the key for settings no metric could work with."""
-    def need(ok: bool, key: str, what: str) -> None:
-        if not ok:
-            raise ValueError(f"serving.{key}: {what}")
-    for key in ("window_s", "alignment_ttl_s", "max_duration_s", "series_idle_s"):
-        need(getattr(s, key) > 0, key, "must be > 0")
-    for key in ("volatility_windows", "drift_windows"):
-        need(getattr(s, key) >= 2, key, "must be >= 2 (a stddev needs two windows)")
-    for key in ("alignment_max_pending", "embedding_samples_per_window", "embedding_max_dims",
-                "max_window_durations", "max_label_values"):
-        need(getattr(s, key) >= 1, key, "must be >= 1")
-    for key in ("memory_bottleneck_ratio", "pcie_bottleneck_ratio", "kv_cache_bottleneck_ratio"):
-        need(0 <= getattr(s, key) <= 1, key, "must be in 0..1")
-    need(s.delta_sync_s >= 0, "delta_sync_s", "must be >= 0")
-    for key in ("slo_target_s", "peak_tokens_per_s"):
-        for name, v in getattr(s, key).items():
-            need(math.isfinite(v) and v > 0, f"{key}.{name}", "must be a finite number > 0")
-    for key in ("request_duration_bounds_s", "time_to_first_token_bounds_s",
-                "alignment_delay_bounds_s"):
-        b = list(getattr(s, key))
-        need(bool(b) and all(math.isfinite(x) for x in b)
-             and all(x < y for x, y in zip(b, b[1:])), key,
-             "must be finite upper bounds in strictly ascending order")
-
-
-class _Reject(Exception):
-    """A contribution that does not count; `reason` is one of REJECT_REASONS."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
 
 
 # -- value checks ----------------------------------------------------------------
@@ -293,127 +201,6 @@ def _vector(values) -> array:
     return out
 
 
-def percentile_linear(xs: Iterable[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation between closest
-    ranks: numpy.percentile(xs, q, method="linear")."""
-    s = sorted(xs)
-    h = (len(s) - 1) * q / 100.0
-    lo = math.floor(h)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (h - lo) * (s[hi] - s[lo])
-
-
-def cosine_distance(a, b) -> float:
-    """1 - cos(a, b); raises _Reject for a zero vector."""
-    na = math.sqrt(math.fsum(x * x for x in a))
-    nb = math.sqrt(math.fsum(x * x for x in b))
-    if na == 0 or nb == 0:
-        raise _Reject(EMBEDDING_ZERO_NORM)
-    return 1.0 - math.fsum(x * y for x, y in zip(a, b)) / (na * nb)
-
-
-# -- shared pieces ---------------------------------------------------------------
-
-class _Reservoir:
-    """Uniform sample of at most `cap` items (algorithm R). `slot()` says where
-    the next item goes, or None, before the caller pays for building it."""
-
-    __slots__ = ("cap", "items", "seen")
-
-    def __init__(self, cap: int, items=None):
-        self.cap = cap
-        self.items = [] if items is None else items
-        self.seen = 0
-
-    def slot(self, rng: random.Random) -> int | None:
-        self.seen += 1
-        if len(self.items) < self.cap:
-            return len(self.items)
-        j = rng.randrange(self.seen)
-        return j if j < self.cap else None
-
-    def put(self, slot: int, item) -> None:
-        if slot == len(self.items):
-            self.items.append(item)
-        else:
-            self.items[slot] = item
-
-    def retract(self) -> None:
-        """The item of the last slot() turned out bad: it was never seen."""
-        self.seen -= 1
-
-
-class _Histograms:
-    """Cumulative histograms by label set; series idle past a cutoff are dropped."""
-
-    def __init__(self, bounds: Iterable[float]):
-        self.bounds = tuple(bounds)
-        self._series: dict[Labels, list] = {}     # labels -> [bucket counts, sum, count, last]
-
-    def observe(self, lab: Labels, x: float, now: float) -> None:
-        s = self._series.get(lab)
-        if s is None:
-            s = self._series[lab] = [[0] * (len(self.bounds) + 1), 0.0, 0, now]
-        s[0][bisect_left(self.bounds, x)] += 1    # x <= bound falls in that bound's bucket
-        s[1] += x
-        s[2] += 1
-        s[3] = now
-
-    def expire(self, cutoff: float) -> None:
-        for lab in [k for k, s in self._series.items() if s[3] < cutoff]:
-            del self._series[lab]
-
-    def samples(self) -> list[HistogramSample]:
-        return [HistogramSample(lab, self.bounds, tuple(s[0]), s[1], s[2])
-                for lab, s in sorted(self._series.items())]
-
-
-class _WindowHistory:
-    """The last n closed windows' values per series (None: nothing that window);
-    a series with nothing in all of them is forgotten."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self._h: dict[Labels, deque] = {}
-
-    def push(self, values: Mapping[Labels, float]) -> None:
-        for lab in values.keys() - self._h.keys():
-            self._h[lab] = deque(maxlen=self.n)
-        for lab, hist in list(self._h.items()):
-            hist.append(values.get(lab))
-            if all(v is None for v in hist):
-                del self._h[lab]
-
-    def defined(self) -> Iterable[tuple[Labels, list[float]]]:
-        for lab, hist in sorted(self._h.items()):
-            yield lab, [v for v in hist if v is not None]
-
-
-class _LabelLimiter:
-    """At most `cap` live values per free-text label; more fold into OVERFLOW
-    (counted). Values not seen for `idle_s` are forgotten at prune()."""
-
-    def __init__(self, cap: int, idle_s: float):
-        self.cap, self.idle_s = cap, idle_s
-        self._seen: dict[str, dict[str, float]] = {}
-        self.overflows: Counter = Counter()
-
-    def value(self, label: str, value: str, now: float) -> str:
-        value = value[:MAX_LABEL_CHARS]
-        seen = self._seen.setdefault(label, {})
-        if value in seen or len(seen) < self.cap:
-            seen[value] = now
-            return value
-        self.overflows[label] += 1
-        return OVERFLOW
-
-    def prune(self, now: float) -> None:
-        cutoff = now - self.idle_s
-        for seen in self._seen.values():
-            for v in [v for v, t in seen.items() if t < cutoff]:
-                del seen[v]
-
-
 @dataclass(frozen=True, order=True)
 class _Workload:
     namespace: str
@@ -451,9 +238,7 @@ class RequestDurationSeconds:
         return closed
 
     def family(self) -> Family:
-        return Family("spanlet_request_duration_seconds", "histogram",
-                      "Duration of server-kind root spans (requests)", "seconds",
-                      self.hist.samples())
+        return family("spanlet_request_duration_seconds", self.hist.samples())
 
 
 class TimeToFirstTokenSeconds:
@@ -480,9 +265,7 @@ class TimeToFirstTokenSeconds:
         return x
 
     def family(self) -> Family:
-        return Family("spanlet_time_to_first_token_seconds", "histogram",
-                      "Span start to the first_token event (or gen_ai.server.time_to_first_token)",
-                      "seconds", self.hist.samples())
+        return family("spanlet_time_to_first_token_seconds", self.hist.samples())
 
 
 class P99LatencyVolatilityRatio:
@@ -501,9 +284,7 @@ class P99LatencyVolatilityRatio:
                 self.values.append(Sample(lab, statistics.pstdev(p99s) / mean))
 
     def family(self) -> Family:
-        return Family("spanlet_p99_latency_volatility_ratio", "gauge",
-                      "Stddev / mean of the per-window p99 request duration over the last windows",
-                      "ratio", list(self.values))
+        return family("spanlet_p99_latency_volatility_ratio", list(self.values))
 
 
 class SloComplianceRatio:
@@ -527,9 +308,7 @@ class SloComplianceRatio:
         self.window = {}
 
     def family(self) -> Family:
-        return Family("spanlet_slo_compliance_ratio", "gauge",
-                      "Share of the window's requests that met their SLO class target", "ratio",
-                      list(self.values))
+        return family("spanlet_slo_compliance_ratio", list(self.values))
 
 
 class ThroughputDecayRatio:
@@ -580,9 +359,7 @@ class ThroughputDecayRatio:
         self.tokens, self.kv_max = {}, {}
 
     def family(self) -> Family:
-        return Family("spanlet_throughput_decay_ratio", "gauge",
-                      "1 - observed output tokens/s / configured peak tokens/s of the model",
-                      "ratio", list(self.values))
+        return family("spanlet_throughput_decay_ratio", list(self.values))
 
 
 class ModalityAlignmentDelaySeconds:
@@ -633,9 +410,7 @@ class ModalityAlignmentDelaySeconds:
         return len(self._waiting)
 
     def family(self) -> Family:
-        return Family("spanlet_modality_alignment_delay_seconds", "histogram",
-                      "max(0, |pts_audio - pts_video| - delta_sync) per trace", "seconds",
-                      self.hist.samples())
+        return family("spanlet_modality_alignment_delay_seconds", self.hist.samples())
 
 
 class ModalityDegradationsTotal:
@@ -654,9 +429,8 @@ class ModalityDegradationsTotal:
             del self.counts[lab]
 
     def family(self) -> Family:
-        return Family("spanlet_modality_degradations_total", "counter",
-                      "Modality fallbacks reported by spans (mm.degraded_from -> mm.degraded_to)",
-                      "", [Sample(lab, c[0]) for lab, c in sorted(self.counts.items())])
+        return family("spanlet_modality_degradations_total",
+                      [Sample(lab, c[0]) for lab, c in sorted(self.counts.items())])
 
 
 class EmbeddingDriftScore:
@@ -720,9 +494,7 @@ class EmbeddingDriftScore:
         return left_out
 
     def family(self) -> Family:
-        return Family("spanlet_embedding_drift_score", "gauge",
-                      "CMSD: stddev over the last windows of the cosine distance between two "
-                      "modalities' mean embeddings", "", list(self.values))
+        return family("spanlet_embedding_drift_score", list(self.values))
 
 
 # -- the engine ------------------------------------------------------------------
@@ -763,13 +535,12 @@ class ServingMetrics:
     roll and families; a batch holds it ~3 µs per span without triggers, ~20 µs
     for a request span, ~1 ms per sampled 1024-d embedding (K per window).
 
-    `start`: the beginning of the first window on the caller's clock (the same
+    `settings`: a spanlet.config.ServingSettings, or any object with its
+    attributes. `start`: the beginning of the first window on the caller's clock (the same
     clock as `now`); without it the first window starts at the first call."""
 
-    def __init__(self, settings=None, start: float | None = None):
-        s = ServingSettings() if settings is None else settings
-        check_settings(s)
-        self.s = s
+    def __init__(self, settings, start: float | None = None):
+        s = self.s = settings
         rng = random.Random(0)        # sampling need not be unpredictable, only uniform
         self._lock = threading.Lock()
         self._window_start = start
@@ -907,13 +678,10 @@ class ServingMetrics:
 
     def families(self) -> list[Family]:
         with self._lock:
-            rejected = Family("spanlet_serving_rejected_total", "counter",
-                              "Span contributions to the serving metrics that did not count, "
-                              "by reason", "",
+            rejected = family("spanlet_serving_rejected_total",
                               [Sample(labels(reason=r), n)
                                for r, n in self._rejected_locked().items()])
-            overflow = Family("spanlet_serving_label_overflow_total", "counter",
-                              "Label values folded into 'overflow' by the cardinality limit", "",
+            overflow = family("spanlet_serving_label_overflow_total",
                               [Sample(labels(label=k), n)
                                for k, n in sorted(self._limiter.overflows.items())])
             return [self.request_duration.family(), self.time_to_first_token.family(),

@@ -1,17 +1,26 @@
 """Fake metric sources for the Prometheus collector's tests: a probe's read
-side and the daemon parts the metric engine reads, with known values."""
+side and the daemon parts the metric engine reads, with known values; and a
+daemon with every source at once, real serving metrics, scheduler and join."""
 
 from __future__ import annotations
 
+import random
+import time
 from types import SimpleNamespace
 
+from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client import CollectorRegistry
 
-from spanlet import config
+from spanlet import config, events
+from spanlet.config import ServingSettings
 from spanlet.exporters.prometheus import SpanletCollector
 from spanlet.join import SpanJoin
 from spanlet.metrics.engine import MetricEngine
+from spanlet.metrics.serving import ServingMetrics
+from spanlet.nvml import GpuSample
 from spanlet.probes.base import ProbeStatus
+from spanlet.probes.tc import JitterStats
+from spanlet.scheduler import Scheduler, WindowInputs
 
 
 class FakeProbe:
@@ -26,6 +35,8 @@ class FakeProbe:
         self.sweep_seconds = 0.0
         self.sweep_violations = dict
         self.unresolved_opens = int
+        self.untracked_fds = int
+        self.marks = int
         self.rejected = dict
         self.uncounted = dict
         for k, v in methods.items():
@@ -54,3 +65,77 @@ def registry(d):
     reg = CollectorRegistry()
     reg.register(SpanletCollector(MetricEngine(d), d.cfg.node_name))
     return reg
+
+
+def every_source_daemon():
+    """Every source the metric engine reads, each with at least one series:
+    kernel probes and NVML stood in, a store's stats, real serving metrics
+    after three windows, a scheduler after one update, a span joined."""
+    gpu_buckets = [0] * 32
+    gpu_buckets[12] = 2
+    key = (11, events.Modality.image, events.Api.driver)
+    gpu = FakeProbe("gpu_launch", launches=lambda: {key: 5}, sync_wait=lambda: {key: (2, 5_000_000)},
+                    sync_wait_buckets=lambda: {key: gpu_buckets})
+    tc = FakeProbe("tc_classify", totals=lambda: {("ingress", "rtp", "audio"): (10, 1420)},
+                   jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)},
+                   rejected=lambda: {"rtp_invalid": 1}, uncounted=lambda: {"fragment": 1})
+    sb = FakeProbe("mmap_sandbox", violations=lambda: {(11, "exec", "kill"): 1},
+                   sweep_violations=lambda: {(11, "exec", "audit"): 1})
+    span_ctx = FakeProbe("span_ctx", marks=lambda: 4)
+    d = daemon([gpu, tc, sb, span_ctx], nvml_available=True)
+    sample = GpuSample("GPU-0", 0, sm_utilization_ratio=0.5, memory_used_bytes=1, memory_total_bytes=2,
+                       memory_free_bytes=1, pcie_tx_ratio=0.1, pcie_rx_ratio=0.2)
+    d.nvml.snapshot = lambda: {"GPU-0": sample}
+    d.memory_peaks = {"GPU-0": 0.5}
+    d.serving = serving_with_every_metric()
+    d.scheduler = Scheduler()
+    d.scheduler.update(WindowInputs(), time.time())
+    d.store = SimpleNamespace(events_overflow=1, sink=SimpleNamespace(stats=lambda: {
+        "dropped_rows_by_table": {}, "queued_rows": 2, "spooled_bytes": 3}))
+    join_one_span(d.spans.join)
+    return d
+
+
+def _attr(span, key, value):
+    kv = span.attributes.add(key=key)
+    if isinstance(value, str):
+        kv.value.string_value = value
+    elif isinstance(value, list):
+        for x in value:
+            kv.value.array_value.values.add().double_value = x
+    else:
+        kv.value.int_value = value
+
+
+def serving_with_every_metric() -> ServingMetrics:
+    """Real serving metrics after three windows of spans that carry every trigger."""
+    s = ServingMetrics(ServingSettings(peak_tokens_per_s={"m": 1000.0}), start=0.0)
+    rnd = random.Random(1)
+    for w in range(3):
+        rs = trace_pb2.ResourceSpans()
+        for k, v in (("k8s.namespace.name", "ns"), ("k8s.pod.name", "pod")):
+            rs.resource.attributes.add(key=k).value.string_value = v
+        ss = rs.scope_spans.add()
+        trace = rnd.randbytes(16)
+        for i, modality in enumerate(("audio", "video")):
+            span = ss.spans.add(trace_id=trace, span_id=rnd.randbytes(8), name="infer",
+                                kind=trace_pb2.Span.SPAN_KIND_SERVER,
+                                start_time_unix_nano=10**18, end_time_unix_nano=10**18 + (w + 1) * 10**7)
+            span.events.add(name="first_token", time_unix_nano=10**18 + 10**6)
+            for key, value in (("mm.modality", modality), ("slo.class", "gold"),
+                               ("gen_ai.request.model", "m"), ("gen_ai.usage.output_tokens", 100),
+                               ("mm.pts_ns", 10**9 + i * 50_000_000), ("mm.degraded_from", "image"),
+                               ("mm.degraded_to", "text"), ("mm.embedding", [1.0, w + i + 0.5])):
+                _attr(span, key, value)
+        s.observe([rs], now=w * 10.0 + 1)
+        s.roll(now=(w + 1) * 10.0)
+    return s
+
+
+def join_one_span(join: SpanJoin) -> None:
+    ev = events.GpuSync()
+    ev.hdr.kind, ev.hdr.span_id = events.Kind.GPU_SYNC, 7
+    ev.hdr.trace_id[:] = list(range(16))
+    join.add_event(ev)
+    join.join([trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=[
+        trace_pb2.Span(trace_id=bytes(range(16)), span_id=(7).to_bytes(8, "big"))])])])

@@ -14,7 +14,6 @@ import copy
 import enum
 import importlib.util
 import json
-import random
 import re
 import shutil
 import socket
@@ -40,14 +39,12 @@ from prometheus_client.parser import text_string_to_metric_families
 import grafana_queries as gq
 from spanlet import admin, events
 from spanlet.join import SpanJoin
-from spanlet.metrics.serving import ServingMetrics, ServingSettings
-from spanlet.nvml import GpuSample
-from spanlet.scheduler import Scheduler, WindowInputs
+from spanlet.metrics import catalogue
 from spanlet.exporters.clickhouse import rows, schema
 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
 from spanlet.exporters.clickhouse.sink import ClickHouseSink
 from spanlet.exporters.prometheus import AgentHttpServer
-from collector_fakes import FakeProbe, daemon as collector_daemon, registry
+from collector_fakes import every_source_daemon, registry
 from metrics_md import THRESHOLDS as METRICS_MD_THRESHOLDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -296,16 +293,15 @@ def test_clickhouse_targets_follow_the_plugin_query_model():
 # -- PromQL ------------------------------------------------------------------------------
 
 def agent_families() -> dict[str, str]:
-    """family name -> type, read from the code: every Family(...) and
-    _single(...) with literal name and type in agent/metrics."""
+    """family name -> type, read from the code: every family(...) and
+    _single(...) with a literal name in agent/metrics, typed by the catalogue."""
     out = {}
     for path in (ROOT / "agent" / "metrics").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("Family", "_single")
-                    and len(node.args) >= 2
-                    and all(isinstance(a, ast.Constant) and isinstance(a.value, str)
-                            for a in node.args[:2])):
-                out[node.args[0].value] = node.args[1].value
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("family", "_single")
+                    and node.args and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str)):
+                out[node.args[0].value] = catalogue.BY_NAME[node.args[0].value].type
     return out
 
 
@@ -368,29 +364,10 @@ def test_every_metric_in_promql_is_an_agent_family_with_its_suffix():
 @pytest.fixture(scope="module")
 def agent_registry():
     """The agent's collector (exporters/prometheus.py over the metric engine),
-    its kernel and NVML sources stood in (as in test_prometheus_collector.py),
+    its kernel, NVML and store sources stood in (as in test_prometheus_collector.py),
     real serving metrics, scheduler and span join: every family the dashboards
     read has series."""
-    gpu_buckets = [0] * 32
-    gpu_buckets[12] = 2
-    gpu = FakeProbe("gpu_launch",
-                    launches=lambda: {(11, events.Modality.image, events.Api.driver): 5},
-                    sync_wait=lambda: {(11, events.Modality.image, events.Api.driver): (2, 5_000_000)},
-                    sync_wait_buckets=lambda: {(11, events.Modality.image, events.Api.driver): gpu_buckets})
-    from spanlet.probes.tc import JitterStats
-    tc = FakeProbe("tc_classify", totals=lambda: {("ingress", "rtp", "audio"): (10, 1420)},
-                   jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)})
-    sb = FakeProbe("mmap_sandbox", violations=lambda: {(11, "exec", "kill"): 1})
-    d = collector_daemon([gpu, tc, sb], nvml_available=True)
-    sample = GpuSample("GPU-0", 0, sm_utilization_ratio=0.5, memory_used_bytes=1, memory_total_bytes=2,
-                       memory_free_bytes=1, pcie_tx_ratio=0.1, pcie_rx_ratio=0.2)
-    d.nvml.snapshot = lambda: {"GPU-0": sample}
-    d.memory_peaks = {"GPU-0": 0.5}
-    d.serving = serving_with_every_metric()
-    d.scheduler = Scheduler()
-    d.scheduler.update(WindowInputs(), time.time())
-    join_one_span(d.spans.join)
-    return registry(d)
+    return registry(every_source_daemon())
 
 
 @pytest.fixture(scope="module")
@@ -401,51 +378,6 @@ def exported_labels(agent_registry) -> dict[str, set[str]]:
         for s in fam.samples:
             out.setdefault(s.name, set()).update(s.labels)
     return out
-
-
-def _attr(span, key, value):
-    kv = span.attributes.add(key=key)
-    if isinstance(value, str):
-        kv.value.string_value = value
-    elif isinstance(value, list):
-        for x in value:
-            kv.value.array_value.values.add().double_value = x
-    else:
-        kv.value.int_value = value
-
-
-def serving_with_every_metric() -> ServingMetrics:
-    """Real serving metrics after three windows of spans that carry every trigger."""
-    s = ServingMetrics(ServingSettings(peak_tokens_per_s={"m": 1000.0}), start=0.0)
-    rnd = random.Random(1)
-    for w in range(3):
-        rs = trace_pb2.ResourceSpans()
-        for k, v in (("k8s.namespace.name", "ns"), ("k8s.pod.name", "pod")):
-            rs.resource.attributes.add(key=k).value.string_value = v
-        ss = rs.scope_spans.add()
-        trace = rnd.randbytes(16)
-        for i, modality in enumerate(("audio", "video")):
-            span = ss.spans.add(trace_id=trace, span_id=rnd.randbytes(8), name="infer",
-                                kind=trace_pb2.Span.SPAN_KIND_SERVER,
-                                start_time_unix_nano=10**18, end_time_unix_nano=10**18 + (w + 1) * 10**7)
-            span.events.add(name="first_token", time_unix_nano=10**18 + 10**6)
-            for key, value in (("mm.modality", modality), ("slo.class", "gold"),
-                               ("gen_ai.request.model", "m"), ("gen_ai.usage.output_tokens", 100),
-                               ("mm.pts_ns", 10**9 + i * 50_000_000), ("mm.degraded_from", "image"),
-                               ("mm.degraded_to", "text"), ("mm.embedding", [1.0, w + i + 0.5])):
-                _attr(span, key, value)
-        s.observe([rs], now=w * 10.0 + 1)
-        s.roll(now=(w + 1) * 10.0)
-    return s
-
-
-def join_one_span(join: SpanJoin) -> None:
-    ev = events.GpuSync()
-    ev.hdr.kind, ev.hdr.span_id = events.Kind.GPU_SYNC, 7
-    ev.hdr.trace_id[:] = list(range(16))
-    join.add_event(ev)
-    join.join([trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=[
-        trace_pb2.Span(trace_id=bytes(range(16)), span_id=(7).to_bytes(8, "big"))])])])
 
 
 def _labels_used(expr: str) -> set[str]:

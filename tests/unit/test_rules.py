@@ -221,3 +221,35 @@ def test_rule_test_series_carry_only_exported_labels(rule_tests):
             allowed |= {"le"} if name.endswith("_bucket") else set()
             assert "node" in labels, s["series"]
             assert labels <= allowed, f"{s['series']}: {labels - allowed} not exported"
+
+
+# -- the agent's catalogue (agent/metrics/catalogue.py) --------------------------------------
+
+def _catalogue_alerts() -> dict[str, tuple]:
+    from spanlet.metrics import catalogue
+    return {t.alert: (m.number, m.name, t) for m in catalogue.CATALOGUE for t in m.thresholds if t.alert}
+
+
+def test_catalogue_thresholds_are_the_metrics_md_defaults():
+    mine = _catalogue_alerts()
+    assert set(mine) == {t.alert for t in THRESHOLDS}
+    for t in THRESHOLDS:
+        number, metric, c = mine[t.alert]
+        assert (number, metric, c.op, c.value) == (t.number, t.metric, t.op, float(t.value)), t.alert
+        assert c.quantile == (float(t.quantile) if t.quantile else None), t.alert
+        assert (f'slo_class="{c.slo_class}"' if c.slo_class else "") == t.selector, t.alert
+
+
+@pytest.mark.parametrize("name", sorted(_catalogue_alerts()))
+def test_each_catalogue_threshold_has_its_rule_with_that_number(alerts, name):
+    number, metric, c = _catalogue_alerts()[name]
+    assert name in alerts, f"#{number} {metric}: no alert {name}"
+    expr = alerts[name]["expr"]
+    assert alerts[name]["labels"]["metric"] == metric
+    op, value = comparisons(expr)[-1]
+    assert (op, float(value)) == (c.op, c.value), expr
+    if c.quantile is not None:
+        assert re.search(rf"histogram_quantile\(\s*{c.quantile:g}\s*,", expr), expr
+    if c.slo_class:
+        assert f'slo_class="{c.slo_class}"' in expr, expr
+    assert ("rate(" in expr and c.quantile is None) == c.rate, expr

@@ -8,9 +8,10 @@ import math
 
 import pytest
 
-from spanlet.scheduler import (AUDIO_P95, GIB, GPU_MEMORY_FREE_MIN, GPU_MEMORY_PEAK_MAX,
-                             GPU_UTIL_MAX, TEXT_KV_HIT, TEXT_RTT, TEXT_TOKENS_MAX,
-                             TEXT_TOKENS_MEAN, Scheduler, SchedulerThresholds, WindowInputs)
+from spanlet.config import GIB, SchedulerThresholds
+from spanlet.scheduler import (AUDIO_P95, GPU_MEMORY_FREE_MIN, GPU_MEMORY_PEAK_MAX, GPU_UTIL_MAX,
+                               TEXT_KV_HIT, TEXT_RTT, TEXT_TOKENS_MAX, TEXT_TOKENS_MEAN, Scheduler,
+                               WindowInputs)
 
 BUSY, IDLE, AUDIO_DEFAULT = "audio.high_latency_or_busy", "audio.fast_and_idle", "audio.default"
 LONG, SHORT, TEXT_DEFAULT = "text.long_context_or_kv_miss", "text.short_requests", "text.default"

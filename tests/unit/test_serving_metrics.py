@@ -13,8 +13,9 @@ from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from spanlet.metrics import HistogramSample
-from spanlet.metrics.serving import (REJECT_REASONS, ServingMetrics, ServingSettings,
-                                   percentile_linear)
+from spanlet.config import ServingSettings
+from spanlet.metrics.serving import REJECT_REASONS, ServingMetrics
+from spanlet.metrics.windows import percentile_linear
 
 SERVER = trace_pb2.Span.SPAN_KIND_SERVER
 INTERNAL = trace_pb2.Span.SPAN_KIND_INTERNAL
@@ -128,7 +129,7 @@ def test_request_duration_counts_root_server_spans_only():
 
 
 def test_request_duration_labels_come_from_the_resource():
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     m.observe(batch(request(0.1, "text"), ns="serving", pod="llm-0"), now=1.0)
     (s,) = family(m, "spanlet_request_duration_seconds").samples
     assert dict(s.labels) == {"namespace": "serving", "pod": "llm-0", "modality": "text",
@@ -136,7 +137,7 @@ def test_request_duration_labels_come_from_the_resource():
 
 
 def test_histograms_are_cumulative_across_windows():
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     m.observe(batch(request(0.1, "text")), now=1.0)
     m.roll(10.0)
     m.observe(batch(request(0.2, "text")), now=11.0)
@@ -148,7 +149,7 @@ def test_histograms_are_cumulative_across_windows():
 # -- #10 time to first token --------------------------------------------------------
 
 def test_time_to_first_token_from_event_else_attribute():
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     m.observe(batch(
         span(events=[("kernel.gpu.launch", T0 + 10), ("first_token", T0 + 300_000_000),
                      ("first_token", T0 + 120_000_000)], mm__modality="text"),   # earliest: 0.12
@@ -209,7 +210,7 @@ def test_percentile_is_numpys_linear_method(q):
 
 
 def test_window_quantile_pools_one_modality_of_the_last_window():
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     audio = [0.002, 0.004, 0.006, 0.010]
     m.observe(batch(*[request(d, "audio", "gold") for d in audio[:2]], ns="a", pod="p1")
               + batch(*[request(d, "audio") for d in audio[2:]], ns="a", pod="p2")
@@ -223,7 +224,7 @@ def test_window_quantile_pools_one_modality_of_the_last_window():
 # -- #12 SLO compliance --------------------------------------------------------------
 
 def test_slo_compliance_per_class_and_window():
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     m.observe(batch(*[request(d, "text", "gold") for d in (0.1, 0.2, 0.21, 0.5)],   # 2 of 4 (<= 0.2 meets)
                     *[request(d, "text", "silver") for d in (0.4, 0.6, 0.45)],       # 2 of 3
                     request(0.79, "image", "bronze"),                                 # 1 of 1
@@ -277,7 +278,7 @@ def test_throughput_decay_is_one_minus_observed_over_peak():
 
 def test_throughput_decay_absent_without_tokens_or_peak():
     assert tdr_for([span(mm__modality="text")]) == {}
-    m = ServingMetrics(start=0.0)                   # no peaks configured: no TDR at all
+    m = ServingMetrics(ServingSettings(), start=0.0)   # no peaks configured: no TDR at all
     m.observe(batch(tokens_span("llava-13b", 100)), now=1.0)
     m.roll(10.0)
     assert values(m, "spanlet_throughput_decay_ratio") == {}
@@ -326,7 +327,7 @@ def media(trace, modality, pts, **kw):
 
 def test_alignment_delay_per_trace_pair_clamped_at_zero():
     t1, t2, t3 = (bytes([i]) * 16 for i in (1, 2, 3))
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     m.observe(batch(media(t1, "audio", T0), media(t1, "video", T0 + 56_700_000),       # 40 ms beyond
                     media(t2, "video", T0 + 10_000_000), media(t2, "audio", T0),        # 10 ms: within
                     media(t3, "audio", T0 + 200_000_000)), now=1.0)                    # t3 waits
@@ -344,7 +345,7 @@ def test_alignment_delay_per_trace_pair_clamped_at_zero():
 
 def test_alignment_needs_both_modalities_and_ignores_others():
     t = b"\7" * 16
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     m.observe(batch(media(t, "audio", T0), media(t, "audio", T0 + 1), media(t, "text", T0 + 5),
                     media(t, "image", T0 + 5)), now=1.0)
     assert family(m, "spanlet_modality_alignment_delay_seconds").samples == []
@@ -355,7 +356,7 @@ def test_alignment_needs_both_modalities_and_ignores_others():
 
 def test_alignment_labels_keep_only_what_both_spans_agree_on():
     t, u = b"\1" * 16, b"\2" * 16
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     m.observe(batch(media(t, "audio", T0), media(u, "audio", T0), ns="av", pod="tts-0"), now=1.0)
     m.observe(batch(media(t, "video", T0), ns="av", pod="avatar-0")
               + batch(media(u, "video", T0), ns="av", pod="tts-0"), now=1.0)
@@ -386,7 +387,7 @@ def test_alignment_pts_keeps_nanosecond_precision():
 # -- #15 degradations ------------------------------------------------------------------
 
 def test_degradations_counted_by_from_and_to():
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     d = {"mm__degraded_from": "vision", "mm__degraded_to": "ocr_text"}
     m.observe(batch(span(**d), span(**d), span(mm__degraded_from="ocr_text", mm__degraded_to="text"),
                     span(mm__modality="image"), ns="vlm", pod="v-0"), now=1.0)
@@ -444,7 +445,7 @@ def test_embedding_sampling_keeps_at_most_k_per_window():
 
 
 def test_embedding_integer_values_count_as_numbers():
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     for w in range(2):
         m.observe(batch(span(mm__modality="text", mm__embedding=[1, 0]),
                         span(mm__modality="image", mm__embedding=[1.0, float(w)])), now=10.0 * w + 1)
@@ -525,7 +526,7 @@ def test_bad_input_is_rejected_counted_and_changes_no_metric(reason, make):
 
 
 def test_embedding_dims_must_match_within_a_window_and_pair():
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     before = m.rejected
     m.observe(batch(span(mm__modality="text", mm__embedding=[1.0, 2.0, 3.0])), now=1.0)
     _reject_case(m, before, "embedding_dims_mismatch",
@@ -541,7 +542,7 @@ def test_embedding_dims_must_match_within_a_window_and_pair():
 
 
 def test_a_bad_first_embedding_does_not_fix_the_window_dims():
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     m.observe(batch(span(mm__modality="text", mm__embedding=[1.0, math.nan, 3.0]),
                     span(mm__modality="text", mm__embedding=[1.0, 2.0])), now=1.0)
     assert m.rejected["not_finite"] == 1 and m.rejected["embedding_dims_mismatch"] == 0
@@ -550,7 +551,7 @@ def test_a_bad_first_embedding_does_not_fix_the_window_dims():
 
 
 def test_zero_mean_embedding_leaves_the_pair_out():
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     m.observe(batch(span(mm__modality="text", mm__embedding=[1.0, -1.0]),
                     span(mm__modality="text", mm__embedding=[-1.0, 1.0]),
                     span(mm__modality="image", mm__embedding=[1.0, 0.0])), now=1.0)
@@ -566,7 +567,7 @@ def test_max_embedding_dims_is_configurable():
 
 
 def test_a_rejected_contribution_does_not_drop_the_spans_others():
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     m.observe(batch(request(0.1, "text", gen_ai__server__time_to_first_token="soon")), now=1.0)
     assert m.rejected["wrong_type"] == 1
     assert family(m, "spanlet_request_duration_seconds").samples[0].count == 1
@@ -615,7 +616,7 @@ def test_idle_series_and_label_values_expire():
 
 
 def test_observe_is_thread_safe_while_scraping():
-    m = ServingMetrics(start=0.0)
+    m = ServingMetrics(ServingSettings(), start=0.0)
     per_thread, threads = 500, 4
     spans = [[request(0.01 * (i % 7 + 1), "audio", "gold") for i in range(per_thread)]
              for _ in range(threads)]

@@ -9,7 +9,8 @@ import sys
 import time
 import traceback
 
-from spanlet.nvml import NvmlPoller, NvmlSettings
+from spanlet.config import NvmlSettings
+from spanlet.nvml import NvmlPoller
 
 
 class _Records(logging.Handler):
