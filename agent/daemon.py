@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Callable
 
-from spanlet import events, kernel
+from spanlet import events, kernel, modality
 from spanlet.admin import AdminServer
 from spanlet.config import Config
 from spanlet.metrics.engine import MetricEngine
@@ -48,6 +48,26 @@ def probe_classes(cfg: Config) -> list[type[Probe]]:
     return classes
 
 
+class StartedProbes(list):
+    """The probes the daemon started, in start order; the metric engine and
+    the admin API read the three whose maps they show while each is attached."""
+
+    def _attached(self, name: str) -> Probe | None:
+        return next((p for p in self if p.name == name and p.status.attached), None)
+
+    @property
+    def gpu(self) -> Probe | None:
+        return self._attached("gpu_launch")
+
+    @property
+    def tc(self) -> Probe | None:
+        return self._attached("tc_classify")
+
+    @property
+    def sandbox(self) -> Probe | None:
+        return self._attached("mmap_sandbox")
+
+
 def _in_parallel(fns: list[Callable[[], None]], timeout_s: float) -> None:
     threads = [threading.Thread(target=fn, name="stop", daemon=True) for fn in fns]
     for t in threads:
@@ -58,6 +78,9 @@ def _in_parallel(fns: list[Callable[[], None]], timeout_s: float) -> None:
 
 
 class Daemon:
+    """Builds the parts, hands each only what it reads (never itself), starts
+    them in order and stops them against one deadline."""
+
     def __init__(self, cfg: Config, sink: Callable[[events._Event], None] | None = None):
         self.cfg = cfg
         self.clock = events.MonotonicClock()
@@ -70,8 +93,6 @@ class Daemon:
         self.store = StorePath(cfg, self.spans.enricher) if cfg.store.enabled else None
         printer = sink
 
-        self.admin = AdminServer(self)
-
         def on_event(ev: events._Event) -> None:
             self.spans.join.add_event(ev)
             self.admin.on_event(ev)
@@ -83,8 +104,11 @@ class Daemon:
         self.sink = on_event
         self.nvml = NvmlPoller(cfg.nvml)
         self.memory_peaks: dict[str, float] = {}   # per GPU, of the last window
-        self.probes: list[Probe] = []
-        self.metrics = MetricEngine(self)
+        self.probes = StartedProbes()
+        self.metrics = MetricEngine(**self._sources(), serving=self.serving,
+                                    scheduler=self.scheduler)
+        self.admin = AdminServer(cfg, **self._sources(), families=self.metrics.families,
+                                 hints=self.scheduler.hints)
         self.registry = CollectorRegistry()
         self.registry.register(SpanletCollector(self.metrics, cfg.node_name))
         self.http: AgentHttpServer | None = None
@@ -93,10 +117,17 @@ class Daemon:
         self._threads: list[threading.Thread] = []
         self._stopped = False
 
+    def _sources(self) -> dict:
+        """What the metric engine and the admin API read, each when asked."""
+        return dict(probes=self.probes, names=self.spans.enricher, join=self.spans.join,
+                    span_export=self.spans.exporter, receiver=self.spans.receiver,
+                    store=self.store, nvml=self.nvml, memory_peaks=lambda: self.memory_peaks)
+
     def _on_joined(self, resource_spans) -> None:
         self.serving.observe(resource_spans, time.monotonic())
         if self.store is not None:
             self.store.add_spans(resource_spans)
+        self.admin.on_joined(resource_spans)
 
     # -- start-up ----------------------------------------------------------------
     def check_node(self) -> kernel.Headers:
@@ -132,9 +163,8 @@ class Daemon:
                 log.info("probe %s attached: %d attachment(s)%s", st.name, len(st.attachments), extra)
             else:
                 log.error("probe %s NOT attached: %s", st.name, st.reason)
-        tc = next((p for p in self.probes if p.name == "tc_classify" and p.status.attached), None)
-        if tc is not None:
-            self.spans.join.http_bytes_reader = tc.request_bytes
+        if self.probes.tc is not None:
+            self.spans.join.http_bytes_reader = self.probes.tc.request_bytes
         for probe in self.probes:
             if probe.status.attached:
                 t = threading.Thread(target=self._read_loop, args=(probe,),
@@ -205,7 +235,7 @@ class Daemon:
                 "pcie_ratio_max": max(pcie, default=None)})
             self.scheduler.update(WindowInputs(
                 request_duration_p95_seconds={m: self.serving.window_quantile(m, 0.95)
-                                              for m in ("text", "image", "audio", "video")},
+                                              for m in modality.NAMED},
                 gpu_utilization_ratio={g: s.sm_utilization_ratio for g, s in gpus.items()},
                 gpu_memory_peak_ratio=dict(self.memory_peaks),
                 gpu_memory_free_bytes={g: s.memory_free_bytes for g, s in gpus.items()}),

@@ -54,6 +54,10 @@ class StorePath:
             return
         log.info("store: %s, database %s", where, st.database)
 
+    def stats(self) -> dict | None:
+        """The sink's queue, spool and drops; None while there is no sink."""
+        return self.sink.stats() if self.sink is not None else None
+
     def _resolve(self, cgroup_id: int) -> tuple[str, str, str]:
         a = self.enricher.attributes(cgroup_id) if cgroup_id else {}
         return (a.get("k8s.namespace.name", ""), a.get("k8s.pod.name", ""),

@@ -1,5 +1,5 @@
 """Fake metric sources for the Prometheus collector's tests: a probe's read
-side and the daemon parts the metric engine reads, with known values."""
+side and the other inputs the daemon hands the metric engine, with known values."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry
 
 from spanlet import config
+from spanlet.daemon import StartedProbes
 from spanlet.exporters.prometheus import SpanletCollector
 from spanlet.join import SpanJoin
 from spanlet.metrics.engine import MetricEngine
@@ -35,22 +36,28 @@ class FakeProbe:
         return 2
 
 
-def daemon(probes, nvml_available=False):
+def sources(probes, nvml_available=False):
+    """The metric engine's inputs as the daemon hands them, with known values
+    (set serving, scheduler, memory_peaks or nvml.snapshot before registry())."""
     cfg = config.load(env={}, overrides=["node_name=n1"])
-    enricher = SimpleNamespace(attributes=lambda cg: {
+    names = SimpleNamespace(attributes=lambda cg: {
         "k8s.namespace.name": "serving", "k8s.pod.name": f"pod-{cg}", "k8s.container.name": "c"})
-    spans = SimpleNamespace(join=SpanJoin(cfg.join), enricher=enricher,
-                            exporter=SimpleNamespace(stats=lambda: {"queue_spans": 3,
-                                                                    "dropped_queue_full": 4}),
-                            receiver=SimpleNamespace(stats=lambda: {
-                                "requests": {"grpc": {"ok": 5, "invalid": 1}},
-                                "spans_rejected": {"bad_span_id": 2}, "spans_accepted": 9}))
+    span_export = SimpleNamespace(stats=lambda: {"queue_spans": 3, "dropped_queue_full": 4})
+    receiver = SimpleNamespace(stats=lambda: {
+        "requests": {"grpc": {"ok": 5, "invalid": 1}},
+        "spans_rejected": {"bad_span_id": 2}, "spans_accepted": 9})
     nvml = SimpleNamespace(status=SimpleNamespace(available=nvml_available),
                            snapshot=lambda: {}, errors={})
-    return SimpleNamespace(cfg=cfg, probes=probes, spans=spans, nvml=nvml, memory_peaks={})
+    return SimpleNamespace(cfg=cfg, probes=StartedProbes(probes), names=names, join=SpanJoin(cfg.join),
+                           span_export=span_export, receiver=receiver, nvml=nvml, memory_peaks={},
+                           store=None, serving=None, scheduler=None)
 
 
-def registry(d):
+def registry(src):
+    engine = MetricEngine(probes=src.probes, names=src.names, join=src.join,
+                          span_export=src.span_export, receiver=src.receiver, nvml=src.nvml,
+                          memory_peaks=lambda: src.memory_peaks, store=src.store,
+                          serving=src.serving, scheduler=src.scheduler)
     reg = CollectorRegistry()
-    reg.register(SpanletCollector(MetricEngine(d), d.cfg.node_name))
+    reg.register(SpanletCollector(engine, src.cfg.node_name))
     return reg

@@ -47,7 +47,7 @@ from spanlet.exporters.clickhouse import rows, schema
 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
 from spanlet.exporters.clickhouse.sink import ClickHouseSink
 from spanlet.exporters.prometheus import AgentHttpServer
-from collector_fakes import FakeProbe, daemon as collector_daemon, registry
+from collector_fakes import FakeProbe, registry, sources as collector_sources
 from metrics_md import THRESHOLDS as METRICS_MD_THRESHOLDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -381,16 +381,16 @@ def agent_registry():
     tc = FakeProbe("tc_classify", totals=lambda: {("ingress", "rtp", "audio"): (10, 1420)},
                    jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)})
     sb = FakeProbe("mmap_sandbox", violations=lambda: {(11, "exec", "kill"): 1})
-    d = collector_daemon([gpu, tc, sb], nvml_available=True)
+    src = collector_sources([gpu, tc, sb], nvml_available=True)
     sample = GpuSample("GPU-0", 0, sm_utilization_ratio=0.5, memory_used_bytes=1, memory_total_bytes=2,
                        memory_free_bytes=1, pcie_tx_ratio=0.1, pcie_rx_ratio=0.2)
-    d.nvml.snapshot = lambda: {"GPU-0": sample}
-    d.memory_peaks = {"GPU-0": 0.5}
-    d.serving = serving_with_every_metric()
-    d.scheduler = Scheduler()
-    d.scheduler.update(WindowInputs(), time.time())
-    join_one_span(d.spans.join)
-    return registry(d)
+    src.nvml.snapshot = lambda: {"GPU-0": sample}
+    src.memory_peaks = {"GPU-0": 0.5}
+    src.serving = serving_with_every_metric()
+    src.scheduler = Scheduler()
+    src.scheduler.update(WindowInputs(), time.time())
+    join_one_span(src.join)
+    return registry(src)
 
 
 @pytest.fixture(scope="module")
