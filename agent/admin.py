@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from spanlet import events
-from spanlet.config import redact
-from spanlet.metrics import catalogue
+from spanlet.config import Config, redact
+from spanlet.metrics import Family, catalogue
+from spanlet.metrics.engine import CgroupNames, JoinStats, NvmlSource, ProbeSources, Stats, StoreStats
 
 log = logging.getLogger("spanlet.admin")
 
@@ -191,12 +192,20 @@ class AdminState:
 
 
 class AdminServer:
-    """Serves the daemon's state on cfg.admin_socket; start() and stop() are
-    called by the daemon, stop() is safe twice."""
+    """Serves the agent's state on cfg.admin_socket from the parts the daemon
+    hands it (the metric engine's sources, the families and the hints); start()
+    and stop() are called by the daemon, stop() is safe twice."""
 
-    def __init__(self, daemon, path: str | None = None):
-        self.daemon = daemon
-        self.path = Path(path or daemon.cfg.admin_socket)
+    def __init__(self, cfg: Config, *, probes: ProbeSources, names: CgroupNames, join: JoinStats,
+                 receiver: Stats, span_export: Stats, store: StoreStats | None, nvml: NvmlSource,
+                 memory_peaks: Callable[[], dict[str, float]],
+                 families: Callable[[], list[Family]], hints: Callable[[], dict],
+                 path: str | None = None):
+        self.cfg, self.probes, self.names, self.join = cfg, probes, names, join
+        self.receiver, self.span_export, self.store = receiver, span_export, store
+        self.nvml, self.memory_peaks = nvml, memory_peaks
+        self.families, self.hints_source = families, hints
+        self.path = Path(path or cfg.admin_socket)
         self.state = AdminState()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -204,26 +213,13 @@ class AdminServer:
         self._made_dir = False               # removed at stop when empty
         self._started = time.monotonic()
         self._history: deque = deque()     # (monotonic, {probe: (read, dropped)})
-        self._secrets = daemon.cfg.secrets()
+        self._secrets = cfg.secrets()
         self.handlers: dict[str, Callable[[dict], dict]] = {
             "summary": self.summary, "spans": self.spans, "flows": self.flows,
             "sandbox": self.sandbox, "gpu": self.gpu, "hints": self.hints}
 
     # -- life cycle ------------------------------------------------------------
     def start(self) -> None:
-        # the span path tells us about joined spans: chain onto its callback
-        spans = getattr(self.daemon, "spans", None)
-        if spans is not None:
-            previous = spans.on_joined
-
-            def on_joined(resource_spans, _prev=previous):
-                if _prev is not None:
-                    _prev(resource_spans)
-                try:
-                    self.state.on_joined(resource_spans)
-                except Exception:
-                    log.exception("admin: recording joined spans failed")
-            spans.on_joined = on_joined
         try:
             self._sock = self._bind()
         except OSError as e:
@@ -286,6 +282,13 @@ class AdminServer:
     def on_event(self, ev: events._Event) -> None:
         self.state.on_event(ev)
 
+    def on_joined(self, resource_spans) -> None:
+        """The span path's joined spans, for the recent-spans ring."""
+        try:
+            self.state.on_joined(resource_spans)
+        except Exception:
+            log.exception("admin: recording joined spans failed")
+
     # -- serving ---------------------------------------------------------------
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -327,7 +330,7 @@ class AdminServer:
             op = req.get("op", "summary")
             handler = self.handlers[op]
             answer = {"ok": True, "protocol": PROTOCOL, "op": op,
-                      "node": self.daemon.cfg.node_name, "time_unix_ns": time.time_ns(),
+                      "node": self.cfg.node_name, "time_unix_ns": time.time_ns(),
                       "data": handler(req.get("args") or {})}
         except (ValueError, KeyError, AttributeError, TypeError) as e:
             answer = {"ok": False, "protocol": PROTOCOL, "error": f"bad request: {e!r}"}
@@ -343,29 +346,25 @@ class AdminServer:
         if self._history and now - self._history[-1][0] < 0.9:
             return
         counts = {p.name: (p.events_read, p.events_dropped())
-                  for p in self.daemon.probes if p.status.attached}
+                  for p in self.probes if p.status.attached}
         self._history.append((now, counts))
         while len(self._history) > 2 and self._history[1][0] <= now - RATE_WINDOW_S:
             self._history.popleft()
 
-    def _probe(self, name: str):
-        return next((p for p in self.daemon.probes if p.name == name and p.status.attached), None)
-
     def _pod(self, cgroup_id: int) -> dict:
         if not cgroup_id:
             return {"namespace": "", "pod": "", "container": ""}
-        a = self.daemon.spans.enricher.attributes(cgroup_id)
+        a = self.names.attributes(cgroup_id)
         return {"namespace": a.get("k8s.namespace.name", ""), "pod": a.get("k8s.pod.name", ""),
                 "container": a.get("k8s.container.name", "")}
 
     # -- answers ---------------------------------------------------------------
     def summary(self, args: dict) -> dict:
-        d = self.daemon
         self._sample()
         now = time.monotonic()
         t0, first = self._history[0] if self._history else (self._started, {})
         probes = []
-        for p in d.probes:
+        for p in self.probes:
             st = p.status
             read = p.events_read if st.attached else 0
             dropped = p.events_dropped() if st.attached else 0
@@ -379,24 +378,23 @@ class AdminServer:
                 "decode_errors": getattr(p, "decode_errors", 0),
                 "events_per_s": (read - r0) / dt if dt > 0.5 else None,
                 "drops_per_s": (dropped - d0) / dt if dt > 0.5 else None})
-        span_cov, event_cov = d.spans.join.coverage()
-        nv = d.nvml.status
-        exporters = [{"name": "otlp_receiver", "enabled": True, "stats": d.spans.receiver.stats()},
-                     {"name": "otlp_span_export", **_export_health(d.spans.exporter.stats())}]
-        if d.store is not None:
-            sink = d.store.sink
-            st = sink.stats() if sink is not None else {}
-            exporters.append({"name": "store", "enabled": sink is not None, "stats": st,
-                              "events_overflow": d.store.events_overflow})
+        span_cov, event_cov = self.join.coverage()
+        nv = self.nvml.status
+        exporters = [{"name": "otlp_receiver", "enabled": True, "stats": self.receiver.stats()},
+                     {"name": "otlp_span_export", **_export_health(self.span_export.stats())}]
+        if self.store is not None:
+            st = self.store.stats()
+            exporters.append({"name": "store", "enabled": st is not None, "stats": st or {},
+                              "events_overflow": self.store.events_overflow})
         return {
             "uptime_s": now - self._started,
             "probes": probes,
             "nvml": {"available": nv.available, "reason": nv.reason, "gpus": nv.gpus},
             "join": {"span_coverage": span_cov, "event_coverage": event_cov,
-                     "pending_events": d.spans.join.pending_events(),
-                     **d.spans.join.stats.as_dict()},
+                     "pending_events": self.join.pending_events(),
+                     **self.join.stats.as_dict()},
             "exporters": exporters,
-            "metrics": metric_rows(d.metrics.families()),
+            "metrics": metric_rows(self.families()),
         }
 
     def spans(self, args: dict) -> dict:
@@ -412,7 +410,7 @@ class AdminServer:
         return {"source": "ring", "ring_size": RING_SPANS, "spans": spans}
 
     def flows(self, args: dict) -> dict:
-        tc = self._probe("tc_classify")
+        tc = self.probes.tc
         if tc is None:
             return {"attached": False, "flows": [], "jss": []}
         jitter = tc.jitter()
@@ -430,7 +428,7 @@ class AdminServer:
                            for (d, p, m), v in sorted(tc.totals().items())]}
 
     def sandbox(self, args: dict) -> dict:
-        sb = self._probe("mmap_sandbox")
+        sb = self.probes.sandbox
         recent, _, _ = self.state.snapshot()
         out = []
         for ev in reversed(recent):
@@ -450,20 +448,20 @@ class AdminServer:
                       for seen, counts in (("mmap", sb.violations()), ("sweep", sb.sweep_violations()))
                       for (cg, rule, action), n in sorted(counts.items())]
         return {"attached": sb is not None,
-                "mode": self.daemon.cfg.sandbox.mode, "ring_size": RING_VIOLATIONS,
+                "mode": self.cfg.sandbox.mode, "ring_size": RING_VIOLATIONS,
                 "violations": out, "totals": totals}
 
     def gpu(self, args: dict) -> dict:
-        d = self.daemon
-        gp = self._probe("gpu_launch")
+        gp = self.probes.gpu
         devices = []
-        for uuid, g in sorted(d.nvml.snapshot().items(), key=lambda kv: kv[1].index):
+        peaks = self.memory_peaks()
+        for uuid, g in sorted(self.nvml.snapshot().items(), key=lambda kv: kv[1].index):
             devices.append({"gpu": uuid, "index": g.index, "name": g.name,
                             "sm_utilization_ratio": g.sm_utilization_ratio,
                             "memory_used_bytes": g.memory_used_bytes,
                             "memory_total_bytes": g.memory_total_bytes,
                             "memory_used_ratio": g.memory_used_ratio,
-                            "memory_peak_ratio": d.memory_peaks.get(uuid),
+                            "memory_peak_ratio": peaks.get(uuid),
                             "pcie_tx_ratio": g.pcie_tx_ratio, "pcie_rx_ratio": g.pcie_rx_ratio})
         _, _, by_pid = self.state.snapshot()
         top = int(args.get("top") or 10)
@@ -483,14 +481,14 @@ class AdminServer:
             libraries = [{"pid": lib.pid, "path": lib.path, "api": lib.api.name,
                           "symbols": lib.symbols, "missing": lib.missing}
                          for lib in gp.libraries()]
-        nv = d.nvml.status
-        return {"attached": gp is not None, "launch_events": d.cfg.gpu.launch_events,
+        nv = self.nvml.status
+        return {"attached": gp is not None, "launch_events": self.cfg.gpu.launch_events,
                 "nvml": {"available": nv.available, "reason": nv.reason},
                 "devices": devices, "processes": processes, "by_cgroup": cgroups,
                 "libraries": libraries}
 
     def hints(self, args: dict) -> dict:
-        return self.daemon.scheduler.hints()
+        return self.hints_source()
 
 
 def _redacted(tree: Any, secrets: list[str]) -> Any:

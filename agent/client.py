@@ -51,8 +51,8 @@ MODALITY_ATTRIBUTE = "mm.modality"
 LIB_ENV = "SPANLET_MARKER_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parent / "_native" / "libspanlet_marker.so"
 ABI_VERSION = 1
-# agent/events.py Modality, repeated here because this module must not import the agent.
-MODALITIES = {"other": 0, "text": 1, "image": 2, "audio": 3, "video": 4}
+# name -> number; spanlet.modality is stdlib only, so no agent part comes with it
+from spanlet.modality import NUMBERS as MODALITIES  # noqa: E402
 # Spans started and never ended would otherwise grow a thread's stack forever;
 # past this depth the oldest are forgotten.
 MAX_STACK_DEPTH = 256

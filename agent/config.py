@@ -20,6 +20,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
                       model_validator)
 
+from spanlet import modality
+
 ENV_PREFIX = "SPANLET_"
 DEFAULT_CONFIG_FILE = Path("/etc/spanlet/config.yaml")
 # A config file is a few KiB; past this it is a mistake (or an attack on the
@@ -39,12 +41,8 @@ class ConfigError(Exception):
     """Bad configuration: names the key and where its value came from."""
 
 
-class Modality(str, Enum):
-    text = "text"
-    image = "image"
-    audio = "audio"
-    video = "video"
-    other = "other"
+# A modality as the config spells it (its name): spanlet.modality holds the one list.
+Modality = Enum("Modality", [(name, name) for name in modality.NAMES], type=str, module=__name__)
 
 
 class _Section(BaseModel):

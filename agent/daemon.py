@@ -9,29 +9,21 @@ import logging
 import signal
 import threading
 import time
-from collections import deque
-from pathlib import Path
 from typing import Callable
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-from opentelemetry.proto.trace.v1 import trace_pb2
-
-from spanlet import events, kernel
+from spanlet import events, kernel, modality
 from spanlet.admin import AdminServer
 from spanlet.config import Config, SchedulerThresholds, ServingSettings
-from spanlet.join import SpanJoin
-from spanlet.k8s import K8sEnricher, PodWatcher
 from spanlet.metrics.engine import MetricEngine
 from spanlet.metrics.serving import ServingMetrics
+from spanlet.pipeline.spans import SpanPath
+from spanlet.pipeline.store import StorePath
 from spanlet.scheduler import Scheduler, WindowInputs
 from spanlet.nvml import NvmlPoller
 from spanlet.probes.base import Probe, ProbeStatus
 from prometheus_client import CollectorRegistry
 
-from spanlet.exporters.otlp_export import OtlpSpanExporter
 from spanlet.exporters.otlp_metrics import OtlpMetricsExporter
-from spanlet.exporters.otlp_receiver import OtlpReceiver
 from spanlet.exporters.prometheus import AgentHttpServer, SpanletCollector
 
 log = logging.getLogger("spanlet")
@@ -56,64 +48,28 @@ def probe_classes(cfg: Config) -> list[type[Probe]]:
     return classes
 
 
-class SpanPath:
-    """OTLP spans in → k8s resource names and kernel facts joined → upstream."""
+class StartedProbes(list):
+    """The probes the daemon started, in start order; the metric engine and
+    the admin API read the four whose maps they show while each is attached."""
 
-    def __init__(self, cfg: Config, on_joined: Callable[[list], None] | None = None):
-        self.cfg = cfg
-        self.on_joined = on_joined
-        self.exporter = OtlpSpanExporter(cfg.otlp)
-        self.join = SpanJoin(cfg.join, on_late=self._export_late)
-        self.pods = PodWatcher(cfg.node_name)
-        self.enricher = K8sEnricher(cfg.node_name, pods=self.pods)
-        self.receiver = OtlpReceiver(cfg.otlp, self.on_request)
+    def _attached(self, name: str) -> Probe | None:
+        return next((p for p in self if p.name == name and p.status.attached), None)
 
-    def start(self) -> None:
-        self.pods.start()
-        try:
-            self.receiver.start()
-        except OSError as e:
-            # Kernel facts are still worth having: say so loudly, keep going.
-            log.error("OTLP receiver NOT started: %s; spans cannot be joined", e)
-            return
-        log.info("OTLP receiver on %s: gRPC %d, HTTP %d; upstream export %s",
-                 self.cfg.otlp.receiver_address, self.receiver.grpc_port, self.receiver.http_port,
-                 "on" if self.exporter.enabled else "off (no endpoint configured)")
+    @property
+    def gpu(self) -> Probe | None:
+        return self._attached("gpu_launch")
 
-    def on_request(self, request: ExportTraceServiceRequest) -> int:
-        cgroups = self.join.join(request.resource_spans)
-        for rs, cgroup in zip(request.resource_spans, cgroups):
-            self._name_resource(rs, cgroup)
-        if self.on_joined is not None:
-            self.on_joined(request.resource_spans)
-        self.exporter.export(request.resource_spans)
-        return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+    @property
+    def tc(self) -> Probe | None:
+        return self._attached("tc_classify")
 
-    def _name_resource(self, rs: trace_pb2.ResourceSpans, cgroup_id: int) -> None:
-        """Kubernetes names of where the kernel events came from, unless the
-        resource already carries them (the SDK or a collector set them)."""
-        have = {kv.key for kv in rs.resource.attributes}
-        attrs = self.enricher.attributes(cgroup_id) if cgroup_id > 1 else \
-            {"k8s.node.name": self.cfg.node_name}
-        for key, value in attrs.items():
-            if key not in have:
-                rs.resource.attributes.append(KeyValue(key=key, value=AnyValue(string_value=value)))
+    @property
+    def sandbox(self) -> Probe | None:
+        return self._attached("mmap_sandbox")
 
-    def _export_late(self, records: list[tuple[int, trace_pb2.ResourceSpans]]) -> None:
-        for cgroup, rs in records:
-            self._name_resource(rs, cgroup)
-        self.exporter.export([rs for _, rs in records])
-
-    def tick(self) -> None:
-        self.join.flush_late()
-
-    def stop(self, deadline: float) -> None:
-        """Receiver first (no new spans), then what is late, then the export queue."""
-        self.receiver.stop(grace=min(1.0, max(0.0, deadline - time.monotonic())))
-        self.pods.stop()
-        self.join.flush_late()
-        remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-        self.exporter.shutdown(timeout_millis=remaining_ms)
+    @property
+    def span_ctx(self) -> Probe | None:
+        return self._attached("span_ctx")
 
 
 def _in_parallel(fns: list[Callable[[], None]], timeout_s: float) -> None:
@@ -125,81 +81,10 @@ def _in_parallel(fns: list[Callable[[], None]], timeout_s: float) -> None:
         t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-class StorePath:
-    """Spans, kernel events and metric samples into ClickHouse (embedded chdb
-    by default) through one sink: batched, retried, spooled to disk."""
-
-    def __init__(self, cfg: Config, enricher: K8sEnricher):
-        self.cfg = cfg
-        self.enricher = enricher
-        self.sink = None
-        # decoded events wait here (reader threads append) until the next refresh
-        self._events: deque = deque(maxlen=cfg.store.queue_rows)
-        self.events_overflow = 0
-
-    def start(self) -> None:
-        from spanlet.exporters.clickhouse import rows
-        from spanlet.exporters.clickhouse.sink import ClickHouseSink
-
-        st, data = self.cfg.store, Path(self.cfg.data_dir)
-        self.rows = rows
-        try:
-            if st.backend == "chdb":
-                from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
-                (data / "chdb").mkdir(parents=True, exist_ok=True)
-                backend = ChdbBackend(str(data / "chdb"), database=st.database, ttl_days=st.ttl_days)
-                where = f"embedded chdb in {data / 'chdb'}"
-            else:
-                from spanlet.exporters.clickhouse.http_backend import HttpBackend
-                backend = HttpBackend(st.url, database=st.database, user=st.user or None,
-                                      password_file=st.password_file or None,
-                                      ca_file=st.ca_file or None, ttl_days=st.ttl_days,
-                                      cluster=st.cluster or None)
-                where = f"ClickHouse at {st.url}" + (f" (cluster {st.cluster})" if st.cluster else "")
-            self.sink = ClickHouseSink(backend, batch_rows=st.batch_rows,
-                                       batch_interval_s=st.batch_interval_s, queue_rows=st.queue_rows,
-                                       spool_dir=data / "spool", spool_max_bytes=st.spool_max_bytes)
-        except Exception as e:  # the store is one consumer: the agent runs without it
-            log.error("store NOT started: %s", e)
-            return
-        log.info("store: %s, database %s", where, st.database)
-
-    def _resolve(self, cgroup_id: int) -> tuple[str, str, str]:
-        a = self.enricher.attributes(cgroup_id) if cgroup_id else {}
-        return (a.get("k8s.namespace.name", ""), a.get("k8s.pod.name", ""),
-                a.get("k8s.container.name", ""))
-
-    def add_event(self, ev: events._Event) -> None:
-        if self.sink is not None:
-            if len(self._events) == self._events.maxlen:
-                self.events_overflow += 1
-            self._events.append(ev)
-
-    def add_spans(self, resource_spans) -> None:
-        if self.sink is not None:
-            self.sink.write("otel_traces", self.rows.TRACE_COLUMNS, self.rows.span_rows(resource_spans))
-
-    def add_metrics(self, families) -> None:
-        if self.sink is not None:
-            self.sink.write("metric_samples", self.rows.METRIC_COLUMNS,
-                            self.rows.metric_rows(families, time.time_ns()))
-
-    def tick(self) -> None:
-        if self.sink is None or not self._events:
-            return
-        batch = []
-        while self._events:
-            batch.append(self._events.popleft())
-        self.sink.write("kernel_events", self.rows.KERNEL_EVENT_COLUMNS,
-                        self.rows.kernel_event_rows(batch, self._resolve, self.cfg.node_name))
-
-    def stop(self, deadline: float) -> None:
-        if self.sink is not None:
-            self.tick()
-            self.sink.shutdown(max(0.1, deadline - time.monotonic()))
-
-
 class Daemon:
+    """Builds the parts, hands each only what it reads (never itself), starts
+    them in order and stops them against one deadline."""
+
     def __init__(self, cfg: Config, sink: Callable[[events._Event], None] | None = None):
         self.cfg = cfg
         self.clock = events.MonotonicClock()
@@ -212,8 +97,6 @@ class Daemon:
         self.store = StorePath(cfg, self.spans.enricher) if cfg.store.enabled else None
         printer = sink
 
-        self.admin = AdminServer(self)
-
         def on_event(ev: events._Event) -> None:
             self.spans.join.add_event(ev)
             self.admin.on_event(ev)
@@ -225,8 +108,11 @@ class Daemon:
         self.sink = on_event
         self.nvml = NvmlPoller(cfg.nvml)
         self.memory_peaks: dict[str, float] = {}   # per GPU, of the last window
-        self.probes: list[Probe] = []
-        self.metrics = MetricEngine(self)
+        self.probes = StartedProbes()
+        self.metrics = MetricEngine(**self._sources(), serving=self.serving,
+                                    scheduler=self.scheduler)
+        self.admin = AdminServer(cfg, **self._sources(), families=self.metrics.families,
+                                 hints=self.scheduler.hints)
         self.registry = CollectorRegistry()
         self.registry.register(SpanletCollector(self.metrics, cfg.node_name))
         self.http: AgentHttpServer | None = None
@@ -235,10 +121,17 @@ class Daemon:
         self._threads: list[threading.Thread] = []
         self._stopped = False
 
+    def _sources(self) -> dict:
+        """What the metric engine and the admin API read, each when asked."""
+        return dict(probes=self.probes, names=self.spans.enricher, join=self.spans.join,
+                    span_export=self.spans.exporter, receiver=self.spans.receiver,
+                    store=self.store, nvml=self.nvml, memory_peaks=lambda: self.memory_peaks)
+
     def _on_joined(self, resource_spans) -> None:
         self.serving.observe(resource_spans, time.monotonic())
         if self.store is not None:
             self.store.add_spans(resource_spans)
+        self.admin.on_joined(resource_spans)
 
     # -- start-up ----------------------------------------------------------------
     def check_node(self) -> kernel.Headers:
@@ -274,9 +167,8 @@ class Daemon:
                 log.info("probe %s attached: %d attachment(s)%s", st.name, len(st.attachments), extra)
             else:
                 log.error("probe %s NOT attached: %s", st.name, st.reason)
-        tc = next((p for p in self.probes if p.name == "tc_classify" and p.status.attached), None)
-        if tc is not None:
-            self.spans.join.http_bytes_reader = tc.request_bytes
+        if self.probes.tc is not None:
+            self.spans.join.http_bytes_reader = self.probes.tc.request_bytes
         for probe in self.probes:
             if probe.status.attached:
                 t = threading.Thread(target=self._read_loop, args=(probe,),
@@ -347,7 +239,7 @@ class Daemon:
                 "pcie_ratio_max": max(pcie, default=None)})
             self.scheduler.update(WindowInputs(
                 request_duration_p95_seconds={m: self.serving.window_quantile(m, 0.95)
-                                              for m in ("text", "image", "audio", "video")},
+                                              for m in modality.NAMED},
                 gpu_utilization_ratio={g: s.sm_utilization_ratio for g, s in gpus.items()},
                 gpu_memory_peak_ratio=dict(self.memory_peaks),
                 gpu_memory_free_bytes={g: s.memory_free_bytes for g, s in gpus.items()}),

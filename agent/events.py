@@ -9,6 +9,8 @@ import ipaddress
 import struct
 import time
 
+from spanlet.modality import Modality, modality_name  # noqa: F401 (events.Modality)
+
 
 class Kind(enum.IntEnum):
     GPU_LAUNCH = 1
@@ -17,14 +19,6 @@ class Kind(enum.IntEnum):
     HTTP = 4
     FLOW = 5
     HTTP_BYTES = 6
-
-
-class Modality(enum.IntEnum):
-    other = 0
-    text = 1
-    image = 2
-    audio = 3
-    video = 4
 
 
 class Api(enum.IntEnum):
@@ -138,7 +132,7 @@ class _Event(C.Structure):
             "cgroup_id": h.cgroup_id,
             "trace_id": bytes(h.trace_id).hex(),
             "span_id": f"{h.span_id:016x}",
-            "modality": Modality(h.modality).name if h.modality < len(Modality) else "other",
+            "modality": modality_name(h.modality),
         }
         for name, _ in self._fields_[1:]:
             if name.startswith("_"):

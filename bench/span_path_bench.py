@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noq
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 
 from spanlet import config, events  # noqa: E402
-from spanlet.daemon import SpanPath  # noqa: E402
+from spanlet.pipeline.spans import SpanPath  # noqa: E402
 from spanlet.exporters.otlp_receiver import OtlpReceiver  # noqa: E402
 
 

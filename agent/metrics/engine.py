@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Iterable, Protocol
 
 from spanlet.metrics import Family, Sample, device, kernel, labels
 from spanlet.metrics.catalogue import family
@@ -29,50 +29,48 @@ def _single(name: str, value: float) -> Family:
     return family(name, [Sample((), value)])
 
 
-def self_metrics(daemon) -> list[Family]:
+def self_metrics(src: MetricEngine) -> list[Family]:
     """Probes, join and export queues of the agent itself."""
     attached = family("spanlet_probe_attached")
     failed = family("spanlet_probe_failed_attachments")
     read = family("spanlet_events_read_total")
     dropped = family("spanlet_events_dropped_total")
-    for p in daemon.probes:
+    for p in src.probes:
         lab = labels(probe=p.name)
         attached.samples.append(Sample(lab, 1 if p.status.attached else 0))
         failed.samples.append(Sample(lab, len(p.status.failed_attachments)))
         read.samples.append(Sample(lab, p.events_read))
         dropped.samples.append(Sample(lab, p.events_dropped()))
-    join = daemon.spans.join
-    exp = daemon.spans.exporter.stats()
+    join = src.join
+    exp = src.span_export.stats()
     drops = family("spanlet_export_dropped_spans_total")
     drops.samples = [Sample(labels(reason=r), exp.get(f"dropped_{r}", 0))
                      for r in ("queue_full", "failed", "shutdown")]
-    rx = daemon.spans.receiver.stats()
+    rx = src.receiver.stats()
     otlp_req = family("spanlet_otlp_receiver_requests_total")
     otlp_req.samples = [Sample(labels(transport=t, outcome=o), n)
                         for t, by in sorted(rx["requests"].items()) for o, n in sorted(by.items())]
     otlp_rej = family("spanlet_otlp_receiver_rejected_spans_total")
     otlp_rej.samples = [Sample(labels(reason=r), n) for r, n in sorted(rx["spans_rejected"].items())]
-    return [attached, failed, read, dropped, drops, *store_metrics(daemon), otlp_req, otlp_rej,
+    return [attached, failed, read, dropped, drops, *store_metrics(src.store), otlp_req, otlp_rej,
             _single("spanlet_otlp_receiver_accepted_spans_total", rx["spans_accepted"]),
             _single("spanlet_export_queue_bytes", exp.get("queue_bytes", 0)),
             _single("spanlet_join_buffer_events", join.pending_events()),
             _single("spanlet_join_evicted_events_total", join.stats.events_evicted),
             _single("spanlet_join_late_records_total", join.stats.late_records),
             _single("spanlet_export_queue_spans", exp.get("queue_spans", 0)),
-            _single("spanlet_nvml_available", 1 if daemon.nvml.status.available else 0)]
+            _single("spanlet_nvml_available", 1 if src.nvml.status.available else 0)]
 
 
 STORE_TABLES = ("otel_traces", "kernel_events", "metric_samples")
 STORE_DROP_REASONS = ("spool_full", "rejected")
 
 
-def store_metrics(daemon) -> list[Family]:
+def store_metrics(store: StoreStats | None) -> list[Family]:
     """The store's queue, spool and drops; nothing when the store is off."""
-    store = getattr(daemon, "store", None)
-    sink = getattr(store, "sink", None)
-    if sink is None:
+    st = store.stats() if store is not None else None
+    if st is None:
         return []
-    st = sink.stats()
     by_table = st["dropped_rows_by_table"]
     keys = {(t, r) for t in STORE_TABLES for r in STORE_DROP_REASONS}
     keys |= {(t, r) for t, reasons in by_table.items() for r in reasons}
@@ -86,21 +84,22 @@ def store_metrics(daemon) -> list[Family]:
 
 
 class MetricEngine:
-    """Reads a running Daemon's sources (probes by name, nvml, spans)."""
+    """Reads the sources the daemon hands it, each when asked (scrape or
+    export time): the probes' maps, the join, the export queues, NVML."""
 
-    def __init__(self, daemon):
-        self.daemon = daemon
+    def __init__(self, *, probes: ProbeSources, names: CgroupNames, join: JoinStats,
+                 span_export: Stats, receiver: Stats, nvml: NvmlSource,
+                 memory_peaks: Callable[[], dict[str, float]], store: StoreStats | None = None,
+                 serving: FamilySource | None = None, scheduler: HintSource | None = None):
+        self.probes, self.names, self.join = probes, names, join
+        self.span_export, self.receiver, self.store = span_export, receiver, store
+        self.nvml, self.memory_peaks = nvml, memory_peaks
+        self.serving, self.scheduler = serving, scheduler
         self.scrape_errors: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
 
-    def _probe(self, name: str):
-        for p in self.daemon.probes:
-            if p.name == name and p.status.attached:
-                return p
-        return None
-
     def _workload(self, cgroup_id: int) -> dict[str, str]:
-        attrs = self.daemon.spans.enricher.attributes(cgroup_id) if cgroup_id else {}
+        attrs = self.names.attributes(cgroup_id) if cgroup_id else {}
         return {"namespace": attrs.get("k8s.namespace.name", ""),
                 "pod": attrs.get("k8s.pod.name", ""),
                 "container": attrs.get("k8s.container.name", "")}
@@ -115,8 +114,8 @@ class MetricEngine:
             return []
 
     def families(self) -> list[Family]:
-        d, out = self.daemon, []
-        gpu, tc, sb = self._probe("gpu_launch"), self._probe("tc_classify"), self._probe("mmap_sandbox")
+        out: list[Family] = []
+        gpu, tc, sb = self.probes.gpu, self.probes.tc, self.probes.sandbox
         if gpu is not None:
             out += self._guard("gpu_launch", lambda: [
                 kernel.spanlet_gpu_kernel_launches_total(gpu, self._workload),
@@ -129,22 +128,20 @@ class MetricEngine:
             out += self._guard("mmap_sandbox", lambda: [
                 kernel.spanlet_sandbox_violations_total(sb, self._workload),
                 *kernel.sandbox_self_metrics(sb, self._workload)])
-        span_ctx = self._probe("span_ctx")
+        span_ctx = self.probes.span_ctx
         if span_ctx is not None:
             out += self._guard("span_ctx", lambda: [kernel.spanlet_span_marks_total(span_ctx)])
-        if d.nvml.status.available:
+        if self.nvml.status.available:
             out += self._guard("nvml", lambda: [
-                device.spanlet_gpu_utilization_ratio(d.nvml),
-                device.spanlet_gpu_memory_peak_ratio(d.memory_peaks),
-                device.spanlet_gpu_pcie_utilization_ratio(d.nvml)])
-        serving = getattr(d, "serving", None)
-        if serving is not None:
-            out += self._guard("serving", serving.families)
-        out += self._guard("join", lambda: [spanlet_span_kernel_coverage_ratio(d.spans.join)])
-        scheduler = getattr(d, "scheduler", None)
-        if scheduler is not None:
-            out += self._guard("scheduler", lambda: [scheduler_batch_size_hint(scheduler)])
-        out += self._guard("self", lambda: self_metrics(d))
+                device.spanlet_gpu_utilization_ratio(self.nvml),
+                device.spanlet_gpu_memory_peak_ratio(self.memory_peaks()),
+                device.spanlet_gpu_pcie_utilization_ratio(self.nvml)])
+        if self.serving is not None:
+            out += self._guard("serving", self.serving.families)
+        out += self._guard("join", lambda: [spanlet_span_kernel_coverage_ratio(self.join)])
+        if self.scheduler is not None:
+            out += self._guard("scheduler", lambda: [scheduler_batch_size_hint(self.scheduler)])
+        out += self._guard("self", lambda: self_metrics(self))
         errors = family("spanlet_scrape_errors_total")
         with self._lock:
             errors.samples = [Sample(labels(source=s), n) for s, n in sorted(self.scrape_errors.items())]
@@ -157,3 +154,58 @@ def scheduler_batch_size_hint(scheduler) -> Family:
     for modality, hint in sorted(scheduler.hints()["hints"].items()):
         fam.samples.append(Sample(labels(modality=modality), hint["batch_size"]))
     return fam
+
+
+# -- the sources, as the engine reads them (the daemon passes the real parts) --
+
+class ProbeCounters(Protocol):
+    """Any started probe: its status and its ring-buffer counters."""
+    name: str
+    status: object            # ProbeStatus: attached, failed_attachments
+    events_read: int
+
+    def events_dropped(self) -> int: ...
+
+
+class ProbeSources(Iterable[ProbeCounters], Protocol):
+    """Every started probe, and the three whose maps feed metrics, each None
+    unless attached now (a detached probe's maps are gone)."""
+    gpu: object | None        # launches(), sync_wait(), sync_wait_buckets()
+    tc: object | None         # totals(), jitter(), rejected(), uncounted()
+    sandbox: object | None    # violations(), sweep_violations(), unresolved_opens(), ...
+    span_ctx: object | None   # marks()
+
+
+class CgroupNames(Protocol):
+    def attributes(self, cgroup_id: int) -> dict[str, str]: ...
+
+
+class JoinStats(Protocol):
+    stats: object             # events_evicted, late_records
+
+    def coverage(self) -> tuple[float | None, float | None]: ...
+    def pending_events(self) -> int: ...
+
+
+class Stats(Protocol):
+    def stats(self) -> dict: ...
+
+
+class StoreStats(Protocol):
+    events_overflow: int
+
+    def stats(self) -> dict | None: ...
+
+
+class NvmlSource(Protocol):
+    status: object            # available
+
+    def snapshot(self) -> dict: ...
+
+
+class FamilySource(Protocol):
+    def families(self) -> list[Family]: ...
+
+
+class HintSource(Protocol):
+    def hints(self) -> dict: ...

@@ -1,6 +1,7 @@
 """Fake metric sources for the Prometheus collector's tests: a probe's read
-side and the daemon parts the metric engine reads, with known values; and a
-daemon with every source at once, real serving metrics, scheduler and join."""
+side and the other inputs the daemon hands the metric engine, with known
+values; and inputs with every source at once, real serving metrics,
+scheduler and join."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from spanlet import config, events
 from spanlet.config import ServingSettings
+from spanlet.daemon import StartedProbes
 from spanlet.exporters.prometheus import SpanletCollector
 from spanlet.join import SpanJoin
 from spanlet.metrics.engine import MetricEngine
@@ -46,28 +48,37 @@ class FakeProbe:
         return 2
 
 
-def daemon(probes, nvml_available=False):
+def sources(probes, nvml_available=False):
+    """The metric engine's inputs as the daemon hands them, with known values
+    (set serving, scheduler, memory_peaks or nvml.snapshot before registry())."""
     cfg = config.load(env={}, overrides=["node_name=n1"])
-    enricher = SimpleNamespace(attributes=lambda cg: {
+    names = SimpleNamespace(attributes=lambda cg: {
         "k8s.namespace.name": "serving", "k8s.pod.name": f"pod-{cg}", "k8s.container.name": "c"})
-    spans = SimpleNamespace(join=SpanJoin(cfg.join), enricher=enricher,
-                            exporter=SimpleNamespace(stats=lambda: {"queue_spans": 3,
-                                                                    "dropped_queue_full": 4}),
-                            receiver=SimpleNamespace(stats=lambda: {
-                                "requests": {"grpc": {"ok": 5, "invalid": 1}},
-                                "spans_rejected": {"bad_span_id": 2}, "spans_accepted": 9}))
+    span_export = SimpleNamespace(stats=lambda: {"queue_spans": 3, "dropped_queue_full": 4})
+    receiver = SimpleNamespace(stats=lambda: {
+        "requests": {"grpc": {"ok": 5, "invalid": 1}},
+        "spans_rejected": {"bad_span_id": 2}, "spans_accepted": 9})
     nvml = SimpleNamespace(status=SimpleNamespace(available=nvml_available),
                            snapshot=lambda: {}, errors={})
-    return SimpleNamespace(cfg=cfg, probes=probes, spans=spans, nvml=nvml, memory_peaks={})
+    return SimpleNamespace(cfg=cfg, probes=StartedProbes(probes), names=names, join=SpanJoin(cfg.join),
+                           span_export=span_export, receiver=receiver, nvml=nvml, memory_peaks={},
+                           store=None, serving=None, scheduler=None)
 
 
-def registry(d):
+def engine(src) -> MetricEngine:
+    return MetricEngine(probes=src.probes, names=src.names, join=src.join,
+                        span_export=src.span_export, receiver=src.receiver, nvml=src.nvml,
+                        memory_peaks=lambda: src.memory_peaks, store=src.store,
+                        serving=src.serving, scheduler=src.scheduler)
+
+
+def registry(src):
     reg = CollectorRegistry()
-    reg.register(SpanletCollector(MetricEngine(d), d.cfg.node_name))
+    reg.register(SpanletCollector(engine(src), src.cfg.node_name))
     return reg
 
 
-def every_source_daemon():
+def every_source():
     """Every source the metric engine reads, each with at least one series:
     kernel probes and NVML stood in, a store's stats, real serving metrics
     after three windows, a scheduler after one update, a span joined."""
@@ -82,7 +93,7 @@ def every_source_daemon():
     sb = FakeProbe("mmap_sandbox", violations=lambda: {(11, "exec", "kill"): 1},
                    sweep_violations=lambda: {(11, "exec", "audit"): 1})
     span_ctx = FakeProbe("span_ctx", marks=lambda: 4)
-    d = daemon([gpu, tc, sb, span_ctx], nvml_available=True)
+    d = sources([gpu, tc, sb, span_ctx], nvml_available=True)
     sample = GpuSample("GPU-0", 0, sm_utilization_ratio=0.5, memory_used_bytes=1, memory_total_bytes=2,
                        memory_free_bytes=1, pcie_tx_ratio=0.1, pcie_rx_ratio=0.2)
     d.nvml.snapshot = lambda: {"GPU-0": sample}
@@ -90,9 +101,9 @@ def every_source_daemon():
     d.serving = serving_with_every_metric()
     d.scheduler = Scheduler()
     d.scheduler.update(WindowInputs(), time.time())
-    d.store = SimpleNamespace(events_overflow=1, sink=SimpleNamespace(stats=lambda: {
-        "dropped_rows_by_table": {}, "queued_rows": 2, "spooled_bytes": 3}))
-    join_one_span(d.spans.join)
+    d.store = SimpleNamespace(events_overflow=1, stats=lambda: {
+        "dropped_rows_by_table": {}, "queued_rows": 2, "spooled_bytes": 3})
+    join_one_span(d.join)
     return d
 
 

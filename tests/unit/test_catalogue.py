@@ -17,8 +17,7 @@ from prometheus_client import generate_latest
 from spanlet.config import SchedulerThresholds, ServingSettings
 from spanlet.exporters.prometheus import SpanletCollector
 from spanlet.metrics import catalogue
-from spanlet.metrics.engine import MetricEngine
-from collector_fakes import every_source_daemon
+from collector_fakes import engine, every_source
 
 ROOT = Path(__file__).resolve().parents[2]
 DECLARATION = re.compile(r"\bBPF_([A-Z_]+)\s*\((.*?)\)\s*;", re.S)
@@ -74,7 +73,7 @@ def test_every_module_named_as_a_source_exists():
 
 @pytest.fixture(scope="module")
 def collected():
-    return {f.name: f for f in MetricEngine(every_source_daemon()).families()}
+    return {f.name: f for f in engine(every_source()).families()}
 
 
 def test_a_real_collect_produces_exactly_the_catalogue(collected):
@@ -94,7 +93,7 @@ def test_families_carry_the_catalogue_type_help_unit_and_labels(collected):
 
 def test_the_scrape_has_the_catalogue_help_and_labels():
     reg = CollectorRegistry()
-    reg.register(SpanletCollector(MetricEngine(every_source_daemon()), "n1"))
+    reg.register(SpanletCollector(engine(every_source()), "n1"))
     seen = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
     for m in catalogue.CATALOGUE:
         fam = seen[m.name.removesuffix("_total") if m.type == "counter" else m.name]

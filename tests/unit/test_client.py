@@ -192,7 +192,7 @@ def test_modality_from_start_attributes(recorder, attributes, modality):
 
 
 def test_modality_numbers_match_the_agents_decoder():
-    """client.py may not import the agent, so it repeats agent/events.py Modality."""
+    """client.py takes its numbers from spanlet.modality, as the decoder does."""
     from spanlet.events import Modality
     assert client.MODALITIES == {m.name: m.value for m in Modality}
 

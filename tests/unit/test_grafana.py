@@ -44,7 +44,7 @@ from spanlet.exporters.clickhouse import rows, schema
 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
 from spanlet.exporters.clickhouse.sink import ClickHouseSink
 from spanlet.exporters.prometheus import AgentHttpServer
-from collector_fakes import every_source_daemon, registry
+from collector_fakes import every_source, registry
 from metrics_md import THRESHOLDS as METRICS_MD_THRESHOLDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -367,7 +367,7 @@ def agent_registry():
     its kernel, NVML and store sources stood in (as in test_prometheus_collector.py),
     real serving metrics, scheduler and span join: every family the dashboards
     read has series."""
-    return registry(every_source_daemon())
+    return registry(every_source())
 
 
 @pytest.fixture(scope="module")

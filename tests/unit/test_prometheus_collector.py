@@ -5,7 +5,7 @@ buckets, and a failing source that never fails the scrape."""
 
 from spanlet import events
 from spanlet.probes.tc import JitterStats
-from collector_fakes import FakeProbe, daemon, registry
+from collector_fakes import FakeProbe, registry, sources
 
 M = events.Modality
 A = events.Api
@@ -27,7 +27,7 @@ def test_kernel_metrics_with_workload_labels():
     sb = FakeProbe("mmap_sandbox", violations=lambda: {(11, "exec", "kill"): 1},
                    sweep_violations=lambda: {(11, "exec", "kill"): 2, (12, "unauthorized", "kill"): 1},
                    unresolved_opens=lambda: 6)
-    reg = registry(daemon([gpu, tc, sb]))
+    reg = registry(sources([gpu, tc, sb]))
     w = {"node": "n1", "namespace": "serving", "pod": "pod-11", "container": "c"}
     # #5 counts what the sweep found too; the sweep's share is its own family
     assert reg.get_sample_value("spanlet_sandbox_violations_total",
@@ -72,7 +72,7 @@ def test_a_failing_source_is_counted_and_the_rest_is_served():
 
     gpu = FakeProbe("gpu_launch", launches=broken)
     sb = FakeProbe("mmap_sandbox", violations=lambda: {(0, "oversize", "audit"): 2})
-    reg = registry(daemon([gpu, sb]))
+    reg = registry(sources([gpu, sb]))
     errors = {"node": "n1", "source": "gpu_launch"}
     assert reg.get_sample_value("spanlet_scrape_errors_total", errors) == 1   # first scrape
     # cgroup id 0 (unknown): the workload labels stay empty
@@ -84,6 +84,6 @@ def test_a_failing_source_is_counted_and_the_rest_is_served():
 
 
 def test_no_nvml_means_no_device_metrics():
-    reg = registry(daemon([]))
+    reg = registry(sources([]))
     assert reg.get_sample_value("spanlet_nvml_available", {"node": "n1"}) == 0
     assert reg.get_sample_value("spanlet_gpu_utilization_ratio", {"node": "n1", "gpu": "x"}) is None
