@@ -29,9 +29,9 @@ from spanlet.nvml import NvmlPoller
 from spanlet.probes.base import Probe, ProbeStatus
 from prometheus_client import CollectorRegistry
 
-from spanlet.exporters.otlp_export import OtlpSpanExporter
-from spanlet.exporters.otlp_metrics import OtlpMetricsExporter
-from spanlet.exporters.otlp_receiver import OtlpReceiver
+from spanlet.exporters.otlp.span_exporter import OtlpSpanExporter
+from spanlet.exporters.otlp.metric_exporter import OtlpMetricsExporter
+from spanlet.exporters.otlp.receiver import OtlpReceiver
 from spanlet.exporters.prometheus import AgentHttpServer, SpanletCollector
 
 log = logging.getLogger("spanlet")

@@ -21,17 +21,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
 from spanlet.config import ConfigError, OtlpConfig
-from spanlet.exporters.otlp_export import (
-    GRPC,
-    HTTP_PROTOBUF,
-    OtlpSpanExporter,
-    parse_headers,
-    parse_retry_after,
-    resolve_upstream,
-    split_resource_spans,
-)
+from spanlet.exporters.otlp.common import STATUS_DETAILS_KEY
+from spanlet.exporters.otlp.span_exporter import OtlpSpanExporter, split_resource_spans
+from spanlet.exporters.otlp.transport import parse_retry_after
+from spanlet.exporters.otlp.upstream import GRPC, HTTP_PROTOBUF, parse_headers, resolve_upstream
 from loopback_http import LoopbackHttp, QuietHandler
-from spanlet.exporters.otlp_receiver import GRPC_SERVICE, STATUS_DETAILS_KEY, Backpressure, OtlpReceiver
+from spanlet.exporters.otlp.receiver import GRPC_SERVICE, Backpressure, OtlpReceiver
 
 BACKOFF_S = 0.1
 NO_PROXY = {"NO_PROXY": "*", "no_proxy": "*"}   # requests and grpc honour these

@@ -21,14 +21,9 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_C
 
 from spanlet.config import OtlpConfig
 from spanlet.metrics import Family, HistogramSample, Sample, labels
-from spanlet.exporters.otlp_export import GRPC, HTTP_PROTOBUF
+from spanlet.exporters.otlp.upstream import GRPC, HTTP_PROTOBUF, resolve_metrics_upstream
 from loopback_http import LoopbackHttp, QuietHandler
-from spanlet.exporters.otlp_metrics import (
-    OtlpMetricsExporter,
-    families_to_request,
-    otlp_unit,
-    resolve_metrics_upstream,
-)
+from spanlet.exporters.otlp.metric_exporter import OtlpMetricsExporter, families_to_request, otlp_unit
 
 BACKOFF_S = 0.05
 NOW_NS = 1_700_000_000_123_456_789

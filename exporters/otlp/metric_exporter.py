@@ -10,9 +10,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import replace
 from typing import Callable, Iterable, Mapping, Sequence
-from urllib.parse import urlsplit
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
@@ -23,24 +21,19 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_C
 
 from spanlet.config import OtlpConfig
 from spanlet.metrics import Family, HistogramSample
-from spanlet.exporters.otlp_export import (
-    GRPC,
-    HTTP_PROTOBUF,
+from spanlet.exporters.otlp.transport import (
     INITIAL_BACKOFF_S,
     MAX_BACKOFF_S,
     RetryingSender,
-    Upstream,
     _Counters,
     _GrpcTransport,
     _HttpTransport,
-    resolve_upstream,
 )
-from spanlet.exporters.otlp_receiver import HTTP_PATH as TRACES_PATH
-from spanlet.exporters.otlp_receiver import RateLimitedLog
+from spanlet.exporters.otlp.upstream import GRPC, resolve_metrics_upstream
+from spanlet.exporters.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-METRICS_PATH = "/v1/metrics"
 DEFAULT_INTERVAL_S = 10.0      # the metric window (Config.window_s)
 SERVICE_NAME = "spanlet"
 SCOPE_NAME = "spanlet"
@@ -59,30 +52,6 @@ except importlib.metadata.PackageNotFoundError:   # running from a bare checkout
 
 def otlp_unit(unit: str) -> str:
     return "/".join(UNITS.get(part, part) for part in unit.split("_per_"))
-
-
-# ---------------------------------------------------------------------------
-# Where to send: resolve_upstream's rules for the metrics signal.
-
-def resolve_metrics_upstream(cfg: OtlpConfig,
-                             environ: Mapping[str, str] = os.environ) -> Upstream | None:
-    """Where and how to export metrics, or None when no endpoint is set:
-    resolve_upstream(cfg, environ, signal="metrics") (the METRICS_ forms of
-    the variables, /v1/metrics appended where /v1/traces would be), with one
-    rule more: a config endpoint is the span upstream's, so for http/protobuf
-    a path of its own ending in /v1/traces is turned into /v1/metrics; any
-    other path is used as-is (with a warning)."""
-    up = resolve_upstream(cfg, environ, signal="metrics")
-    endpoint = cfg.upstream_endpoint.strip()
-    if (up is None or up.protocol != HTTP_PROTOBUF or "://" not in endpoint
-            or urlsplit(endpoint).path in ("", "/")):
-        return up                       # not the config's own path: resolve_upstream's rules
-    if up.endpoint.endswith(TRACES_PATH):
-        return replace(up, endpoint=up.endpoint[:-len(TRACES_PATH)] + METRICS_PATH)
-    log.warning("otlp.upstream_endpoint %r names a path other than %s; metrics are sent there "
-                "as-is (set OTEL_EXPORTER_OTLP_METRICS_ENDPOINT to send them elsewhere)",
-                up.endpoint, TRACES_PATH)
-    return up
 
 
 # ---------------------------------------------------------------------------
