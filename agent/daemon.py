@@ -32,7 +32,8 @@ from prometheus_client import CollectorRegistry
 from spanlet.exporters.otlp.span_exporter import OtlpSpanExporter
 from spanlet.exporters.otlp.metric_exporter import OtlpMetricsExporter
 from spanlet.exporters.otlp.receiver import OtlpReceiver
-from spanlet.exporters.prometheus import AgentHttpServer, SpanletCollector
+from spanlet.exporters.http import AgentHttpServer
+from spanlet.exporters.prometheus import SpanletCollector
 
 log = logging.getLogger("spanlet")
 
