@@ -1,6 +1,7 @@
 """How OTLP is sent: one Export request over gRPC or HTTP/protobuf, its
 answer classified as the OTLP specification says (success, partial success,
-retryable with the server's delay, final), and the retrying sender."""
+retryable with the server's delay, final), the retry policy, and the books
+both exporters keep of what became of each request."""
 
 from __future__ import annotations
 
@@ -8,22 +9,22 @@ import email.utils
 import gzip
 import logging
 import math
-import random
-import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import requests
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 
 from spanlet.config import ConfigError
+from spanlet.exporters.batching import EXPORTED, GAVE_UP, SHUTDOWN, Backoff, ExportResult
 from spanlet.exporters.otlp.common import PROTOBUF, STATUS_DETAILS_KEY
-from spanlet.exporters.otlp.upstream import Upstream
+from spanlet.exporters.otlp.upstream import GRPC, Upstream
 from spanlet.exporters.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,13 @@ INITIAL_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 32.0
 JITTER = (0.8, 1.2)
 
+# Per signal: the gRPC service stub, the Export response, and the count in
+# its partial_success.
+SIGNALS = {
+    "traces": (TraceServiceStub, ExportTraceServiceResponse, "rejected_spans"),
+    "metrics": (MetricsServiceStub, ExportMetricsServiceResponse, "rejected_data_points"),
+}
+
 # OTLP/gRPC: retryable codes. RESOURCE_EXHAUSTED only with RetryInfo.
 RETRYABLE_GRPC = frozenset({
     grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
@@ -46,12 +54,8 @@ RETRYABLE_HTTP = frozenset({429, 502, 503, 504})
 
 
 @dataclass
-class SendResult:
-    ok: bool
-    retryable: bool = False
-    retry_after_s: float | None = None   # server-asked delay (RetryInfo, Retry-After)
+class SendResult(ExportResult):
     rejected: int = 0                    # partial success: items (spans, points) refused
-    message: str = ""
 
 
 def _read_file(path: str) -> bytes | None:
@@ -207,6 +211,15 @@ class _HttpTransport:
 # ---------------------------------------------------------------------------
 # Sending one request until it gets a final answer (both signals).
 
+# ---------------------------------------------------------------------------
+# One signal's export(batch) for the batching worker, and its books.
+
+@dataclass
+class OtlpBatch:
+    request: Message | None     # None: the metrics collection it stands for is not made yet
+    n: int = 0                  # items (spans, data points) in it
+
+
 @dataclass
 class _Counters:
     exported: int = 0                 # items (spans, data points) the upstream took
@@ -214,119 +227,69 @@ class _Counters:
     dropped_queue_full: int = 0
     dropped_failed: int = 0           # non-retryable answer, or retries ran out
     dropped_shutdown: int = 0         # still queued at the shutdown deadline, or sent after it
-    retries: int = 0                  # re-sends of a request
     batches: int = 0                  # requests that got a final answer
     requests_exported: int = 0
     requests_failed: int = 0          # requests dropped (failed, or cut by the shutdown deadline)
     settled: int = 0                  # items with a final fate (exported, rejected or dropped)
-    retry_delays: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    def settle(self, n: int, outcome: str, rejected: int = 0) -> None:
+        if outcome == EXPORTED:
+            self.exported += n - rejected
+            self.rejected_upstream += rejected
+            self.batches += 1
+            self.requests_exported += 1
+        elif outcome == SHUTDOWN:
+            self.dropped_shutdown += n
+            self.requests_failed += 1
+        else:
+            self.dropped_failed += n
+            self.batches += 1
+            self.requests_failed += 1
+        self.settled += n
 
 
-class RetryingSender:
-    """Sends one request until it gets a final answer: a retryable failure is
-    retried with exponential backoff and jitter (or after the delay the
-    server asked for) for up to `max_retry_s`, after which the request is
-    dropped and counted, as is a request refused for good.
+class OtlpSender:
+    """One signal's transport to `upstream` (gRPC or HTTP/protobuf) as the
+    batching worker's export(batch, timeout_s), and settle(), which counts
+    what became of a batch (in `unit`s, the word the log lines use) in
+    `counters`. The owner calls settle under the worker's condition."""
 
-    `cond` is the owner's condition: every count in `counters` (in `unit`s,
-    the word the log lines use) changes under it, and it is notified when a
-    request is settled. stop_by(deadline) (shutdown) bounds the retries and
-    their waits; after the deadline a request is dropped as "dropped_shutdown"."""
-
-    def __init__(self, upstream: Upstream, transport, cond: threading.Condition, *,
-                 max_retry_s: float, initial_backoff_s: float = INITIAL_BACKOFF_S,
-                 max_backoff_s: float = MAX_BACKOFF_S, unit: str = "spans",
-                 what: str = "OTLP export", logger: logging.Logger = log) -> None:
-        self.upstream, self.transport = upstream, transport
-        self._cond = cond
-        self._max_retry_s = max_retry_s
+    def __init__(self, upstream: Upstream, signal: str = "traces", *,
+                 initial_backoff_s: float = INITIAL_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S,
+                 unit: str = "spans", what: str = "OTLP export", logger: logging.Logger = log) -> None:
+        stub_cls, response_cls, rejected_field = SIGNALS[signal]
+        if upstream.protocol == GRPC:
+            self.transport = _GrpcTransport(upstream, stub_cls, rejected_field,
+                                            initial_backoff_s=initial_backoff_s, max_backoff_s=max_backoff_s)
+        else:
+            self.transport = _HttpTransport(upstream, response_cls, rejected_field)
+        self.upstream = upstream
         self._initial_backoff_s, self._max_backoff_s = initial_backoff_s, max_backoff_s
         self._unit, self._what = unit, what
         self._ratelog = RateLimitedLog(logger)
-        self.deadline: float | None = None   # shutdown deadline (monotonic)
         self.counters = _Counters()
 
-    def stop_by(self, deadline: float) -> None:
-        with self._cond:
-            self.deadline = deadline
-            self._cond.notify_all()
+    def backoff(self, max_retry_s: float) -> Backoff:
+        """The OTLP retry policy: exponential backoff, JITTER, for max_retry_s."""
+        return Backoff(self._initial_backoff_s, self._max_backoff_s, JITTER, max_retry_s)
 
-    def send(self, request: Message, n: int) -> str:
-        """Deliver `request` (`n` units); returns its fate: "exported",
-        "dropped_failed" or "dropped_shutdown". One caller at a time."""
-        try:
-            return self._deliver(request, n)
-        except Exception:   # a bug here must not kill the caller's worker
-            self._ratelog(logging.ERROR, "deliver", "%s failed", self._what, exc_info=True)
-            return self.settle(n, "dropped_failed")
+    def export(self, batch: OtlpBatch, timeout_s: float | None) -> SendResult:
+        timeout = self.upstream.timeout_s if timeout_s is None else min(self.upstream.timeout_s, timeout_s)
+        result = self.transport.send(batch.request, timeout)
+        if result.ok and (result.rejected or result.message):
+            self._ratelog(logging.WARNING, "partial", "OTLP upstream rejected %d of %d %s: %s",
+                          result.rejected, batch.n, self._unit, result.message)
+        return result
 
-    def settle(self, n: int, outcome: str, rejected: int = 0) -> str:
-        with self._cond:
-            c = self.counters
-            if outcome == "exported":
-                c.exported += n - rejected
-                c.rejected_upstream += rejected
-                c.batches += 1
-                c.requests_exported += 1
-            elif outcome == "dropped_failed":
-                c.dropped_failed += n
-                c.batches += 1
-                c.requests_failed += 1
-            else:
-                c.dropped_shutdown += n
-                c.requests_failed += 1
-            c.settled += n
-            self._cond.notify_all()
-        return outcome
+    def settle(self, batch: OtlpBatch, outcome: str, result: SendResult | None) -> None:
+        if outcome == GAVE_UP:
+            self._ratelog(logging.WARNING, "gave_up", "%s of %d %s dropped, retries ran out: %s",
+                          self._what, batch.n, self._unit, result.message)
+        elif outcome != EXPORTED and outcome != SHUTDOWN:
+            self._ratelog(logging.WARNING, "final", "%s of %d %s refused, dropped: %s",
+                          self._what, batch.n, self._unit, result.message if result else "export failed")
+        rejected = min(getattr(result, "rejected", 0), batch.n) if outcome == EXPORTED else 0
+        self.counters.settle(batch.n, outcome, rejected)
 
-    def _backoff(self, attempt: int) -> float:
-        nominal = min(self._initial_backoff_s * (2 ** attempt), self._max_backoff_s)
-        return nominal * random.uniform(*JITTER)
-
-    def _deliver(self, request: Message, n: int) -> str:
-        give_up = time.monotonic() + self._max_retry_s
-        attempt = 0
-        while True:
-            timeout = self.upstream.timeout_s
-            with self._cond:
-                hard = self.deadline
-            if hard is not None:
-                left = hard - time.monotonic()
-                if left <= 0:
-                    return self.settle(n, "dropped_shutdown")
-                timeout = min(timeout, left)
-            result = self.transport.send(request, timeout)
-            if result.ok:
-                if result.rejected or result.message:
-                    self._ratelog(logging.WARNING, "partial",
-                                  "OTLP upstream rejected %d of %d %s: %s",
-                                  result.rejected, n, self._unit, result.message)
-                return self.settle(n, "exported", min(result.rejected, n))
-            if not result.retryable:
-                self._ratelog(logging.WARNING, "final", "%s of %d %s refused, dropped: %s",
-                              self._what, n, self._unit, result.message)
-                return self.settle(n, "dropped_failed")
-            # A server-given delay is a floor: never sooner than asked, and
-            # still backing off when it keeps failing (a RetryInfo of 0 is common).
-            delay = max(result.retry_after_s or 0.0, self._backoff(attempt))
-            now = time.monotonic()
-            if now + delay > give_up:
-                self._ratelog(logging.WARNING, "gave_up",
-                              "%s of %d %s dropped after %d retries: %s",
-                              self._what, n, self._unit, attempt, result.message)
-                return self.settle(n, "dropped_failed")
-            if hard is not None and now + delay > hard:
-                return self.settle(n, "dropped_shutdown")
-            with self._cond:
-                self.counters.retries += 1
-                self.counters.retry_delays.append(delay)
-                # Woken early only by shutdown, which may shorten the wait.
-                end = now + delay
-                while True:
-                    left = end - time.monotonic()
-                    if self.deadline is not None:
-                        left = min(left, self.deadline - time.monotonic())
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
-            attempt += 1
+    def close(self) -> None:
+        self.transport.close()

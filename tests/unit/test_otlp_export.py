@@ -357,7 +357,7 @@ def test_shutdown_flushes_then_is_safe_twice(upstream, exporter):
     e.export(rs)
     e.shutdown(timeout_millis=10000)
     assert up.span_ids == ids
-    assert not e._thread.is_alive()
+    assert not e._worker.thread.is_alive()
     e.shutdown(timeout_millis=10000)
     assert e.export(make_resource_spans([10], seed=3)[0]) is False
     st = e.stats()
@@ -373,7 +373,7 @@ def test_shutdown_deadline_bounds_retrying_and_counts_what_is_left(upstream, exp
     t0 = time.monotonic()
     e.shutdown(timeout_millis=500)
     assert time.monotonic() - t0 < 2.5
-    assert not e._thread.is_alive()
+    assert not e._worker.thread.is_alive()
     st = e.stats()
     assert (st["exported"], st["dropped_shutdown"], st["queue_spans"]) == (0, 50, 0)
 
@@ -381,7 +381,7 @@ def test_shutdown_deadline_bounds_retrying_and_counts_what_is_left(upstream, exp
 def test_no_endpoint_means_disabled_without_a_thread(exporter):
     before = {t.name for t in threading.enumerate()}
     e = exporter()
-    assert e.enabled is False and e._thread is None
+    assert e.enabled is False and e._worker is None
     assert "otlp-export" not in {t.name for t in threading.enumerate()} - before
     rs, _ = make_resource_spans([5])
     assert e.export(rs) is True
