@@ -1,7 +1,5 @@
-"""Upstream OTLP export of the metric engine's Families: every interval one
-ExportMetricsServiceRequest (cumulative sums, gauges, explicit-bucket
-histograms), collected and sent by the batching worker with the span
-exporter's endpoint rules, transports and retries."""
+"""Upstream OTLP export of the metric engine's Families: every interval one ExportMetricsServiceRequest
+(cumulative sums, gauges, explicit-bucket histograms), collected and sent by the batching worker."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Upstream OTLP export of the (enriched) spans the agent received: a queue
-bounded in spans and in bytes, behind the batching worker, which sends
-batches over gRPC or HTTP/protobuf and retries them with exponential backoff
-as the OTLP specification describes."""
+"""Upstream OTLP export of the (enriched) spans the agent received: a queue bounded in spans and in bytes
+behind the batching worker, which sends batches and retries them as the OTLP specification describes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""How OTLP is sent: one Export request over gRPC or HTTP/protobuf, its
-answer classified as the OTLP specification says (success, partial success,
-retryable with the server's delay, final), the retry policy, and the books
-both exporters keep of what became of each request."""
+"""How OTLP is sent: one Export over gRPC or HTTP/protobuf, its answer classified as the specification
+says (success, partial, retryable with the server's delay, final), the retry policy and the exporters' books."""
 
 from __future__ import annotations
 

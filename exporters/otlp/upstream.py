@@ -1,6 +1,5 @@
-"""Where to send OTLP: the upstream endpoint, protocol, headers, timeout, TLS
-and compression of a signal, from the config first and the standard
-OTEL_EXPORTER_OTLP_* variables for what it leaves empty."""
+"""Where to send OTLP: a signal's endpoint, protocol, headers, timeout, TLS and compression, from the
+config first and the standard OTEL_EXPORTER_OTLP_* variables for what it leaves empty."""
 
 from __future__ import annotations
 
