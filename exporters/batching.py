@@ -67,7 +67,8 @@ class BatchQueue(Protocol[B]):
     def put(self, item) -> bool: ...            # False when some of it was dropped
     def refuse(self, item) -> None: ...         # offered after shutdown began
     def ready(self) -> bool: ...                # take() would return a batch now
-    def seal(self) -> None: ...                 # the schedule delay passed, or a flush or shutdown began: what is queued now is due
+    # seal: the schedule delay passed, or a flush or shutdown began: what is queued now is due
+    def seal(self) -> None: ...
     def take(self) -> B | None: ...             # a full batch, or a sealed one; None when nothing is due
     def idle(self) -> bool: ...                 # nothing queued and nothing in flight
     def settle(self, batch: B, outcome: str, result: ExportResult | None) -> None: ...
@@ -218,7 +219,8 @@ class BatchWorker(Generic[B]):
                 with self.cond:
                     batch, next_tick = self._next_locked(next_tick)
                 if batch is None or self.deliver(batch) == SHUTDOWN:
-                    return      # after SHUTDOWN the destination is away and the deadline near: close() keeps the rest
+                    # after SHUTDOWN the destination is away and the deadline near: close() keeps the rest
+                    return
         finally:
             with self.cond:
                 self.cond.notify_all()              # flushes waiting on a thread that is gone
