@@ -23,8 +23,9 @@ from spanlet.nvml import NvmlPoller
 from spanlet.probes.base import Probe, ProbeStatus
 from prometheus_client import CollectorRegistry
 
-from spanlet.exporters.otlp_metrics import OtlpMetricsExporter
-from spanlet.exporters.prometheus import AgentHttpServer, SpanletCollector
+from spanlet.exporters.otlp.metric_exporter import OtlpMetricsExporter
+from spanlet.exporters.http import AgentHttpServer
+from spanlet.exporters.prometheus import SpanletCollector
 
 log = logging.getLogger("spanlet")
 

@@ -23,7 +23,7 @@ import grpc  # noqa: E402
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 
 from spanlet.config import OtlpConfig  # noqa: E402
-from spanlet.exporters.otlp_receiver import GRPC_METHOD, GRPC_SERVICE, GRPC_WORKERS, OtlpReceiver  # noqa: E402
+from spanlet.exporters.otlp.receiver import GRPC_METHOD, GRPC_SERVICE, GRPC_WORKERS, OtlpReceiver  # noqa: E402
 
 OPTIONS = [("grpc.enable_http_proxy", 0)]
 

@@ -46,7 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 import cuda_standin  # noqa: E402
 from spanlet.config import OtlpConfig  # noqa: E402
 from spanlet.demo.standin import DRIVER, RUNTIME  # noqa: E402
-from spanlet.exporters.otlp_receiver import OtlpReceiver  # noqa: E402
+from spanlet.exporters.otlp.receiver import OtlpReceiver  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 SPAN_BATCH = 50

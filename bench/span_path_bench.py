@@ -23,7 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from spanlet import config, events  # noqa: E402
 from spanlet.pipeline.spans import SpanPath  # noqa: E402
-from spanlet.exporters.otlp_receiver import OtlpReceiver  # noqa: E402
+from spanlet.exporters.otlp.receiver import OtlpReceiver  # noqa: E402
 
 
 def requests(batch: int, count: int) -> list[ExportTraceServiceRequest]:

@@ -1,18 +1,13 @@
-"""Prometheus exposition of the metric engine (agent/metrics), and the agent's
-one HTTP port: /metrics, /v1/hints, /healthz and /readyz."""
+"""Prometheus exposition of the metric engine (agent/metrics): the collector
+that renders its Families at scrape time (served by exporters/http.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterable
+from typing import Iterable
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 from spanlet.metrics import Family, HistogramSample, catalogue
@@ -65,56 +60,3 @@ class SpanletCollector:
     def collect(self) -> Iterable[Metric]:
         for fam in self.engine.families():
             yield _render(fam, self.node)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: "AgentHttpServer"
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            body, status, ctype = generate_latest(self.server.registry), 200, CONTENT_TYPE_LATEST
-        elif path == "/v1/hints" and self.server.hints is not None:
-            body = (json.dumps(self.server.hints(), indent=1) + "\n").encode()
-            status, ctype = 200, "application/json"
-        elif path == "/healthz":
-            body, status, ctype = b"ok\n", 200, "text/plain"
-        elif path == "/readyz":
-            ready = self.server.ready()
-            body, status = (b"ready\n", 200) if ready else (b"starting\n", 503)
-            ctype = "text/plain"
-        else:
-            body, status, ctype = b"not found\n", 404, "text/plain"
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-
-class AgentHttpServer(ThreadingHTTPServer):
-    """The agent's one HTTP port for people and scrapers."""
-
-    daemon_threads = True
-
-    def __init__(self, address: str, port: int, registry: CollectorRegistry,
-                 ready: Callable[[], bool], hints: Callable[[], dict] | None = None):
-        super().__init__((address, port), _Handler)
-        self.registry = registry
-        self.ready = ready
-        self.hints = hints
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="http", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self.shutdown()
-            self.server_close()
-            self._thread = None

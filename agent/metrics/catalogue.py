@@ -71,8 +71,8 @@ NVML = Source("spanlet.nvml")
 SERVING = Source("spanlet.metrics.serving")
 JOIN = Source("spanlet.join")
 ENGINE = Source("spanlet.metrics.engine")
-EXPORT = Source("spanlet.exporters.otlp_export")
-RECEIVER = Source("spanlet.exporters.otlp_receiver")
+EXPORT = Source("spanlet.exporters.otlp.span_exporter")
+RECEIVER = Source("spanlet.exporters.otlp.receiver")
 STORE = Source("spanlet.exporters.clickhouse.sink")
 
 KERNEL = (

@@ -15,8 +15,8 @@ from spanlet.config import Config
 from spanlet.join import SpanJoin
 from spanlet.k8s import K8sEnricher, PodWatcher
 
-from spanlet.exporters.otlp_export import OtlpSpanExporter
-from spanlet.exporters.otlp_receiver import OtlpReceiver
+from spanlet.exporters.otlp.span_exporter import OtlpSpanExporter
+from spanlet.exporters.otlp.receiver import OtlpReceiver
 
 log = logging.getLogger("spanlet")
 

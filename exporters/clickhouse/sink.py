@@ -1,4 +1,4 @@
-# Batching ClickHouse sink: a bounded in-memory queue, an on-disk spool past it, and one worker thread that
+# The ClickHouse sink: a queue bounded in rows, an on-disk spool past it, behind the batching worker, which
 # inserts per table in write order, backing off while the store is away and replaying the spool when it returns.
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import logging
 import os
 import random
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -18,14 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spanlet.exporters.batching import EXPORTED, SHUTDOWN, Backoff, BatchWorker, ExportResult
 from spanlet.exporters.clickhouse import Backend, BackendError, BackendUnavailable
+from spanlet.exporters.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
 SPOOL_SUFFIX = ".ndjson"
 SPOOL_FORMAT_VERSION = 1
-DROP_LOG_INTERVAL_S = 10.0
 
 # Drop reasons, the keys of stats()["dropped_rows"].
 DROP_SPOOL_FULL = "spool_full"  # memory queue full and the spool at its byte bound (or the disk failing)
@@ -107,13 +107,6 @@ def decode_batch(data: bytes) -> tuple[str, list[str], list[list[Any]]]:
     return header["table"], header["columns"], rows
 
 
-def backoff_delay(failures: int, min_s: float, max_s: float, rng: random.Random) -> float:
-    """Wait before retry number `failures`: exponential steps capped at max_s, with equal jitter (half the
-    step fixed, half random) so that agents that lost the store together do not come back together."""
-    step = min(max_s, min_s * (2 ** min(failures - 1, 32)))
-    return step / 2 + rng.uniform(0, step / 2)
-
-
 # -- queue items ----------------------------------------------------------------------------------
 
 @dataclass
@@ -122,7 +115,6 @@ class _Chunk:
     seq: int
     columns: tuple[str, ...]
     rows: list[Sequence[Any]]
-    born: float
 
 
 @dataclass
@@ -150,155 +142,128 @@ class _Table:
     spool: deque[_SpoolFile] = field(default_factory=deque)
 
 
-class ClickHouseSink:
-    """Never-blocking writer in front of a Backend. Order per table is write order, across memory and spool."""
+class _StoreQueue:
+    """The batching worker's queue for the store: rows per table in memory up to queue_rows (the batch in
+    flight counts), the oldest spilled to the spool past that, up to spool_max_bytes; a table's spool goes
+    out before its memory, the lowest write sequence first. Runs under the worker's lock."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        batch_rows: int = 10_000,
-        batch_interval_s: float = 1.0,
-        queue_rows: int = 200_000,
-        spool_dir: Path | str | None = None,
-        spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
-        max_backoff_s: float = 30.0,
-        *,
-        min_backoff_s: float = 0.1,
-        rng: random.Random | None = None,
-        close_backend: bool = True,
-        ensure_schema: bool = True,
-    ):
-        if batch_rows <= 0 or queue_rows <= 0:
-            raise ValueError("batch_rows and queue_rows must be positive")
-        self.backend = backend
-        self.batch_rows = min(batch_rows, queue_rows)
-        self.batch_interval_s = batch_interval_s
-        self.queue_rows = queue_rows
-        self.spool_dir = Path(spool_dir) if spool_dir is not None else None
-        self.spool_max_bytes = spool_max_bytes if self.spool_dir is not None else 0
-        self.min_backoff_s = min_backoff_s
-        self.max_backoff_s = max_backoff_s
-        self._rng = rng or random.Random()
-        self._close_backend = close_backend
-        self._schema_pending = ensure_schema  # done by the worker, so the agent starts while the store is away
-
-        self._cond = threading.Condition()
+    def __init__(self, batch_rows: int, queue_rows: int, spool_dir: Path | None, spool_max_bytes: int,
+                 stats: dict[str, Any]) -> None:
+        self.batch_rows, self.queue_rows = batch_rows, queue_rows
+        self.spool_dir, self.spool_max_bytes = spool_dir, spool_max_bytes
+        self._stats = stats
         self._tables: dict[str, _Table] = {}
         self._seq = 0
-        self._queued_rows = 0  # memory + the batch the worker holds from memory
+        self._sealed_seq = 0  # memory chunks below this sequence number are due
+        self.queued_rows = 0  # memory + the batch the worker holds from memory
         self._inflight: _Batch | None = None
-        self._flush_waiters = 0
-        self._closing = False
-        self._closed = False
-        self._deadline: float | None = None
-        self._stats: dict[str, Any] = {
-            "rows_written": 0, "batches_written": 0, "retries": 0, "queued_rows_max": 0,
-            "spooled_rows": 0, "spooled_bytes": 0, "spooled_bytes_max": 0, "spooled_files": 0,
-            "spooled_rows_total": 0,
-            "replayed_rows": 0, "spool_corrupt_files": 0, "schema_version": None, "last_error": None,
-        }
-        self._dropped: dict[str, int] = {}
-        self._dropped_by_table: dict[str, dict[str, int]] = {}
-        self._drop_log: dict[str, tuple[float, int]] = {}
+        self.dropped: dict[str, int] = {}
+        self.dropped_by_table: dict[str, dict[str, int]] = {}
+        self._ratelog = RateLimitedLog(log)
 
-        if self.spool_dir is not None:
-            self.spool_dir.mkdir(parents=True, exist_ok=True)
-            self._load_spool()
-        self._worker = threading.Thread(target=self._run, name="spanlet-clickhouse-sink", daemon=True)
-        self._worker.start()
+    # -- producer side ----------------------------------------------------------------------------
 
-    # -- public API -------------------------------------------------------------------------------
+    def put(self, item: tuple[str, tuple[str, ...], Sequence[Sequence[Any]]]) -> bool:
+        """Queue rows; past the memory bound the oldest rows move to the spool."""
+        table, columns, rows = item
+        state = self._tables.setdefault(table, _Table())
+        for start in range(0, len(rows), self.batch_rows):
+            piece = list(rows[start:start + self.batch_rows])
+            state.memory.append(_Chunk(self._next_seq(), columns, piece))
+            state.memory_rows += len(piece)
+            self.queued_rows += len(piece)
+        self._spill_over_bound()
+        self._stats["queued_rows_max"] = max(self._stats["queued_rows_max"], self.queued_rows)
+        return True
 
-    def write(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        """Queue rows; never waits on the store. Past the memory bound the oldest rows move to the spool."""
-        if not rows:
-            return
-        columns = tuple(columns)
-        now = time.monotonic()
-        with self._cond:
-            if self._closed or self._closing:
-                self._drop(table, DROP_CLOSED, len(rows), "sink is shut down")
-                return
-            state = self._tables.setdefault(table, _Table())
-            was_empty = not state.memory
-            for start in range(0, len(rows), self.batch_rows):
-                piece = list(rows[start:start + self.batch_rows])
-                state.memory.append(_Chunk(self._next_seq(), columns, piece, now))
-                state.memory_rows += len(piece)
-                self._queued_rows += len(piece)
-            self._spill_over_bound()
-            self._stats["queued_rows_max"] = max(self._stats["queued_rows_max"], self._queued_rows)
-            # Wake the worker when a batch is full, or to start the batch interval clock of this table.
-            if was_empty or state.memory_rows >= self.batch_rows or state.spool:
-                self._cond.notify_all()
+    def refuse(self, item) -> None:
+        table, _, rows = item
+        self._drop(table, DROP_CLOSED, len(rows), "sink is shut down")
 
-    def flush(self, timeout_s: float) -> bool:
-        """Send everything queued and spooled; True when all of it reached the store (or was dropped)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            self._flush_waiters += 1
-            self._cond.notify_all()
-            try:
-                while not self._drained():
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0 or not self._worker.is_alive():
-                        return False
-                    self._cond.wait(remaining)
-                return True
-            finally:
-                self._flush_waiters -= 1
+    # -- worker side ------------------------------------------------------------------------------
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Flush against one deadline, then spool what is left so a restart delivers it. Safe twice."""
-        with self._cond:
-            if self._closing:
-                return
-            self._closing = True
-            self._deadline = time.monotonic() + timeout_s
-            self._cond.notify_all()
-        self._worker.join(max(0.0, self._deadline - time.monotonic()) + 0.5)
-        with self._cond:
-            self._closed = True
-            self._spool_all_memory()
-            self._cond.notify_all()
-        if self._worker.is_alive():
-            log.warning("clickhouse sink: an insert outlived the shutdown deadline; its batch is spooled when it ends")
-        if self._close_backend:
-            try:
-                self.backend.close()
-            except Exception:  # noqa: BLE001 - shutdown must finish
-                log.warning("clickhouse sink: backend close failed", exc_info=True)
+    def ready(self) -> bool:
+        return any(self._due(t) for t in self._tables.values())
 
-    def stats(self) -> dict[str, Any]:
-        with self._cond:
-            out = dict(self._stats)
-            out["queued_rows"] = self._queued_rows
-            out["dropped_rows"] = dict(self._dropped)
-            out["dropped_rows_total"] = sum(self._dropped.values())
-            out["dropped_rows_by_table"] = {t: dict(r) for t, r in self._dropped_by_table.items()}
-            return out
+    def seal(self) -> None:
+        self._sealed_seq = self._seq
 
-    # -- memory and spool bookkeeping (called with the lock held) ---------------------------------
+    def _due(self, state: _Table) -> bool:
+        return bool(state.spool) or bool(state.memory) and (
+            state.memory_rows >= self.batch_rows or state.memory[0].seq < self._sealed_seq)
+
+    def take(self) -> _Batch | None:
+        """The due batch with the lowest sequence number; a table's spool comes before its memory."""
+        heads = [((t.spool[0] if t.spool else t.memory[0]).seq, name)
+                 for name, t in self._tables.items() if self._due(t)]
+        if not heads:
+            return None
+        _, name = min(heads)
+        state = self._tables[name]
+        if state.spool:
+            entry = state.spool[0]
+            batch = _Batch(name, (), [], entry.seq, spool=entry)
+        else:
+            batch = self._take_memory_batch(name)
+            self.queued_rows += len(batch.rows)  # in flight from memory still counts against the memory bound
+        self._inflight = batch
+        return batch
+
+    def idle(self) -> bool:
+        return self._inflight is None and self.queued_rows == 0 and not any(t.spool for t in self._tables.values())
+
+    def settle(self, batch: _Batch, outcome: str, result: ExportResult | None) -> None:
+        if outcome == SHUTDOWN:
+            self._give_back(batch)
+        else:
+            self._finish(batch, delivered=outcome == EXPORTED)
+
+    def close(self) -> None:
+        """Spool what is left in memory, so that a restart delivers it."""
+        for name in list(self._tables):
+            while self._tables[name].memory:
+                self._spill(self._take_memory_batch(name))
+
+    def _finish(self, batch: _Batch, delivered: bool) -> None:
+        """A batch that left the queue for good: delivered, refused or unreadable."""
+        self._inflight = None
+        if batch.spool is not None:
+            self._unindex_spool_file(batch.table, batch.spool)
+            batch.spool.path.unlink(missing_ok=True)
+        else:
+            self.queued_rows -= len(batch.rows)
+        if delivered:
+            self._stats["rows_written"] += len(batch.rows)
+            self._stats["batches_written"] += 1
+            if batch.spool is not None:
+                self._stats["replayed_rows"] += len(batch.rows)
+        elif batch.spool is not None and not batch.rows:
+            self._drop(batch.table, DROP_SPOOL_CORRUPT, batch.spool.rows,
+                       f"spool file {batch.spool.path.name} unreadable")
+        else:
+            self._drop(batch.table, DROP_REJECTED, len(batch.rows), f"store refused a batch for {batch.table}")
+
+    def _give_back(self, batch: _Batch) -> None:
+        """Shutdown ran out of time while this batch waited: keep it on disk (spool batches already are)."""
+        self._inflight = None
+        if batch.spool is None:
+            self.queued_rows -= len(batch.rows)
+            self._spill(batch)
+
+    # -- memory and spool bookkeeping -------------------------------------------------------------
 
     def _next_seq(self) -> int:
         seq = self._seq
         self._seq += 1
         return seq
 
-    def _drained(self) -> bool:
-        return self._inflight is None and self._queued_rows == 0 and not any(t.spool for t in self._tables.values())
-
     def _spill_over_bound(self) -> None:
         # Spool holds the oldest rows of a table and memory the newest, so spilling takes from the memory head.
-        while self._queued_rows > self.queue_rows:
-            table = self._oldest_memory_table()
-            if table is None:
+        while self.queued_rows > self.queue_rows:
+            heads = [(t.memory[0].seq, name) for name, t in self._tables.items() if t.memory]
+            if not heads:
                 return
-            self._spill(self._take_memory_batch(table))
-
-    def _oldest_memory_table(self) -> str | None:
-        heads = [(t.memory[0].seq, name) for name, t in self._tables.items() if t.memory]
-        return min(heads)[1] if heads else None
+            self._spill(self._take_memory_batch(min(heads)[1]))
 
     def _take_memory_batch(self, table: str) -> _Batch:
         """Pop up to batch_rows rows of the same columns from the head of a table's memory queue."""
@@ -309,7 +274,7 @@ class ClickHouseSink:
                 and len(batch.rows) + len(state.memory[0].rows) <= self.batch_rows:
             batch.rows.extend(state.memory.popleft().rows)
         state.memory_rows -= len(batch.rows)
-        self._queued_rows -= len(batch.rows)
+        self.queued_rows -= len(batch.rows)
         return batch
 
     def _spill(self, batch: _Batch) -> None:
@@ -357,12 +322,7 @@ class ClickHouseSink:
         self._stats["spooled_bytes"] -= entry.size
         self._stats["spooled_files"] -= 1
 
-    def _spool_all_memory(self) -> None:
-        for name in list(self._tables):
-            while self._tables[name].memory:
-                self._spill(self._take_memory_batch(name))
-
-    def _load_spool(self) -> None:
+    def load_spool(self) -> None:
         """Index what an earlier run left; new writes get later sequence numbers than all of it."""
         assert self.spool_dir is not None
         for leftover in self.spool_dir.glob(".tmp-*"):
@@ -384,80 +344,112 @@ class ClickHouseSink:
                      self._stats["spooled_files"], self._stats["spooled_rows"], self.spool_dir)
 
     def _drop(self, table: str, reason: str, rows: int, detail: str) -> None:
-        self._dropped[reason] = self._dropped.get(reason, 0) + rows
-        by_table = self._dropped_by_table.setdefault(table, {})
+        self.dropped[reason] = self.dropped.get(reason, 0) + rows
+        by_table = self.dropped_by_table.setdefault(table, {})
         by_table[reason] = by_table.get(reason, 0) + rows
-        now = time.monotonic()
-        last, pending = self._drop_log.get(reason, (float("-inf"), 0))
-        pending += rows
-        if now - last >= DROP_LOG_INTERVAL_S:
-            log.warning("clickhouse sink dropped %d rows (%s): %s", pending, reason, detail)
-            self._drop_log[reason] = (now, 0)
-        else:
-            self._drop_log[reason] = (last, pending)
+        self._ratelog(logging.WARNING, reason, "clickhouse sink dropped %d rows (%s): %s", rows, reason, detail)
 
-    # -- worker -----------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        failures = 0
-        retry_at = 0.0
-        while True:
-            with self._cond:
-                batch = self._inflight
-                while batch is None:
-                    if self._closing and (self._deadline_passed() or self._drained()):
-                        return
-                    batch = self._next_batch()
-                    if batch is None:
-                        self._cond.wait(self._idle_wait())
-                self._inflight = batch  # from here flush() and shutdown() see it as not yet delivered
-                while True:  # backing off: only shutdown's deadline cuts the wait short
-                    wait = retry_at - time.monotonic()
-                    if self._closing and self._deadline is not None:
-                        wait = min(wait, self._deadline - time.monotonic())
-                    if wait <= 0:
-                        break
-                    self._cond.wait(wait)
-                if self._closing and self._deadline_passed():
-                    self._give_back(batch)
-                    return
-            outcome = self._send(batch)
-            with self._cond:
-                if outcome is BackendUnavailable:
-                    failures += 1
-                    retry_at = time.monotonic() + self._backoff(failures)
-                    self._stats["retries"] += 1
-                    if self._closed:  # shutdown gave up waiting for this insert
-                        self._give_back(batch)
-                        return
-                else:
-                    failures = 0
-                    retry_at = 0.0
-                    self._finish(batch, delivered=outcome is None)
-                self._cond.notify_all()
+class ClickHouseSink:
+    """Never-blocking writer in front of a Backend. Order per table is write order, across memory and spool."""
 
-    def _send(self, batch: _Batch) -> type[Exception] | None:
-        """Insert one batch; returns None, BackendUnavailable or BackendError."""
+    def __init__(
+        self,
+        backend: Backend,
+        batch_rows: int = 10_000,
+        batch_interval_s: float = 1.0,
+        queue_rows: int = 200_000,
+        spool_dir: Path | str | None = None,
+        spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
+        max_backoff_s: float = 30.0,
+        *,
+        min_backoff_s: float = 0.1,
+        rng: random.Random | None = None,
+        close_backend: bool = True,
+        ensure_schema: bool = True,
+    ):
+        if batch_rows <= 0 or queue_rows <= 0:
+            raise ValueError("batch_rows and queue_rows must be positive")
+        self.backend = backend
+        self.batch_rows = min(batch_rows, queue_rows)
+        self.batch_interval_s = batch_interval_s
+        self.queue_rows = queue_rows
+        self.spool_dir = Path(spool_dir) if spool_dir is not None else None
+        self.spool_max_bytes = spool_max_bytes if self.spool_dir is not None else 0
+        self.min_backoff_s = min_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._close_backend = close_backend
+        self._schema_pending = ensure_schema  # done by the worker, so the agent starts while the store is away
+        self._cond = threading.Condition()
+        self._stats: dict[str, Any] = {
+            "rows_written": 0, "batches_written": 0, "queued_rows_max": 0,
+            "spooled_rows": 0, "spooled_bytes": 0, "spooled_bytes_max": 0, "spooled_files": 0,
+            "spooled_rows_total": 0,
+            "replayed_rows": 0, "spool_corrupt_files": 0, "schema_version": None, "last_error": None,
+        }
+        self._queue = _StoreQueue(self.batch_rows, queue_rows, self.spool_dir, self.spool_max_bytes, self._stats)
+        if self.spool_dir is not None:
+            self.spool_dir.mkdir(parents=True, exist_ok=True)
+            self._queue.load_spool()
+        # The store is retried for as long as it takes: only shutdown's deadline ends it (the batch is spooled).
+        backoff = Backoff(min_backoff_s, max_backoff_s, rng=rng or random.Random())
+        self._worker = BatchWorker(self._queue, self.export, backoff, schedule_delay_s=batch_interval_s,
+                                   name="spanlet-clickhouse-sink", cond=self._cond, join_grace_s=0.5, logger=log)
+        self._worker.start()
+
+    # -- public API -------------------------------------------------------------------------------
+
+    def write(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """Queue rows; never waits on the store. Past the memory bound the oldest rows move to the spool."""
+        if rows:
+            self._worker.put((table, tuple(columns), rows))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Send everything queued and spooled; True when all of it reached the store (or was dropped)."""
+        return self._worker.force_flush(timeout_s)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Flush against one deadline, then spool what is left so a restart delivers it. Safe twice."""
+        if not self._worker.shutdown(timeout_s):
+            return
+        if self._close_backend:
+            try:
+                self.backend.close()
+            except Exception:  # noqa: BLE001 - shutdown must finish
+                log.warning("clickhouse sink: backend close failed", exc_info=True)
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            q = self._queue
+            out = dict(self._stats)
+            out["retries"] = self._worker.retries
+            out["queued_rows"] = q.queued_rows
+            out["dropped_rows"] = dict(q.dropped)
+            out["dropped_rows_total"] = sum(q.dropped.values())
+            out["dropped_rows_by_table"] = {t: dict(r) for t, r in q.dropped_by_table.items()}
+            return out
+
+    # -- the worker's export ----------------------------------------------------------------------
+
+    def export(self, batch: _Batch, timeout_s: float | None = None) -> ExportResult:
+        """Insert one batch (reading it back from the spool first when it is on disk). Unavailable is
+        retryable; a refusal, an unreadable spool file or a backend bug is final."""
         if not batch.rows and batch.spool is not None:
             try:
                 _, columns, rows = decode_batch(batch.spool.path.read_bytes())
             except (ValueError, OSError, KeyError, TypeError, IndexError) as exc:
-                self._note_error(f"unreadable spool file {batch.spool.path.name}: {exc}", batch)
-                return _SpoolCorrupt
+                return self._failed(f"unreadable spool file {batch.spool.path.name}: {exc}", batch)
             batch.columns, batch.rows = tuple(columns), rows
         try:
             self._ensure_schema()
             self.backend.insert(batch.table, list(batch.columns), batch.rows)
-            return None
+            return ExportResult(True)
         except BackendUnavailable as exc:
-            self._note_error(f"store unavailable: {exc}", batch, level=logging.INFO)
-            return BackendUnavailable
+            return self._failed(f"store unavailable: {exc}", batch, retryable=True)
         except BackendError as exc:
-            self._note_error(f"store refused {len(batch.rows)} rows for {batch.table}: {exc}", batch)
-            return BackendError
+            return self._failed(f"store refused {len(batch.rows)} rows for {batch.table}: {exc}", batch)
         except Exception as exc:  # noqa: BLE001 - a backend bug must not kill the worker; treat as a refusal
-            self._note_error(f"backend insert failed: {type(exc).__name__}: {exc}", batch)
-            return BackendError
+            return self._failed(f"backend insert failed: {type(exc).__name__}: {exc}", batch)
 
     def _ensure_schema(self) -> None:
         if not self._schema_pending:
@@ -471,78 +463,11 @@ class ClickHouseSink:
         with self._cond:
             self._stats["schema_version"] = version
 
-    def _note_error(self, message: str, batch: _Batch, level: int = logging.WARNING) -> None:
+    def _failed(self, message: str, batch: _Batch, retryable: bool = False) -> ExportResult:
+        """Note the error (an outage is logged once per batch, at INFO) and answer the worker."""
         with self._cond:
             self._stats["last_error"] = message
         batch.attempts += 1
-        if level >= logging.WARNING or batch.attempts == 1:
-            log.log(level, "clickhouse sink: %s", message)
-
-    def _finish(self, batch: _Batch, delivered: bool) -> None:
-        """A batch that left the queue for good: delivered, refused or unreadable."""
-        self._inflight = None
-        if batch.spool is not None:
-            self._unindex_spool_file(batch.table, batch.spool)
-            batch.spool.path.unlink(missing_ok=True)
-        else:
-            self._queued_rows -= len(batch.rows)
-        if delivered:
-            self._stats["rows_written"] += len(batch.rows)
-            self._stats["batches_written"] += 1
-            if batch.spool is not None:
-                self._stats["replayed_rows"] += len(batch.rows)
-        elif batch.spool is not None and not batch.rows:
-            self._drop(batch.table, DROP_SPOOL_CORRUPT, batch.spool.rows,
-                       f"spool file {batch.spool.path.name} unreadable")
-        else:
-            self._drop(batch.table, DROP_REJECTED, len(batch.rows), f"store refused a batch for {batch.table}")
-
-    def _give_back(self, batch: _Batch) -> None:
-        """Shutdown ran out of time while this batch waited: keep it on disk (spool batches already are)."""
-        self._inflight = None
-        if batch.spool is None:
-            self._queued_rows -= len(batch.rows)
-            self._spill(batch)
-
-    def _next_batch(self) -> _Batch | None:
-        """The ready batch with the lowest sequence number; a table's spool comes before its memory."""
-        best: tuple[int, str, bool] | None = None
-        force = self._closing or self._flush_waiters > 0
-        now = time.monotonic()
-        for name, state in self._tables.items():
-            if state.spool:
-                candidate = (state.spool[0].seq, name, True)
-            elif state.memory and (force or state.memory_rows >= self.batch_rows
-                                   or now - state.memory[0].born >= self.batch_interval_s):
-                candidate = (state.memory[0].seq, name, False)
-            else:
-                continue
-            if best is None or candidate < best:
-                best = candidate
-        if best is None:
-            return None
-        _, name, from_spool = best
-        if from_spool:
-            entry = self._tables[name].spool[0]
-            return _Batch(name, (), [], entry.seq, spool=entry)
-        batch = self._take_memory_batch(name)
-        self._queued_rows += len(batch.rows)  # in flight from memory still counts against the memory bound
-        return batch
-
-    def _idle_wait(self) -> float | None:
-        born = [t.memory[0].born for t in self._tables.values() if t.memory]
-        if self._closing and self._deadline is not None:
-            return max(0.0, self._deadline - time.monotonic())
-        if not born:
-            return None
-        return max(0.0, min(born) + self.batch_interval_s - time.monotonic())
-
-    def _deadline_passed(self) -> bool:
-        return self._deadline is not None and time.monotonic() >= self._deadline
-
-    def _backoff(self, failures: int) -> float:
-        return backoff_delay(failures, self.min_backoff_s, self.max_backoff_s, self._rng)
-
-
-class _SpoolCorrupt(Exception):
-    """Marker outcome of _send for a spool file that does not read back."""
+        if not retryable or batch.attempts == 1:
+            log.log(logging.INFO if retryable else logging.WARNING, "clickhouse sink: %s", message)
+        return ExportResult(False, retryable=retryable, message=message)

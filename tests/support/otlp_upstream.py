@@ -7,7 +7,7 @@ import threading
 import time
 
 from spanlet import config
-from spanlet.exporters.otlp_receiver import OtlpReceiver
+from spanlet.exporters.otlp.receiver import OtlpReceiver
 
 
 class Upstream:

@@ -43,7 +43,7 @@ from spanlet.metrics import catalogue
 from spanlet.exporters.clickhouse import rows, schema
 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
 from spanlet.exporters.clickhouse.sink import ClickHouseSink
-from spanlet.exporters.prometheus import AgentHttpServer
+from spanlet.exporters.http import AgentHttpServer
 from collector_fakes import every_source, registry
 from metrics_md import THRESHOLDS as METRICS_MD_THRESHOLDS
 
@@ -441,7 +441,7 @@ class Prometheus:
 
 
 def test_every_promql_returns_series_from_a_real_prometheus(tmp_path, agent_registry):
-    # Prometheus scrapes the agent's HTTP port (exporters/prometheus.py); every
+    # Prometheus scrapes the agent's HTTP port (exporters/http.py); every
     # query of every dashboard, variables included, must have a result.
     server = AgentHttpServer("127.0.0.1", 0, agent_registry, ready=lambda: True)
     server.start()

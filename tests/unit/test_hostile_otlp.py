@@ -29,7 +29,7 @@ from spanlet import config, events
 from spanlet import inspect as inspect_mod
 from spanlet.daemon import Daemon
 from spanlet.join import FACT_ATTRIBUTES
-from spanlet.exporters.otlp_receiver import GRPC_METHOD, OtlpReceiver
+from spanlet.exporters.otlp.receiver import GRPC_METHOD, OtlpReceiver
 
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
 MAX_BYTES = 256 * 1024

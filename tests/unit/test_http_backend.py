@@ -16,7 +16,8 @@ import pytest
 
 from spanlet.exporters.clickhouse import BackendError, BackendUnavailable, schema
 from spanlet.exporters.clickhouse.http_backend import HttpBackend
-from spanlet.exporters.clickhouse.sink import ClickHouseSink, backoff_delay
+from spanlet.exporters.batching import backoff_delay
+from spanlet.exporters.clickhouse.sink import ClickHouseSink
 
 PASSWORD = "s3cr3t-Pa55w0rd-do-not-log"
 USER = "spanlet_writer"

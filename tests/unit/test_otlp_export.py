@@ -21,17 +21,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
 from spanlet.config import ConfigError, OtlpConfig
-from spanlet.exporters.otlp_export import (
-    GRPC,
-    HTTP_PROTOBUF,
-    OtlpSpanExporter,
-    parse_headers,
-    parse_retry_after,
-    resolve_upstream,
-    split_resource_spans,
-)
+from spanlet.exporters.otlp.common import STATUS_DETAILS_KEY
+from spanlet.exporters.otlp.span_exporter import OtlpSpanExporter, split_resource_spans
+from spanlet.exporters.otlp.transport import parse_retry_after
+from spanlet.exporters.otlp.upstream import GRPC, HTTP_PROTOBUF, parse_headers, resolve_upstream
 from loopback_http import LoopbackHttp, QuietHandler
-from spanlet.exporters.otlp_receiver import GRPC_SERVICE, STATUS_DETAILS_KEY, Backpressure, OtlpReceiver
+from spanlet.exporters.otlp.receiver import GRPC_SERVICE, Backpressure, OtlpReceiver
 
 BACKOFF_S = 0.1
 NO_PROXY = {"NO_PROXY": "*", "no_proxy": "*"}   # requests and grpc honour these
@@ -362,7 +357,7 @@ def test_shutdown_flushes_then_is_safe_twice(upstream, exporter):
     e.export(rs)
     e.shutdown(timeout_millis=10000)
     assert up.span_ids == ids
-    assert not e._thread.is_alive()
+    assert not e._worker.thread.is_alive()
     e.shutdown(timeout_millis=10000)
     assert e.export(make_resource_spans([10], seed=3)[0]) is False
     st = e.stats()
@@ -378,7 +373,7 @@ def test_shutdown_deadline_bounds_retrying_and_counts_what_is_left(upstream, exp
     t0 = time.monotonic()
     e.shutdown(timeout_millis=500)
     assert time.monotonic() - t0 < 2.5
-    assert not e._thread.is_alive()
+    assert not e._worker.thread.is_alive()
     st = e.stats()
     assert (st["exported"], st["dropped_shutdown"], st["queue_spans"]) == (0, 50, 0)
 
@@ -386,7 +381,7 @@ def test_shutdown_deadline_bounds_retrying_and_counts_what_is_left(upstream, exp
 def test_no_endpoint_means_disabled_without_a_thread(exporter):
     before = {t.name for t in threading.enumerate()}
     e = exporter()
-    assert e.enabled is False and e._thread is None
+    assert e.enabled is False and e._worker is None
     assert "otlp-export" not in {t.name for t in threading.enumerate()} - before
     rs, _ = make_resource_spans([5])
     assert e.export(rs) is True

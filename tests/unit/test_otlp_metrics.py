@@ -21,14 +21,9 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_C
 
 from spanlet.config import OtlpConfig
 from spanlet.metrics import Family, HistogramSample, Sample, labels
-from spanlet.exporters.otlp_export import GRPC, HTTP_PROTOBUF
+from spanlet.exporters.otlp.upstream import GRPC, HTTP_PROTOBUF, resolve_metrics_upstream
 from loopback_http import LoopbackHttp, QuietHandler
-from spanlet.exporters.otlp_metrics import (
-    OtlpMetricsExporter,
-    families_to_request,
-    otlp_unit,
-    resolve_metrics_upstream,
-)
+from spanlet.exporters.otlp.metric_exporter import OtlpMetricsExporter, families_to_request, otlp_unit
 
 BACKOFF_S = 0.05
 NOW_NS = 1_700_000_000_123_456_789
@@ -374,7 +369,7 @@ def test_shutdown_exports_once_more_and_is_safe_twice(collector, exporter):
     e = exporter(col, source=families)
     e.shutdown(timeout_millis=10000)
     assert len(col.accepted) == 1                         # the last collection went out
-    assert not e._thread.is_alive()
+    assert not e._worker.thread.is_alive()
     e.shutdown(timeout_millis=10000)
     assert len(col.calls) == 1
     assert e.export(families()) is False                   # after shutdown: refused
@@ -388,7 +383,7 @@ def test_shutdown_deadline_bounds_retrying(collector, exporter):
     t0 = time.monotonic()
     e.shutdown(timeout_millis=500)
     assert time.monotonic() - t0 < 2.5
-    assert not e._thread.is_alive() and len(col.calls) >= 1
+    assert not e._worker.thread.is_alive() and len(col.calls) >= 1
     st = e.stats()
     assert (st["exported"], st["failed"], st["dropped_shutdown"]) == (0, 0, POINTS)
 
@@ -398,7 +393,7 @@ def test_no_endpoint_means_disabled_without_a_thread(exporter):
     read = []
     e = exporter(environ={E + "TRACES_ENDPOINT": "http://col:4318"},    # not a metrics endpoint
                  source=lambda: read.append(1) or families())
-    assert e.enabled is False and e.upstream is None and e._thread is None
+    assert e.enabled is False and e.upstream is None and e._worker is None
     assert "otlp-metrics-export" not in {t.name for t in threading.enumerate()} - before
     assert e.export(families()) is True
     assert e.force_flush(10) is True

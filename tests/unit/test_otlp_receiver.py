@@ -27,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 
 from spanlet.config import OtlpConfig
-from spanlet.exporters.otlp_receiver import GRPC_METHOD, Backpressure, OtlpReceiver
+from spanlet.exporters.otlp.receiver import GRPC_METHOD, Backpressure, OtlpReceiver
 
 # gRPC channels in tests go straight to loopback, whatever proxy the
 # environment names.

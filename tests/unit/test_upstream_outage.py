@@ -15,8 +15,9 @@ import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
 from spanlet.config import OtlpConfig
-from spanlet.exporters.otlp_export import GRPC, HTTP_PROTOBUF, OtlpSpanExporter
-from spanlet.exporters.otlp_receiver import OtlpReceiver
+from spanlet.exporters.otlp.span_exporter import OtlpSpanExporter
+from spanlet.exporters.otlp.upstream import GRPC, HTTP_PROTOBUF
+from spanlet.exporters.otlp.receiver import OtlpReceiver
 
 NO_PROXY = {"NO_PROXY": "*", "no_proxy": "*"}
 SPANS_PER_STEP = 100

@@ -1,6 +1,5 @@
-"""Upstream OTLP export of the metric engine's Families: every interval one
-ExportMetricsServiceRequest (cumulative sums, gauges, explicit-bucket
-histograms), sent with the span exporter's endpoint rules, transports and retries."""
+"""Upstream OTLP export of the metric engine's Families: every interval one ExportMetricsServiceRequest
+(cumulative sums, gauges, explicit-bucket histograms), collected and sent by the batching worker."""
 
 from __future__ import annotations
 
@@ -10,37 +9,21 @@ import math
 import os
 import threading
 import time
-from dataclasses import replace
 from typing import Callable, Iterable, Mapping, Sequence
-from urllib.parse import urlsplit
 
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
-    ExportMetricsServiceRequest,
-    ExportMetricsServiceResponse,
-)
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_CUMULATIVE
 
 from spanlet.config import OtlpConfig
 from spanlet.metrics import Family, HistogramSample
-from spanlet.exporters.otlp_export import (
-    GRPC,
-    HTTP_PROTOBUF,
-    INITIAL_BACKOFF_S,
-    MAX_BACKOFF_S,
-    RetryingSender,
-    Upstream,
-    _Counters,
-    _GrpcTransport,
-    _HttpTransport,
-    resolve_upstream,
-)
-from spanlet.exporters.otlp_receiver import HTTP_PATH as TRACES_PATH
-from spanlet.exporters.otlp_receiver import RateLimitedLog
+from spanlet.exporters.batching import EXPORTED, BatchWorker, ExportResult
+from spanlet.exporters.otlp.transport import (INITIAL_BACKOFF_S, MAX_BACKOFF_S, OtlpBatch, OtlpSender,
+                                              _Counters)
+from spanlet.exporters.otlp.upstream import resolve_metrics_upstream
+from spanlet.exporters.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-METRICS_PATH = "/v1/metrics"
 DEFAULT_INTERVAL_S = 10.0      # the metric window (Config.window_s)
 SERVICE_NAME = "spanlet"
 SCOPE_NAME = "spanlet"
@@ -59,30 +42,6 @@ except importlib.metadata.PackageNotFoundError:   # running from a bare checkout
 
 def otlp_unit(unit: str) -> str:
     return "/".join(UNITS.get(part, part) for part in unit.split("_per_"))
-
-
-# ---------------------------------------------------------------------------
-# Where to send: resolve_upstream's rules for the metrics signal.
-
-def resolve_metrics_upstream(cfg: OtlpConfig,
-                             environ: Mapping[str, str] = os.environ) -> Upstream | None:
-    """Where and how to export metrics, or None when no endpoint is set:
-    resolve_upstream(cfg, environ, signal="metrics") (the METRICS_ forms of
-    the variables, /v1/metrics appended where /v1/traces would be), with one
-    rule more: a config endpoint is the span upstream's, so for http/protobuf
-    a path of its own ending in /v1/traces is turned into /v1/metrics; any
-    other path is used as-is (with a warning)."""
-    up = resolve_upstream(cfg, environ, signal="metrics")
-    endpoint = cfg.upstream_endpoint.strip()
-    if (up is None or up.protocol != HTTP_PROTOBUF or "://" not in endpoint
-            or urlsplit(endpoint).path in ("", "/")):
-        return up                       # not the config's own path: resolve_upstream's rules
-    if up.endpoint.endswith(TRACES_PATH):
-        return replace(up, endpoint=up.endpoint[:-len(TRACES_PATH)] + METRICS_PATH)
-    log.warning("otlp.upstream_endpoint %r names a path other than %s; metrics are sent there "
-                "as-is (set OTEL_EXPORTER_OTLP_METRICS_ENDPOINT to send them elsewhere)",
-                up.endpoint, TRACES_PATH)
-    return up
 
 
 # ---------------------------------------------------------------------------
@@ -169,6 +128,38 @@ def families_to_request(families: Sequence[Family], *, start_ns: int, now_ns: in
 
 # ---------------------------------------------------------------------------
 
+class _Collections:
+    """The batching worker's queue for metrics: nothing waits in it. At every
+    interval, flush and shutdown one collection falls due; the batch taken is
+    a placeholder that the export fills from the source."""
+
+    def __init__(self, sender: OtlpSender) -> None:
+        self._sender = sender
+        self._due = False
+
+    def ready(self) -> bool:
+        return self._due
+
+    def seal(self) -> None:
+        self._due = True
+
+    def take(self) -> OtlpBatch | None:
+        if not self._due:
+            return None
+        self._due = False
+        return OtlpBatch(None)
+
+    def idle(self) -> bool:
+        return not self._due
+
+    def settle(self, batch: OtlpBatch, outcome: str, result: ExportResult | None) -> None:
+        if batch.n:                     # nothing collected, or nothing to send: nothing to count
+            self._sender.settle(batch, outcome, result)
+
+    def close(self) -> None:
+        self._due = False
+
+
 class OtlpMetricsExporter:
     """Exports the metric engine's Families to an upstream OTLP collector.
 
@@ -176,13 +167,13 @@ class OtlpMetricsExporter:
     the exporter is disabled: `enabled` is False, no thread runs, export()
     and force_flush() do nothing and return True.
 
-    With a `source` (a callable returning the current Families) one worker
-    thread collects and exports every `interval_s`, on force_flush(), and
-    once more at shutdown. export(families, now_ns) sends given Families at
-    once on the caller's thread. A retryable failure is retried with the
-    span exporter's backoff for at most min(cfg.max_retry_s, interval_s):
-    sums and histograms are cumulative, so the next collection carries
-    everything a dropped one had."""
+    With a `source` (a callable returning the current Families) the batching
+    worker's thread collects and exports every `interval_s`, on
+    force_flush(), and once more at shutdown. export(families, now_ns) sends
+    given Families at once on the caller's thread. A retryable failure is
+    retried with the span exporter's backoff for at most
+    min(cfg.max_retry_s, interval_s): sums and histograms are cumulative, so
+    the next collection carries everything a dropped one had."""
 
     def __init__(self, cfg: OtlpConfig, environ: Mapping[str, str] = os.environ, *,
                  source: Callable[[], list[Family]] | None = None, node: str = "",
@@ -196,32 +187,24 @@ class OtlpMetricsExporter:
         self.upstream = resolve_metrics_upstream(cfg, environ)
         self.enabled = self.upstream is not None
         self._cond = threading.Condition()
-        self._send_lock = threading.Lock()            # one request in flight
-        self._closing = False
-        self._flush_wanted = self._flush_done = 0
         self._source_errors = 0
         self._ratelog = RateLimitedLog(log)
-        self._sender: RetryingSender | None = None
-        self._thread: threading.Thread | None = None
+        self._sender: OtlpSender | None = None
+        self._worker: BatchWorker[OtlpBatch] | None = None
         if not self.enabled:
             log.info("no OTLP upstream configured (upstream_endpoint, "
                      "OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT): metric export is off")
             return
         up = self.upstream
-        if up.protocol == GRPC:
-            transport = _GrpcTransport(up, stub_cls=MetricsServiceStub,
-                                       rejected_field="rejected_data_points")
-        else:
-            transport = _HttpTransport(up, response_cls=ExportMetricsServiceResponse,
-                                       rejected_field="rejected_data_points")
-        self._sender = RetryingSender(up, transport, self._cond,
-                                      max_retry_s=min(cfg.max_retry_s, interval_s),
-                                      initial_backoff_s=initial_backoff_s,
-                                      max_backoff_s=max_backoff_s, unit="data points",
-                                      what="OTLP metrics export", logger=log)
+        self._sender = OtlpSender(up, "metrics", initial_backoff_s=initial_backoff_s,
+                                  max_backoff_s=max_backoff_s, unit="data points",
+                                  what="OTLP metrics export", logger=log)
+        self._worker = BatchWorker(_Collections(self._sender), self._export,
+                                   self._sender.backoff(min(cfg.max_retry_s, interval_s)),
+                                   schedule_delay_s=interval_s, name="otlp-metrics-export",
+                                   cond=self._cond, logger=log)
         if source is not None:
-            self._thread = threading.Thread(target=self._run, name="otlp-metrics-export", daemon=True)
-            self._thread.start()
+            self._worker.start()
         log.info("exporting metrics over OTLP %s to %s every %g s", up.protocol, up.endpoint,
                  interval_s)
 
@@ -230,44 +213,27 @@ class OtlpMetricsExporter:
     def export(self, families: Sequence[Family], now_ns: int | None = None) -> bool:
         """Send these Families now (time `now_ns`, default the current time);
         True when the upstream took them (or there was nothing to send)."""
-        if not self.enabled:
+        if self._worker is None:
             return True
         with self._cond:
-            if self._closing:
+            if self._worker.closing:
                 self._ratelog(logging.WARNING, "closed", "OTLP metrics exporter is shut down")
                 return False
-        return self._send(families, now_ns)
+        batch = self._request(families, now_ns)
+        return not batch.n or self._worker.deliver(batch) == EXPORTED
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Collect from the source and export now; True when that export got
         a final answer within the timeout."""
-        if self._thread is None:
-            return True                 # nothing is held between export() calls
-        with self._cond:
-            if self._closing:
-                return not self._thread.is_alive()
-            self._flush_wanted += 1
-            target = self._flush_wanted
-            self._cond.notify_all()
-            return self._cond.wait_for(lambda: self._flush_done >= target,
-                                       timeout=timeout_millis / 1000.0)
+        if self._worker is None:
+            return True
+        return self._worker.force_flush(timeout_millis / 1000.0)
 
     def shutdown(self, timeout_millis: int = 30000) -> None:
         """Export once more from the source, within the deadline, stop the
         worker and close the connection. Safe to call twice."""
-        if not self.enabled:
-            return
-        with self._cond:
-            if self._closing:
-                return
-            self._closing = True
-            self._sender.stop_by(time.monotonic() + timeout_millis / 1000.0)
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_millis / 1000.0 + 2.0)
-            if self._thread.is_alive():
-                log.warning("OTLP metrics export worker did not stop by the shutdown deadline")
-        with self._send_lock:           # an export() in flight ends by the deadline too
-            self._sender.transport.close()
+        if self._worker is not None and self._worker.shutdown(timeout_millis / 1000.0):
+            self._sender.close()
 
     def stats(self) -> dict:
         """Counts in data points (exported, failed, ...) and requests."""
@@ -279,7 +245,7 @@ class OtlpMetricsExporter:
                 "rejected_upstream": c.rejected_upstream,
                 "failed": c.dropped_failed,
                 "dropped_shutdown": c.dropped_shutdown,
-                "retries": c.retries,
+                "retries": self._worker.retries if self._worker is not None else 0,
                 "requests_exported": c.requests_exported,
                 "requests_failed": c.requests_failed,
                 "source_errors": self._source_errors,
@@ -288,50 +254,29 @@ class OtlpMetricsExporter:
     @property
     def retry_delays(self) -> list[float]:
         """The last planned retry delays in seconds, oldest first."""
-        if self._sender is None:
-            return []
         with self._cond:
-            return list(self._sender.counters.retry_delays)
+            return list(self._worker.retry_delays) if self._worker is not None else []
 
     # ---- internals ----
 
-    def _send(self, families: Sequence[Family], now_ns: int | None) -> bool:
+    def _request(self, families: Sequence[Family], now_ns: int | None) -> OtlpBatch:
         request, points = families_to_request(
             families, start_ns=self.start_time_unix_nano,
             now_ns=time.time_ns() if now_ns is None else now_ns, node=self.node)
-        if not points:
-            return True
-        with self._send_lock:
-            return self._sender.send(request, points) == "exported"
+        return OtlpBatch(request, points)
 
-    def _collect_and_send(self) -> None:
-        try:
-            families = self.source()
-            self._send(families, None)
-        except Exception as e:  # a failing source (or a bug) costs one export, not the worker
-            with self._cond:
-                self._source_errors += 1
-            self._ratelog(logging.WARNING, "source", "metrics collection failed: %s", e,
-                          exc_info=True)
-
-    def _run(self) -> None:
-        next_tick = time.monotonic() + self.interval_s
-        while True:
-            with self._cond:
-                while not (self._closing or self._flush_wanted > self._flush_done):
-                    left = next_tick - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
-                closing, generation = self._closing, self._flush_wanted
-            now = time.monotonic()
-            if now >= next_tick:        # keep the window grid; skip ticks missed while busy
-                next_tick += self.interval_s * (math.floor((now - next_tick) / self.interval_s) + 1)
+    def _export(self, batch: OtlpBatch, timeout_s: float | None) -> ExportResult:
+        """The worker's export: the first try collects from the source."""
+        if batch.request is None:
             try:
-                self._collect_and_send()
-            finally:
+                collected = self._request(self.source(), None)
+            except Exception as e:  # a failing source (or a bug) costs one export, not the worker
                 with self._cond:
-                    self._flush_done = max(self._flush_done, generation)
-                    self._cond.notify_all()
-            if closing:
-                return
+                    self._source_errors += 1
+                self._ratelog(logging.WARNING, "source", "metrics collection failed: %s", e,
+                              exc_info=True)
+                return ExportResult(True)
+            batch.request, batch.n = collected.request, collected.n
+        if not batch.n:
+            return ExportResult(True)
+        return self._sender.export(batch, timeout_s)

@@ -27,15 +27,14 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
 from spanlet.config import OtlpConfig
+from spanlet.exporters.otlp.common import PROTOBUF, STATUS_DETAILS_KEY, TRACES_PATH
+from spanlet.exporters.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
 GRPC_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 GRPC_METHOD = f"/{GRPC_SERVICE}/Export"
-HTTP_PATH = "/v1/traces"
-PROTOBUF = "application/x-protobuf"
-# gRPC carries google.rpc.Status (with RetryInfo) in this trailer.
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
+HTTP_PATH = TRACES_PATH
 
 GRPC_WORKERS = 4
 # A keep-alive connection idle (or a client sending slowly) this long is closed.
@@ -72,31 +71,6 @@ _REASON_TEXT = {
     REJECT_PARENT_ID_LENGTH: "with a parent_span_id that is not 8 bytes",
     REJECT_NOT_ACCEPTED: "not accepted by the agent (queue full)",
 }
-
-
-class RateLimitedLog:
-    """At most one line per key every `interval_s`; the lines held back are
-    counted and reported with the next one that gets through."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
-        self._log = logger
-        self._interval = interval_s
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._held: Counter = Counter()
-
-    def __call__(self, level: int, key: str, msg: str, *args, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(key)
-            if last is not None and now - last < self._interval:
-                self._held[key] += 1
-                return
-            self._last[key] = now
-            held = self._held.pop(key, 0)
-        if held:
-            msg += f" ({held} similar messages suppressed)"
-        self._log.log(level, msg, *args, exc_info=exc_info)
 
 
 def count_spans(resource_spans: Iterable[ResourceSpans]) -> int:
