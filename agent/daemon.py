@@ -17,7 +17,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from spanlet import events, kernel
+from spanlet import events
+from spanlet.probes import node_check
 from spanlet.admin import AdminServer
 from spanlet.config import Config
 from spanlet.join import SpanJoin
@@ -39,8 +40,8 @@ log = logging.getLogger("spanlet")
 # (config section, module, class): the order is the start order; the span
 # context owner comes first so the others can share its map.
 PROBES = [
-    ("tc", "spanlet.probes.tc", "TcProbe"),
-    ("sandbox", "spanlet.probes.sandbox", "SandboxProbe"),
+    ("tc", "spanlet.probes.tc.probe", "TcProbe"),
+    ("sandbox", "spanlet.probes.sandbox.probe", "SandboxProbe"),
     ("gpu", "spanlet.probes.gpu", "GpuProbe"),
 ]
 
@@ -241,12 +242,12 @@ class Daemon:
             self.store.add_spans(resource_spans)
 
     # -- start-up ----------------------------------------------------------------
-    def check_node(self) -> kernel.Headers:
-        """Root, mounts and headers; raises kernel.EnvironmentProblem."""
-        kernel.require_root()
-        kernel.require_mounts()
-        headers = kernel.find_headers(self.cfg.kernel_headers)
-        kernel.apply_headers(headers)
+    def check_node(self) -> node_check.Headers:
+        """Root, mounts and headers; raises node_check.EnvironmentProblem."""
+        node_check.require_root()
+        node_check.require_mounts()
+        headers = node_check.find_headers(self.cfg.kernel_headers)
+        node_check.apply_headers(headers)
         log.info("kernel headers: %s", headers.resolved)
         return headers
 
@@ -261,7 +262,7 @@ class Daemon:
         statuses = [owner.start()]
         self.probes.append(owner)
         for probe in rest:
-            statuses.append(probe.start(shared_span_ctx=owner.status.attached))
+            statuses.append(probe.start(span_ctx_pin=owner.shared_pin()))
             self.probes.append(probe)
         log.info("probes compiled and attached in %.2f s", time.monotonic() - t0)
         if self.store is not None:

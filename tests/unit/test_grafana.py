@@ -377,7 +377,7 @@ def agent_registry():
                     launches=lambda: {(11, events.Modality.image, events.Api.driver): 5},
                     sync_wait=lambda: {(11, events.Modality.image, events.Api.driver): (2, 5_000_000)},
                     sync_wait_buckets=lambda: {(11, events.Modality.image, events.Api.driver): gpu_buckets})
-    from spanlet.probes.tc import JitterStats
+    from spanlet.probes.tc.flows import JitterStats
     tc = FakeProbe("tc_classify", totals=lambda: {("ingress", "rtp", "audio"): (10, 1420)},
                    jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)})
     sb = FakeProbe("mmap_sandbox", violations=lambda: {(11, "exec", "kill"): 1})
