@@ -30,17 +30,24 @@ class ProbeError(Exception):
     """A probe could not load or attach; the text says why."""
 
 
-def expand_source(path: Path) -> str:
-    """The probe's C with our own headers (`#include "x.h"`) inlined.
-    BCC rewrites map calls only in the main file, so shared helpers that use
+def expand_source(path: Path, _seen: set[str] | None = None) -> str:
+    """The probe's C with our own headers (`#include "x.h"`, "x.bpf.h")
+    inlined, each once (a header may include the headers it needs). BCC
+    rewrites map calls only in the main file, so shared helpers that use
     maps must be part of it; #line keeps compiler messages pointing at the
     real files."""
+    seen = {path.name} if _seen is None else _seen
+    text = path.read_text()
+
     def inline(m: re.Match) -> str:
+        if m.group(1) in seen:
+            return ""  # inlined above already; the blank line keeps the numbering
+        seen.add(m.group(1))
         header = path.parent / m.group(1)
-        line = path.read_text()[: m.start()].count("\n") + 2
-        return (f'#line 1 "{header.name}"\n{header.read_text()}\n'
+        line = text[: m.start()].count("\n") + 2
+        return (f'#line 1 "{header.name}"\n{expand_source(header, seen)}\n'
                 f'#line {line} "{path.name}"')
-    return _LOCAL_INCLUDE.sub(inline, path.read_text())
+    return _LOCAL_INCLUDE.sub(inline, text)
 
 
 @dataclass

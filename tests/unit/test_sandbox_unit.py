@@ -17,7 +17,7 @@ from spanlet import cgroups
 from spanlet.cgroups import CgroupError
 from spanlet.probes.sandbox import policy, procfs
 from spanlet.probes.sandbox import probe as sbx
-from spanlet.probes.base import BPF_DIR, ProbeError
+from spanlet.probes.base import BPF_DIR, ProbeError, expand_source
 
 
 # -- paths --------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def test_config_rejects_what_the_sandbox_cannot_match():
 
 # -- consistency with the C side ----------------------------------------------------
 def _c_defines() -> dict[str, int]:
-    text = (BPF_DIR / "mmap_sandbox.bpf.c").read_text()
+    text = expand_source(BPF_DIR / "mmap_sandbox.bpf.c")
     return {m[1]: int(m[2], 0) for m in re.finditer(r"#define (SANDBOX_\w+) (\w+)", text)
             if re.fullmatch(r"0x[0-9a-fA-F]+|\d+", m[2])}
 

@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from spanlet import config, events
-from spanlet.probes.base import BPF_DIR
+from spanlet.probes.base import BPF_DIR, expand_source
 from spanlet.probes.tc import attach as tcattach
 from spanlet.probes.tc.attach import Link, select_interfaces
 from spanlet.probes.tc.flows import FlowAggregator, FlowSample, JssWindow
@@ -222,7 +222,7 @@ def test_jss_history_is_bounded():
 # ---- C and Python agree ------------------------------------------------------------
 
 def _c_defines(prefix: str) -> dict[str, int]:
-    text = (BPF_DIR / "tc_classify.bpf.c").read_text()
+    text = expand_source(BPF_DIR / "tc_classify.bpf.c")
     return {m.group(1): int(m.group(2)) for m in re.finditer(rf"#define {prefix}(\w+) (\d+)\b", text)}
 
 
