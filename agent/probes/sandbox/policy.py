@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from spanlet.cgroups import CgroupError
-from spanlet.config import SandboxConfig
+from spanlet.config import SandboxConfig, SandboxGrant
 from spanlet.probes.base import ProbeError
 
 # Mirrors of the constants in bpf/mmap_sandbox.bpf.c.
@@ -120,6 +120,13 @@ def compile_policy(sb: SandboxConfig, ids: PoolIds,
     """The sandbox section → map contents. A cgroup that cannot be resolved
     raises ProbeError naming its key (strict), or is listed in `problems`."""
     pol = Policy()
+    _compile_prefixes(pol, sb, ids)
+    _compile_pools(pol, sb, ids, cgroup_id, strict)
+    return pol
+
+
+def _compile_prefixes(pol: Policy, sb: SandboxConfig, ids: PoolIds) -> None:
+    """The prefixes, and the directories above them, into pol.prefixes."""
     for i, raw in enumerate(sb.prefixes):
         _check_path(f"sandbox.prefixes[{i}]", raw)
         prefix = normalise_path(raw)
@@ -138,6 +145,11 @@ def compile_policy(sb: SandboxConfig, ids: PoolIds,
     if len(pol.prefixes) > MAX_PREFIX_ENTRIES:
         raise ProbeError(f"sandbox.prefixes: {len(pol.prefixes)} prefixes and directories above "
                          f"them; at most {MAX_PREFIX_ENTRIES}")
+
+
+def _compile_pools(pol: Policy, sb: SandboxConfig, ids: PoolIds,
+                   cgroup_id: Callable[[str], int], strict: bool) -> None:
+    """The pools into pol.pools, and their grants into pol.grants."""
     first_key: dict[str, str] = {}
     for i, pool in enumerate(sb.pools):
         key = f"sandbox.pools[{i}]"
@@ -150,26 +162,30 @@ def compile_policy(sb: SandboxConfig, ids: PoolIds,
         pol.pools[path] = (pool_id, pool.max_bytes)
         pol.pool_paths[pool_id] = path
         for j, grant in enumerate(pool.grants):
-            access = ACCESS[grant.access]
-            targets = [(GRANT_PID, tgid, f"{key}.grants[{j}].pids[{k}]")
-                       for k, tgid in enumerate(grant.pids)]
-            for k, cg in enumerate(grant.cgroups):
-                gkey = f"{key}.grants[{j}].cgroups[{k}]"
-                try:
-                    targets.append((GRANT_CGROUP, cgroup_id(cg), gkey))
-                except (ProbeError, CgroupError) as e:
-                    if strict:
-                        raise ProbeError(f"{gkey}: {e}") from None
-                    pol.problems.append(f"{gkey}: {e}")
-            for kind, ident, _ in targets:
-                gk = (pool_id, kind, ident)
-                pol.grants[gk] = max(access, pol.grants.get(gk, 0))
+            _compile_grant(pol, f"{key}.grants[{j}]", pool_id, grant, cgroup_id, strict)
     if len(pol.pools) > MAX_POOLS:
         raise ProbeError(f"sandbox.pools: {len(pol.pools)} pools; at most {MAX_POOLS}")
     if len(pol.grants) > MAX_GRANTS:
         raise ProbeError(f"sandbox.pools[*].grants: {len(pol.grants)} (pool, pid or cgroup) "
                          f"pairs; at most {MAX_GRANTS}")
-    return pol
+
+
+def _compile_grant(pol: Policy, key: str, pool_id: int, grant: SandboxGrant,
+                   cgroup_id: Callable[[str], int], strict: bool) -> None:
+    """One grant of a pool into pol.grants (the wider access where two meet)."""
+    access = ACCESS[grant.access]
+    targets = [(GRANT_PID, tgid) for tgid in grant.pids]
+    for k, cg in enumerate(grant.cgroups):
+        gkey = f"{key}.cgroups[{k}]"
+        try:
+            targets.append((GRANT_CGROUP, cgroup_id(cg)))
+        except (ProbeError, CgroupError) as e:
+            if strict:
+                raise ProbeError(f"{gkey}: {e}") from None
+            pol.problems.append(f"{gkey}: {e}")
+    for kind, ident in targets:
+        gk = (pool_id, kind, ident)
+        pol.grants[gk] = max(access, pol.grants.get(gk, 0))
 
 
 # -- maps -------------------------------------------------------------------------
