@@ -11,7 +11,7 @@ import sys
 import threading
 
 from spanlet import config as config_mod
-from spanlet import kernel
+from spanlet.probes import node_check
 
 EXIT_OK = 0
 EXIT_START_REFUSED = 2  # bad config, not root, missing headers or mounts
@@ -38,14 +38,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _dump_bpf(cfg: config_mod.Config) -> None:
     from spanlet.daemon import probe_classes
-    from spanlet.probes import base
     owner = None
-    for i, cls in enumerate(probe_classes(cfg)):
+    for cls in probe_classes(cfg):
         probe = cls(cfg)
         if owner is None:
-            owner = probe
-            base.publish_span_ctx_pin(owner.pin)  # the path it will pin at
-        flags = " ".join(probe.compile_flags(shared_span_ctx=i > 0))
+            owner = probe  # the span_ctx probe: the others get the path it will pin at
+        flags = " ".join(probe.compile_flags(span_ctx_pin=owner.pin))
         print(f"/* ==== probe {probe.name}: {probe.source_path.name}  flags: {flags} ==== */")
         print(probe.source_text())
 
@@ -101,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
     daemon = Daemon(cfg, sink=sink)
     try:
         daemon.check_node()
-    except kernel.EnvironmentProblem as e:
+    except node_check.EnvironmentProblem as e:
         print(f"spanlet: cannot start: {e}", file=sys.stderr)
         return EXIT_START_REFUSED
     try:

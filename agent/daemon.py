@@ -11,7 +11,8 @@ import threading
 import time
 from typing import Callable
 
-from spanlet import events, kernel, modality
+from spanlet import events, modality
+from spanlet.probes import node_check
 from spanlet.admin import AdminServer
 from spanlet.config import Config, SchedulerThresholds, ServingSettings
 from spanlet.metrics.engine import MetricEngine
@@ -32,8 +33,8 @@ log = logging.getLogger("spanlet")
 # (config section, module, class): the order is the start order; the span
 # context owner comes first so the others can share its map.
 PROBES = [
-    ("tc", "spanlet.probes.tc", "TcProbe"),
-    ("sandbox", "spanlet.probes.sandbox", "SandboxProbe"),
+    ("tc", "spanlet.probes.tc.probe", "TcProbe"),
+    ("sandbox", "spanlet.probes.sandbox.probe", "SandboxProbe"),
     ("gpu", "spanlet.probes.gpu", "GpuProbe"),
 ]
 
@@ -135,12 +136,12 @@ class Daemon:
         self.admin.on_joined(resource_spans)
 
     # -- start-up ----------------------------------------------------------------
-    def check_node(self) -> kernel.Headers:
-        """Root, mounts and headers; raises kernel.EnvironmentProblem."""
-        kernel.require_root()
-        kernel.require_mounts()
-        headers = kernel.find_headers(self.cfg.kernel_headers)
-        kernel.apply_headers(headers)
+    def check_node(self) -> node_check.Headers:
+        """Root, mounts and headers; raises node_check.EnvironmentProblem."""
+        node_check.require_root()
+        node_check.require_mounts()
+        headers = node_check.find_headers(self.cfg.kernel_headers)
+        node_check.apply_headers(headers)
         log.info("kernel headers: %s", headers.resolved)
         return headers
 
@@ -155,7 +156,7 @@ class Daemon:
         statuses = [owner.start()]
         self.probes.append(owner)
         for probe in rest:
-            statuses.append(probe.start(shared_span_ctx=owner.status.attached))
+            statuses.append(probe.start(span_ctx_pin=owner.shared_pin()))
             self.probes.append(probe)
         log.info("probes compiled and attached in %.2f s", time.monotonic() - t0)
         if self.store is not None:

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from spanlet import config  # noqa: E402
-from spanlet.probes.sandbox import SandboxProbe  # noqa: E402
+from spanlet.probes.sandbox.probe import SandboxProbe  # noqa: E402
 
 ROUNDS = 15         # alternating without/with; medians of the rounds count
 CALLS = 100_000     # per round and operation

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from spanlet import config  # noqa: E402
-from spanlet.probes.tc import TcProbe  # noqa: E402
+from spanlet.probes.tc.probe import TcProbe  # noqa: E402
 from netns import Namespace, eth, ipv4, socket_in, tcp, udp, veth_pair  # noqa: E402
 
 SENDER_IP, RECEIVER_IP, PORT = "169.254.88.1", "169.254.88.2", 9999

@@ -23,11 +23,11 @@ def _kernel_missing() -> str | None:
         import bcc  # noqa: F401
     except ImportError as e:
         return f"BCC not importable: {e}"
-    from spanlet import kernel
+    from spanlet.probes import node_check
     try:
-        kernel.require_mounts()
-        kernel.find_headers(os.environ.get("SPANLET_KERNEL_HEADERS", ""))
-    except kernel.EnvironmentProblem as e:
+        node_check.require_mounts()
+        node_check.find_headers(os.environ.get("SPANLET_KERNEL_HEADERS", ""))
+    except node_check.EnvironmentProblem as e:
         return str(e)
     return None
 

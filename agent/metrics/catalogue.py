@@ -60,11 +60,11 @@ def _gpu(bpf_map: str = "") -> Source:
 
 
 def _tc(bpf_map: str = "") -> Source:
-    return Source("spanlet.probes.tc", bpf_map)
+    return Source("spanlet.probes.tc.probe", bpf_map)
 
 
 def _sandbox(bpf_map: str = "") -> Source:
-    return Source("spanlet.probes.sandbox", bpf_map)
+    return Source("spanlet.probes.sandbox.probe", bpf_map)
 
 
 NVML = Source("spanlet.nvml")

@@ -3,7 +3,6 @@ drain its ring buffer into the decoder, report attached-or-why, detach."""
 
 from __future__ import annotations
 
-import ctypes
 import importlib.resources
 import logging
 import mmap
@@ -15,7 +14,8 @@ from typing import Callable
 
 from spanlet import events
 from spanlet.config import Config
-from spanlet.ringbuf import RingBufferReader
+from spanlet.probes.maps import percpu_sum
+from spanlet.probes.ringbuf import RingBufferReader
 
 log = logging.getLogger(__name__)
 
@@ -26,35 +26,28 @@ _LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.-]+\.h)"\s*$', re.M)
 EventSink = Callable[[events._Event], None]
 
 
-SPAN_CTX_PIN_ROOT = Path("/sys/fs/bpf/spanlet")
-_span_ctx_pin: str | None = None
-
-
-def span_ctx_pin() -> str | None:
-    """Where the running span_ctx probe pinned the span context map."""
-    return _span_ctx_pin
-
-
-def publish_span_ctx_pin(path: str | None) -> None:
-    global _span_ctx_pin
-    _span_ctx_pin = path
-
-
 class ProbeError(Exception):
     """A probe could not load or attach; the text says why."""
 
 
-def expand_source(path: Path) -> str:
-    """The probe's C with our own headers (`#include "x.h"`) inlined.
-    BCC rewrites map calls only in the main file, so shared helpers that use
+def expand_source(path: Path, _seen: set[str] | None = None) -> str:
+    """The probe's C with our own headers (`#include "x.h"`, "x.bpf.h")
+    inlined, each once (a header may include the headers it needs). BCC
+    rewrites map calls only in the main file, so shared helpers that use
     maps must be part of it; #line keeps compiler messages pointing at the
     real files."""
+    seen = {path.name} if _seen is None else _seen
+    text = path.read_text()
+
     def inline(m: re.Match) -> str:
+        if m.group(1) in seen:
+            return ""  # inlined above already; the blank line keeps the numbering
+        seen.add(m.group(1))
         header = path.parent / m.group(1)
-        line = path.read_text()[: m.start()].count("\n") + 2
-        return (f'#line 1 "{header.name}"\n{header.read_text()}\n'
+        line = text[: m.start()].count("\n") + 2
+        return (f'#line 1 "{header.name}"\n{expand_source(header, seen)}\n'
                 f'#line {line} "{path.name}"')
-    return _LOCAL_INCLUDE.sub(inline, path.read_text())
+    return _LOCAL_INCLUDE.sub(inline, text)
 
 
 @dataclass
@@ -110,31 +103,30 @@ class Probe:
     def source_text(self) -> str:
         return expand_source(self.source_path)
 
-    def compile_flags(self, shared_span_ctx: bool) -> list[str]:
-        """Everything passed to the compiler besides the text."""
+    def compile_flags(self, span_ctx_pin: str | None = None) -> list[str]:
+        """Everything passed to the compiler besides the text; with
+        span_ctx_pin, the program reads the span context map pinned there."""
         flags = self.cflags()
-        if shared_span_ctx:
-            pin = span_ctx_pin()
-            if pin is None:
-                raise ProbeError("no span context map is pinned: start the span_ctx probe first")
-            flags.append(f'-DSPANLET_SPAN_CTX_PIN="{pin}"')
+        if span_ctx_pin is not None:
+            flags.append(f'-DSPANLET_SPAN_CTX_PIN="{span_ctx_pin}"')
         return flags
 
-    def compile(self, shared_span_ctx: bool = False) -> None:
+    def compile(self, span_ctx_pin: str | None = None) -> None:
         from bcc import BPF  # imported late: unit tiers run without BCC
 
-        flags = self.compile_flags(shared_span_ctx)
+        flags = self.compile_flags(span_ctx_pin)
         try:
             self.bpf = BPF(text=self.source_text(), cflags=flags)
         except Exception as e:  # BCC raises bare Exception with the reason
             raise ProbeError(f"compile/load of {self.source_path.name} failed: {e}") from None
 
-    def start(self, shared_span_ctx: bool = False) -> ProbeStatus:
+    def start(self, span_ctx_pin: str | None = None) -> ProbeStatus:
         """Compile, attach and open the ring buffer; never raises. With
-        shared_span_ctx the program reads the span context map of the
-        span_ctx probe started before it (else a private, empty one)."""
+        span_ctx_pin (SpanCtxProbe.shared_pin() of the span_ctx probe started
+        before it) the program reads that probe's span context map, else a
+        private, empty one."""
         try:
-            self.compile(shared_span_ctx)
+            self.compile(span_ctx_pin)
             self._attach()
             ring = self.bpf["events"]
             self._ring = RingBufferReader(ring.map_fd, self.ringbuf_pages() * mmap.PAGESIZE)
@@ -197,12 +189,3 @@ class Probe:
                     log.warning("%s: cleanup: %s", self.name, e)
                 self.bpf = None
             self.status.attached = False
-
-
-def percpu_sum(table, key) -> int:
-    """Sum of a per-CPU counter at `key` (0 when the key is absent)."""
-    try:
-        values = table[table.Key(key)] if not isinstance(key, ctypes.Structure) else table[key]
-    except KeyError:
-        return 0
-    return sum(int(getattr(v, "value", v)) for v in values)

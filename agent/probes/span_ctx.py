@@ -8,20 +8,22 @@ import itertools
 import logging
 import os
 import shutil
+from pathlib import Path
 
 from spanlet import events
 from spanlet.discovery import LibraryFinder, MappedLibrary
-from spanlet.probes import base
-from spanlet.probes.base import EventSink, Probe, percpu_sum
+from spanlet.probes.base import EventSink, Probe
+from spanlet.probes.maps import percpu_sum
 
 log = logging.getLogger(__name__)
 
 MARKER_LIBRARY = "libspanlet_marker.so"
 MARKER_SYMBOL = "spanlet_mark"
+SPAN_CTX_PIN_ROOT = Path("/sys/fs/bpf/spanlet")
 _instances = itertools.count()
 
 
-def remove_stale_pins(root=base.SPAN_CTX_PIN_ROOT) -> list[str]:
+def remove_stale_pins(root=SPAN_CTX_PIN_ROOT) -> list[str]:
     """Pin folders (<pid>-<n>) of agents that died without stopping."""
     removed = []
     try:
@@ -45,23 +47,25 @@ class SpanCtxProbe(Probe):
         self.finder = LibraryFinder([MARKER_LIBRARY], proc=proc,
                                     full_rescan_s=cfg.discovery.full_rescan_s)
         self.libraries: list[MappedLibrary] = []
-        self.pin_dir = base.SPAN_CTX_PIN_ROOT / f"{os.getpid()}-{next(_instances)}"
+        self.pin_dir = SPAN_CTX_PIN_ROOT / f"{os.getpid()}-{next(_instances)}"
         self.pin = str(self.pin_dir / "span_ctx")
 
-    def compile_flags(self, shared_span_ctx: bool) -> list[str]:
-        # This probe creates the map (and pins it) for the others.
-        return self.cflags() + [f'-DSPANLET_SPAN_CTX_PIN="{self.pin}"']
+    def shared_pin(self) -> str | None:
+        """Where the span context map is pinned while this probe is attached
+        (what the other probes are started with), else None."""
+        return self.pin if self.status.attached else None
 
-    def compile(self, shared_span_ctx: bool = False) -> None:
+    def compile_flags(self, span_ctx_pin: str | None = None) -> list[str]:
+        # This probe creates the map (and pins it at self.pin) for the others.
+        return super().compile_flags(self.pin)
+
+    def compile(self, span_ctx_pin: str | None = None) -> None:
         for path in remove_stale_pins():
             log.info("span_ctx: removed the pins of a dead agent: %s", path)
         self.pin_dir.mkdir(parents=True, exist_ok=True)
-        super().compile(shared_span_ctx)
-        base.publish_span_ctx_pin(self.pin)
+        super().compile()
 
     def _detach(self) -> None:
-        if base.span_ctx_pin() == self.pin:
-            base.publish_span_ctx_pin(None)
         shutil.rmtree(self.pin_dir, ignore_errors=True)
         try:
             self.pin_dir.parent.rmdir()  # only when no other agent uses it

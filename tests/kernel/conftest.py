@@ -8,7 +8,7 @@ import secrets
 import pytest
 
 from sandbox_harness import Harness, Pools, _own_cgroup
-from spanlet.probes.sandbox import CgroupResolver
+from spanlet.cgroups import CgroupResolver
 
 
 @pytest.fixture(scope="module")

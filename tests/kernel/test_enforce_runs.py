@@ -17,7 +17,7 @@ import pytest
 
 from spanlet import events
 from spanlet.config import SandboxGrant
-from spanlet.probes.sandbox import CgroupResolver, cgroup2_mount
+from spanlet.cgroups import CgroupResolver, cgroup2_mount
 from sandbox_harness import KIB, Harness, _own_cgroup
 
 pytestmark = [pytest.mark.kernel,

@@ -34,7 +34,7 @@ def probes():
 
     started = []
 
-    def gpu(launch_events: str = "all", shared_span_ctx: bool = False,
+    def gpu(launch_events: str = "all", span_ctx_pin: str | None = None,
             unmapped_grace_s: float = 600.0, **kw) -> GpuProbe:
         cfg = config.load(env={})
         cfg.gpu.launch_events = launch_events
@@ -43,7 +43,7 @@ def probes():
         p = GpuProbe(cfg, sink=seen.append, **kw)
         p.seen = seen
         started.append(p)
-        st = p.start(shared_span_ctx=shared_span_ctx)
+        st = p.start(span_ctx_pin=span_ctx_pin)
         assert st.attached, st.reason
         return p
 
@@ -230,7 +230,7 @@ def test_library_only_in_another_mount_namespace(standin, spawn, probes, tmp_pat
 # -- span context ---------------------------------------------------------------
 def test_span_context_stamps_and_filters_records(standin, spawn, probes):
     span = probes.span_ctx()
-    gpu = probes("spanned", shared_span_ctx=True)
+    gpu = probes("spanned", span_ctx_pin=span.shared_pin())
     inside, outside = spawn(standin.workload), spawn(standin.workload)
     for w in (inside, outside):
         w.load(standin.lib_dir)

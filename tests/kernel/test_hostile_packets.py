@@ -15,7 +15,9 @@ import time
 import pytest
 
 from spanlet import config, events
-from spanlet.probes.tc import FILTER_NAME, Method, Rejected, TcProbe, dump_table, path_hash
+from spanlet.probes.maps import dump_table
+from spanlet.probes.tc.attach import FILTER_NAME
+from spanlet.probes.tc.probe import Method, Rejected, TcProbe, path_hash
 from netns import Capture, eth, ipv4, ipv6, linked, socket_in, tcp, udp
 from tc_harness import CLIENT_IP, SERVER_IP, Env, TcpPair, recv_exact
 

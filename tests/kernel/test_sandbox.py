@@ -16,7 +16,8 @@ import pytest
 
 from spanlet import config, events
 from spanlet.config import SandboxGrant
-from spanlet.probes.sandbox import CgroupResolver, SandboxProbe, cgroup2_mount
+from spanlet.cgroups import CgroupResolver, cgroup2_mount
+from spanlet.probes.sandbox.probe import SandboxProbe
 from sandbox_harness import CAPPED_MAX, KIB, SYSCALLS, Child, Harness, _delta, _own_cgroup
 
 pytestmark = [pytest.mark.kernel,
@@ -331,7 +332,7 @@ def test_violation_carries_the_threads_span(pools, spawn):
     assert span_ctx.start().attached, span_ctx.status.reason
     h = None
     try:
-        h = Harness(pools.config(), shared_span_ctx=True)
+        h = Harness(pools.config(), span_ctx_pin=span_ctx.shared_pin())
         child = spawn([{"op": "go"}, {"op": "open", "path": pools.path("ro")},
                        {"op": "map", "len": 4 * KIB}])
         bare = spawn([{"op": "go"}, {"op": "open", "path": pools.path("ro")},

@@ -18,7 +18,7 @@ import pytest
 
 from spanlet import events
 from spanlet.config import SandboxGrant
-from spanlet.probes.sandbox import NOT_A_POOL
+from spanlet.probes.sandbox.policy import NOT_A_POOL
 from sandbox_harness import KIB, Child, Harness, Pools, _delta
 
 pytestmark = [pytest.mark.kernel,

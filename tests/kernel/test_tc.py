@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from spanlet import config, events
-from spanlet.probes.tc import FILTER_NAME, Method, TcProbe, path_hash
+from spanlet.probes.tc.attach import FILTER_NAME
+from spanlet.probes.tc.probe import Method, TcProbe, path_hash
 from tc_harness import CLIENT_IP, SERVER_IP, Env, TcpPair
 from netns import Capture, Namespace, eth, ipv4, ipv6, socket_in, tcp, udp, veth_pair
 
@@ -564,7 +565,7 @@ CHILD = """
 import sys, time
 sys.path.insert(0, {repo!r})
 from spanlet import config
-from spanlet.probes.tc import TcProbe
+from spanlet.probes.tc.probe import TcProbe
 p = TcProbe(config.load(env={{}}, overrides=["tc.interfaces=[tcl0,tcl1]"]), netns={ns!r})
 s = p.start()
 print(p.prog_ids["ingress"] if s.attached else "failed: " + s.reason, flush=True)

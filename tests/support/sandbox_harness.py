@@ -15,7 +15,7 @@ from pathlib import Path
 
 from spanlet import config, events
 from spanlet.config import SandboxConfig, SandboxGrant, SandboxPool
-from spanlet.probes.sandbox import SandboxProbe
+from spanlet.probes.sandbox.probe import SandboxProbe
 
 
 KIB = 1024
@@ -199,12 +199,12 @@ def _own_cgroup() -> str:
 class Harness:
     """A started sandbox probe and the events its sink received."""
 
-    def __init__(self, sb: SandboxConfig, shared_span_ctx: bool = False):
+    def __init__(self, sb: SandboxConfig, span_ctx_pin: str | None = None):
         cfg = config.load(env={})
         cfg.sandbox = sb
         self.got: list[events._Event] = []
         self.probe = SandboxProbe(cfg, sink=self.got.append)
-        st = self.probe.start(shared_span_ctx=shared_span_ctx)
+        st = self.probe.start(span_ctx_pin=span_ctx_pin)
         assert st.attached, st.reason
 
     def events_of(self, child: Child) -> list[events.SandboxViolation]:

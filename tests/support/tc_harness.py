@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from netns import Namespace, socket_in
 from spanlet import events
-from spanlet.probes.tc import TcProbe
+from spanlet.probes.tc.probe import TcProbe
 
 CLIENT_IP, SERVER_IP = "169.254.77.1", "169.254.77.2"
 

@@ -13,6 +13,18 @@ def test_expand_source_inlines_local_headers_with_line_markers(tmp_path):
     assert '#include "x.h"' not in out
 
 
+
+def test_expand_source_inlines_nested_headers_once(tmp_path):
+    (tmp_path / "shared.h").write_text("int shared;\n")
+    (tmp_path / "helper.bpf.h").write_text('#include "shared.h"\nint helper;\n')
+    src = tmp_path / "p.bpf.c"
+    src.write_text('#include "shared.h"\n#include "helper.bpf.h"\nint after;\n')
+    out = expand_source(src)
+    assert out.count("int shared;") == 1 and "int helper;" in out
+    assert "#include" not in out
+    assert out.index("int shared;") < out.index("int helper;") < out.index("int after;")
+    assert '#line 3 "p.bpf.c"\nint after;' in out
+
 def test_every_probe_source_includes_the_shared_header():
     for src in BPF_DIR.glob("*.bpf.c"):
         text = expand_source(src)

@@ -17,18 +17,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pipelines", ("spanlet.pipeline",)),
     ("exporters, admin, metric engine", ("spanlet.exporters", "spanlet.admin", "spanlet.metrics",
                                          "spanlet.scheduler")),
-    ("join, probes, node facts", ("spanlet.join", "spanlet.probes", "spanlet.ringbuf", "spanlet.kernel",
+    ("join, probes, node facts", ("spanlet.join", "spanlet.probes",
                                   "spanlet.cgroups", "spanlet.discovery", "spanlet.k8s", "spanlet.nvml")),
     ("events, config", ("spanlet.events", "spanlet.config", "spanlet.modality", "spanlet.client",
                         "spanlet.bpf", "spanlet")),
 ]
-# Upward imports that are known and on their way out: STRUCTURE.md PART 1
-# moves these settings classes into config.py; drop each line when it does.
-KNOWN_UPWARD = {
-    ("spanlet.config", "spanlet.metrics.serving"),
-    ("spanlet.config", "spanlet.nvml"),
-    ("spanlet.config", "spanlet.scheduler"),
-}
+# Upward imports that are known and on their way out (none left).
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 # What the client (and the demo's serving processes) may reach: no daemon part.
 CLIENT_SIDE = ("spanlet.client", "spanlet.modality", "spanlet.demo")
 

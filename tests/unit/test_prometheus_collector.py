@@ -4,7 +4,7 @@ buckets, and a failing source that never fails the scrape."""
 
 
 from spanlet import events
-from spanlet.probes.tc import JitterStats
+from spanlet.probes.tc.flows import JitterStats
 from collector_fakes import FakeProbe, registry, sources
 
 M = events.Modality

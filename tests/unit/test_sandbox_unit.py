@@ -13,9 +13,11 @@ import pytest
 
 from spanlet import config
 from spanlet.config import SandboxConfig, SandboxGrant, SandboxPool
-from spanlet.probes import sandbox as sbx
+from spanlet import cgroups
 from spanlet.cgroups import CgroupError
-from spanlet.probes.base import BPF_DIR, ProbeError
+from spanlet.probes.sandbox import policy, procfs
+from spanlet.probes.sandbox import probe as sbx
+from spanlet.probes.base import BPF_DIR, ProbeError, expand_source
 
 
 # -- paths --------------------------------------------------------------------------
@@ -30,7 +32,7 @@ from spanlet.probes.base import BPF_DIR, ProbeError
     ("relative/./x", "relative/x"),
 ])
 def test_normalise_path(raw, norm):
-    assert sbx.normalise_path(raw) == norm
+    assert policy.normalise_path(raw) == norm
 
 
 @pytest.mark.parametrize("prefix, above", [
@@ -41,7 +43,7 @@ def test_normalise_path(raw, norm):
     ("/", []),
 ])
 def test_ancestors(prefix, above):
-    assert sbx.ancestors(prefix) == above
+    assert policy.ancestors(prefix) == above
 
 
 # -- cgroups ------------------------------------------------------------------------
@@ -54,17 +56,17 @@ HYBRID_MOUNTINFO = """\
 
 
 def test_cgroup2_mount_found_among_v1_hierarchies():
-    assert sbx.cgroup2_mount(HYBRID_MOUNTINFO) == "/sys/fs/cgroup/unified"
+    assert cgroups.cgroup2_mount(HYBRID_MOUNTINFO) == "/sys/fs/cgroup/unified"
 
 
 def test_cgroup2_mount_with_escaped_space_and_optional_fields():
     line = "41 31 0:38 / /mnt/cg\\040two rw,relatime shared:9 master:2 - cgroup2 none rw\n"
-    assert sbx.cgroup2_mount(line) == "/mnt/cg two"
+    assert cgroups.cgroup2_mount(line) == "/mnt/cg two"
 
 
 def test_no_cgroup2_mount_is_reported():
     with pytest.raises(CgroupError, match="no cgroup2"):
-        sbx.cgroup2_mount(HYBRID_MOUNTINFO.replace("cgroup2 cgroup2", "tmpfs tmpfs"))
+        cgroups.cgroup2_mount(HYBRID_MOUNTINFO.replace("cgroup2 cgroup2", "tmpfs tmpfs"))
 
 
 @pytest.fixture
@@ -74,7 +76,7 @@ def fake_cgroups(tmp_path):
         (mount / d).mkdir(exist_ok=True)
         (mount / d / "cgroup.procs").write_text("")
     (mount / "not_a_cgroup").mkdir()
-    return sbx.CgroupResolver(str(mount)), mount
+    return cgroups.CgroupResolver(str(mount)), mount
 
 
 def test_cgroup_paths_resolve_three_ways(fake_cgroups):
@@ -101,9 +103,9 @@ def _sb(pools, prefixes=("/dev/shm/tensor_pool/",), mode="audit") -> SandboxConf
 
 
 def _compile(sb, resolver=None, strict=True, ids=None):
-    ids = ids or sbx.PoolIds()
+    ids = ids or policy.PoolIds()
     cg = resolver.id if resolver else (lambda p: {"a": 100, "b": 200}[p])
-    return sbx.compile_policy(sb, ids, cg, strict)
+    return policy.compile_policy(sb, ids, cg, strict)
 
 
 def test_policy_map_contents(fake_cgroups):
@@ -119,23 +121,23 @@ def test_policy_map_contents(fake_cgroups):
         ]),
     ]), r)
     a, ctr = (mount / "pods/a").stat().st_ino, (mount / "pods/a/ctr").stat().st_ino
-    unlisted = sbx.UNLISTED_POOL_BASE
-    assert pol.prefixes == {"/dev/shm/tensor_pool/": (sbx.PREFIX_FULL, unlisted, 21),
-                            "/dev/": (sbx.PREFIX_PARTIAL, 0, 5),
-                            "/dev/shm/": (sbx.PREFIX_PARTIAL, 0, 9)}
+    unlisted = policy.UNLISTED_POOL_BASE
+    assert pol.prefixes == {"/dev/shm/tensor_pool/": (policy.PREFIX_FULL, unlisted, 21),
+                            "/dev/": (policy.PREFIX_PARTIAL, 0, 5),
+                            "/dev/shm/": (policy.PREFIX_PARTIAL, 0, 9)}
     assert pol.pools == {"/dev/shm/tensor_pool/kv": (1, 1 << 30),
                          "/dev/shm/tensor_pool/img": (2, 0)}   # normalised like the kernel does
     assert pol.grants == {
-        (1, sbx.GRANT_PID, 41): 1, (1, sbx.GRANT_PID, 42): 1, (1, sbx.GRANT_CGROUP, a): 2,
-        (2, sbx.GRANT_PID, 42): 2,          # ro and rw for one pid: the wider one
-        (2, sbx.GRANT_CGROUP, ctr): 1,
+        (1, policy.GRANT_PID, 41): 1, (1, policy.GRANT_PID, 42): 1, (1, policy.GRANT_CGROUP, a): 2,
+        (2, policy.GRANT_PID, 42): 2,          # ro and rw for one pid: the wider one
+        (2, policy.GRANT_CGROUP, ctr): 1,
     }
     assert pol.pool_paths == {1: "/dev/shm/tensor_pool/kv", 2: "/dev/shm/tensor_pool/img",
                               unlisted: "/dev/shm/tensor_pool/*"}
 
 
 def test_pool_ids_survive_policy_changes():
-    ids = sbx.PoolIds()
+    ids = policy.PoolIds()
     p1 = _compile(_sb([SandboxPool(path="/dev/shm/tensor_pool/x"),
                        SandboxPool(path="/dev/shm/tensor_pool/y")]), ids=ids)
     p2 = _compile(_sb([SandboxPool(path="/dev/shm/tensor_pool/y"),
@@ -147,9 +149,9 @@ def test_pool_ids_survive_policy_changes():
 def test_directory_longer_than_a_prefix_answers_as_that_prefix():
     pol = _compile(_sb([], prefixes=["/dev", "/dev/shm/tensor_pool/", "/srv/a/b/c/"]))
     dev_id = pol.prefixes["/dev"][1]
-    assert pol.prefixes["/dev/"] == (sbx.PREFIX_FULL, dev_id, 5)
-    assert pol.prefixes["/dev/shm/"] == (sbx.PREFIX_FULL, dev_id, 9)
-    assert pol.prefixes["/srv/a/b/"] == (sbx.PREFIX_PARTIAL, 0, 9)
+    assert pol.prefixes["/dev/"] == (policy.PREFIX_FULL, dev_id, 5)
+    assert pol.prefixes["/dev/shm/"] == (policy.PREFIX_FULL, dev_id, 9)
+    assert pol.prefixes["/srv/a/b/"] == (policy.PREFIX_PARTIAL, 0, 9)
     assert pol.lookup("/dev/null") == pol.lookup("/dev/shm/x") == (dev_id, 0)
 
 
@@ -158,8 +160,8 @@ def test_policy_lookup_judges_paths_like_the_kernel():
                        prefixes=["/dev/shm/tensor_pool/", "/dev/shm/tensor_pool/big/"]))
     assert pol.lookup("/dev/shm/tensor_pool/kv") == (1, 4096)
     assert pol.lookup("//dev/shm/./tensor_pool/kv") == (1, 4096)
-    assert pol.lookup("/dev/shm/tensor_pool/other") == (sbx.UNLISTED_POOL_BASE, 0)
-    assert pol.lookup("/dev/shm/tensor_pool/big/x") == (sbx.UNLISTED_POOL_BASE + 1, 0)
+    assert pol.lookup("/dev/shm/tensor_pool/other") == (policy.UNLISTED_POOL_BASE, 0)
+    assert pol.lookup("/dev/shm/tensor_pool/big/x") == (policy.UNLISTED_POOL_BASE + 1, 0)
     assert pol.lookup("/dev/shm/tensor_pool_other") is None
     assert pol.lookup("/dev/null") is None
 
@@ -177,7 +179,7 @@ def test_missing_cgroup_is_a_config_error_naming_the_key(fake_cgroups):
     # refresh() compiles leniently: the rest of the policy stands.
     pol = _compile(sb, r, strict=False)
     assert len(pol.problems) == 1 and "sandbox.pools[1].grants[1].cgroups[1]" in pol.problems[0]
-    assert (2, sbx.GRANT_CGROUP, (mount / "pods/a").stat().st_ino) in pol.grants
+    assert (2, policy.GRANT_CGROUP, (mount / "pods/a").stat().st_ino) in pol.grants
 
 
 def test_duplicate_pool_is_a_config_error():
@@ -197,7 +199,7 @@ def test_config_rejects_what_the_sandbox_cannot_match():
 
 # -- consistency with the C side ----------------------------------------------------
 def _c_defines() -> dict[str, int]:
-    text = (BPF_DIR / "mmap_sandbox.bpf.c").read_text()
+    text = expand_source(BPF_DIR / "mmap_sandbox.bpf.c")
     return {m[1]: int(m[2], 0) for m in re.finditer(r"#define (SANDBOX_\w+) (\w+)", text)
             if re.fullmatch(r"0x[0-9a-fA-F]+|\d+", m[2])}
 
@@ -205,9 +207,9 @@ def _c_defines() -> dict[str, int]:
 def test_python_constants_match_the_program():
     d = _c_defines()
     assert (d["SANDBOX_PATH_MAX"], d["SANDBOX_PREFIX_FULL"], d["SANDBOX_PREFIX_PARTIAL"]) == (
-        sbx.PATH_MAX, sbx.PREFIX_FULL, sbx.PREFIX_PARTIAL)
-    assert (d["SANDBOX_GRANT_PID"], d["SANDBOX_GRANT_CGROUP"]) == (sbx.GRANT_PID, sbx.GRANT_CGROUP)
-    assert (d["SANDBOX_ACCESS_RO"], d["SANDBOX_ACCESS_RW"]) == (sbx.ACCESS["ro"], sbx.ACCESS["rw"])
+        policy.PATH_MAX, policy.PREFIX_FULL, policy.PREFIX_PARTIAL)
+    assert (d["SANDBOX_GRANT_PID"], d["SANDBOX_GRANT_CGROUP"]) == (policy.GRANT_PID, policy.GRANT_CGROUP)
+    assert (d["SANDBOX_ACCESS_RO"], d["SANDBOX_ACCESS_RW"]) == (policy.ACCESS["ro"], policy.ACCESS["rw"])
 
 
 def test_optional_open_calls_follow_the_kernel(cfg, monkeypatch):
@@ -233,7 +235,7 @@ def test_mode_is_a_compile_flag(cfg):
     cfg.sandbox = SandboxConfig(mode="enforce")
     flags = sbx.SandboxProbe(cfg).cflags()
     assert "-DSANDBOX_ENFORCE" in flags
-    assert f"-DSANDBOX_MAX_POOLS={sbx.MAX_POOLS}" in flags
+    assert f"-DSANDBOX_MAX_POOLS={policy.MAX_POOLS}" in flags
 
 
 # -- maps ---------------------------------------------------------------------------
@@ -254,7 +256,7 @@ class FakeTable(dict):
 
 
 class _Path(ctypes.Structure):
-    _fields_ = [("path", ctypes.c_char * sbx.PATH_MAX)]
+    _fields_ = [("path", ctypes.c_char * policy.PATH_MAX)]
 
 
 class _LpmKey(ctypes.Structure):
@@ -271,14 +273,14 @@ class _GrantKey(ctypes.Structure):
 
 def test_prefix_key_layout():
     t = FakeTable(_LpmKey, _Prefix)
-    k = sbx._prefix_key(t, "/dev/")
+    k = policy._prefix_key(t, "/dev/")
     assert k.prefixlen == 40
     assert bytes(k.p)[:6] == b"/dev/\0" and not any(bytes(k.p)[5:])
 
 
 def test_map_sync_writes_changes_and_removes_stale_entries():
     t = FakeTable(_GrantKey, ctypes.c_uint8)
-    m = sbx.MapSync(t, sbx._grant_key, sbx._u8)
+    m = policy.MapSync(t, policy._grant_key, policy._u8)
     m.sync({(1, 1, 10): 1, (1, 2, 99): 2})
     assert t.writes == 2 and len(t) == 2
     m.sync({(1, 1, 10): 1, (1, 2, 99): 1, (2, 1, 10): 2})
@@ -286,7 +288,7 @@ def test_map_sync_writes_changes_and_removes_stale_entries():
     m.sync({(2, 1, 10): 2}, remove=False)
     assert len(t) == 3
     m.sync({(2, 1, 10): 2})
-    assert len(t) == 1 and bytes(sbx._grant_key(t, (2, 1, 10))) in t
+    assert len(t) == 1 and bytes(policy._grant_key(t, (2, 1, 10))) in t
     assert m.written == {(2, 1, 10): 2}
 
 
@@ -328,8 +330,8 @@ def _kv_policy():
 
 
 def test_scan_finds_pool_fds_opened_before_start(fake_proc):
-    found = dict(sbx.scan_pool_fds(_kv_policy(), str(fake_proc)))
-    assert found == {(100, 3): (1, 8192), (100, 4): (sbx.UNLISTED_POOL_BASE, 0),
+    found = dict(procfs.scan_pool_fds(_kv_policy(), str(fake_proc)))
+    assert found == {(100, 3): (1, 8192), (100, 4): (policy.UNLISTED_POOL_BASE, 0),
                      (200, 9): (1, 8192)}
 
 
@@ -338,5 +340,5 @@ def test_sweep_finds_fds_that_went_away_or_changed(fake_proc):
                   ((100, 5), (1, 8192)),                   # number now holds libc
                   ((200, 9), (1, 4096)),                   # the pool's size changed
                   ((555, 3), (1, 8192))]                   # process gone
-    assert dict(sbx.stale_pool_fds(remembered, _kv_policy(), str(fake_proc))) == {
+    assert dict(procfs.stale_pool_fds(remembered, _kv_policy(), str(fake_proc))) == {
         (100, 5): None, (200, 9): (1, 8192), (555, 3): None}

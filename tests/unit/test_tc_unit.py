@@ -10,11 +10,12 @@ import socket
 import pytest
 
 from spanlet import config, events
-from spanlet.probes import tc as tcmod
-from spanlet.probes.base import BPF_DIR
-from spanlet.probes.tc import (FlowAggregator, FlowSample, JssWindow, Link, Method, TcProbe,
-                             Uncounted, fnv1a_32, late_threshold_ns, path_hash,
-                             payload_type_entries, port_map_entries, select_interfaces)
+from spanlet.probes.base import BPF_DIR, expand_source
+from spanlet.probes.tc import attach as tcattach
+from spanlet.probes.tc.attach import Link, select_interfaces
+from spanlet.probes.tc.flows import FlowAggregator, FlowSample, JssWindow
+from spanlet.probes.tc.probe import (Method, TcProbe, Uncounted, fnv1a_32, late_threshold_ns,
+                                     path_hash, payload_type_entries, port_map_entries)
 
 TCP, UDP = socket.IPPROTO_TCP, socket.IPPROTO_UDP
 P = events.Proto
@@ -221,7 +222,7 @@ def test_jss_history_is_bounded():
 # ---- C and Python agree ------------------------------------------------------------
 
 def _c_defines(prefix: str) -> dict[str, int]:
-    text = (BPF_DIR / "tc_classify.bpf.c").read_text()
+    text = expand_source(BPF_DIR / "tc_classify.bpf.c")
     return {m.group(1): int(m.group(2)) for m in re.finditer(rf"#define {prefix}(\w+) (\d+)\b", text)}
 
 
@@ -237,7 +238,7 @@ def test_uncounted_reasons_match_the_c():
 
 def test_program_names_fit_the_kernel_and_exist_in_the_c():
     text = (BPF_DIR / "tc_classify.bpf.c").read_text()
-    for name in [*tcmod.PROGRAMS.values(), tcmod.REQUEST_PARSER]:
+    for name in [*tcattach.PROGRAMS.values(), tcattach.REQUEST_PARSER]:
         assert len(name) <= 15, name  # BPF_OBJ_NAME_LEN - 1: bpftool shows it whole
         assert re.search(rf"^int {name}\(struct __sk_buff \*skb\)", text, re.M), name
 
