@@ -21,7 +21,7 @@ from spanlet.metrics.engine import MetricEngine
 from spanlet.metrics.serving import ServingMetrics
 from spanlet.nvml import GpuSample
 from spanlet.probes.base import ProbeStatus
-from spanlet.probes.tc import JitterStats
+from spanlet.probes.tc.flows import JitterStats
 from spanlet.scheduler import Scheduler, WindowInputs
 
 
