@@ -16,7 +16,7 @@ from spanlet.probes.base import EventSink, Probe, percpu_sum
 
 log = logging.getLogger(__name__)
 
-MARKER_LIBRARY = "libspanlet_marker.so"
+MARKER_LIBRARY = "libspanlet_marker"
 MARKER_SYMBOL = "spanlet_mark"
 _instances = itertools.count()
 
