@@ -386,6 +386,8 @@ def test_dockerfile_installs_what_setup_installs():
     # The venv as scripts/setup.sh makes it: BCC's module through a folder
     # holding only its link, named in a .pth file.
     setup = (ROOT / "scripts" / "setup.sh").read_text()
+    if "bcc_into_venv" in setup:  # setup.sh's helper, shared with scripts/wheel_check.sh
+        setup += (ROOT / "scripts" / "bcc_venv.sh").read_text()
     assert "ln -sfn /usr/lib/python3/dist-packages/bcc" in setup
     assert re.search(r"ln -sfn /usr/lib/python3/dist-packages/bcc \S+/bcc-site/bcc", text)
     assert re.search(r"spanlet-bcc\.pth", text)
