@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup run test unit bench soak dump-bpf native clean demo demo-agent
+.PHONY: setup run test wheel-check unit bench soak dump-bpf native clean demo demo-agent
 
 setup:
 	bash scripts/setup.sh
@@ -21,21 +21,23 @@ demo-agent: setup
 demo: setup
 	$(VENV)/bin/spanlet demo --duration $(DURATION) $(ARGS)
 
-# Sets everything up, then runs the whole test suite (root needed for the
-# kernel tier; SPANLET_REQUIRE_KERNEL=1 makes a kernel test that cannot run fail).
-test: setup
+# Sets everything up, checks that a wheel built from the checkout installs and
+# works, then runs the whole test suite (root needed for the kernel tier;
+# SPANLET_REQUIRE_KERNEL=1 makes a kernel test that cannot run fail).
+test: setup wheel-check
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
-# The span marker library that serving processes load (agent/client.py), and
-# the stand-in CUDA and NVML libraries of the demo (agent/demo/standin).
-native: agent/_native/libspanlet_marker.so agent/_native/standin/libnvidia-ml.so.1
+# The wheel of HEAD, built from a clean copy, in fresh venvs: the client alone,
+# then with the [agent] extra (scripts/wheel_check.sh).
+wheel-check:
+	bash scripts/wheel_check.sh
+
+# The stand-in CUDA and NVML libraries of the demo (agent/demo/standin). The
+# span marker is no target here: every build of the package compiles it.
+native: agent/_native/standin/libnvidia-ml.so.1
 
 agent/_native/standin/libnvidia-ml.so.1: agent/demo/standin/cuda.c agent/demo/standin/cudart.c agent/demo/standin/nvml.c agent/demo/standin/__init__.py
 	$(PY) -m spanlet.demo.standin agent/_native/standin
-
-agent/_native/libspanlet_marker.so: native/spanlet_marker.c
-	mkdir -p agent/_native
-	$(CC) -O2 -fPIC -shared -fcf-protection=none -o $@ $<
 
 unit:
 	$(PY) -m pytest -ra tests/unit
@@ -51,4 +53,4 @@ dump-bpf:
 	$(VENV)/bin/spanlet run --dump-bpf
 
 clean:
-	rm -rf $(VENV) build *.egg-info agent/_native
+	rm -rf $(VENV) build *.egg-info agent/_native agent/libspanlet_marker*.so

@@ -4,7 +4,7 @@ spanlet agent, through a native marker the agent uprobes, which span each thread
 Usage, in any OTel-instrumented Python process (no privileges needed)::
 
     from opentelemetry.sdk.trace import TracerProvider
-    from spanlet.client import SpanletSpanProcessor
+    from spanlet import SpanletSpanProcessor
 
     provider = TracerProvider()
     provider.add_span_processor(SpanletSpanProcessor())
@@ -28,20 +28,24 @@ by kernel thread id, so:
 - Coroutines sharing a thread share its context: the thread is in the span
   that started last and has not ended.
 
-If the marker library cannot be used (missing, wrong architecture, symbols or
-ABI version), one warning is logged per process on logger ``spanlet.client``
-and the processor does nothing. Nothing in here ever raises into the
-application. This module imports nothing of the agent daemon: only the
-standard library and the OpenTelemetry SDK.
+The marker is the C extension ``spanlet.libspanlet_marker`` that the package
+build compiles from native/spanlet_marker.c (another build of it can be named
+by path: the argument, or $SPANLET_MARKER_LIB). If it cannot be used (missing,
+not an extension of this interpreter, no ``mark``, or another ABI version), one
+warning is logged per process on logger ``spanlet.client`` and the processor
+does nothing. Nothing in here ever raises into the application. This module
+imports nothing of the agent daemon: only the standard library and the
+OpenTelemetry SDK.
 """
 
 from __future__ import annotations
 
-import ctypes
+import importlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import threading
-from pathlib import Path
 
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
@@ -49,21 +53,22 @@ logger = logging.getLogger("spanlet.client")
 
 MODALITY_ATTRIBUTE = "mm.modality"
 LIB_ENV = "SPANLET_MARKER_LIB"
-DEFAULT_LIB = Path(__file__).resolve().parent / "_native" / "libspanlet_marker.so"
-ABI_VERSION = 1
+# The extension's module name; a build loaded from a path is loaded under it too
+# (its init function is PyInit_libspanlet_marker).
+MARKER_MODULE = "spanlet.libspanlet_marker"
+ABI_VERSION = 2
 # name -> number; spanlet.modality is stdlib only, so no agent part comes with it
 from spanlet.modality import NUMBERS as MODALITIES  # noqa: E402
 # Spans started and never ended would otherwise grow a thread's stack forever;
 # past this depth the oldest are forgotten.
 MAX_STACK_DEPTH = 256
 
-_M32 = 0xFFFFFFFF
-_CLEAR = (0, 0, 0, 0, 0, 0, 0)
+_CLEAR = (0, 0, 0)  # mark()'s arguments for "in no span"
 
 _warn_lock = threading.Lock()
 _warned = False
 _libs_lock = threading.Lock()
-_libs: dict[str, object] = {}  # path -> its spanlet_mark_halves, or None
+_libs: dict[str, object] = {}  # path (or MARKER_MODULE) -> its mark, or None
 
 
 def _warn_once(message: str, *args, exc_info: bool = False) -> None:
@@ -75,46 +80,50 @@ def _warn_once(message: str, *args, exc_info: bool = False) -> None:
     logger.warning(message, *args, exc_info=exc_info)
 
 
-def library_path(lib_path: str | os.PathLike | None = None) -> str:
-    """The marker library to load: the argument, else $SPANLET_MARKER_LIB, else
-    agent/_native/libspanlet_marker.so next to this module."""
-    return os.fspath(lib_path or os.environ.get(LIB_ENV) or DEFAULT_LIB)
+def library_path(lib_path: str | os.PathLike | None = None) -> str | None:
+    """The marker extension file to load: the argument, else
+    $SPANLET_MARKER_LIB, else None (the package's own MARKER_MODULE)."""
+    path = lib_path or os.environ.get(LIB_ENV)
+    return os.fspath(path) if path else None
+
+
+def load_extension(path: str | None):
+    """The marker extension module: the package's own (path None), or the build
+    at `path` (any file name) loaded under MARKER_MODULE's name. Raises
+    ImportError when it cannot be loaded."""
+    if path is None:
+        return importlib.import_module(MARKER_MODULE)
+    loader = importlib.machinery.ExtensionFileLoader(MARKER_MODULE, path)
+    spec = importlib.util.spec_from_file_location(MARKER_MODULE, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 def load_marker(lib_path: str | os.PathLike | None = None):
-    """The library's spanlet_mark_halves, ready to call, or None (after one
-    warning per process) when the library cannot be used."""
+    """The marker's mark(trace_id, span_id, modality), ready to call, or None
+    (after one warning per process) when the marker cannot be used."""
     path = library_path(lib_path)
+    key = path or MARKER_MODULE
     with _libs_lock:
-        if path in _libs:
-            return _libs[path]
+        if key in _libs:
+            return _libs[key]
         try:
-            mark = _open(path)
-        except Exception as e:  # OSError, AttributeError, ABI mismatch: all mean "cannot use it"
-            _warn_once("spanlet marker library unusable, spans will not reach the spanlet agent: %s: %s",
-                       path, e)
+            mark = _checked_mark(load_extension(path))
+        except Exception as e:  # ImportError, AttributeError, ABI mismatch: all mean "cannot use it"
+            _warn_once("spanlet marker unusable, spans will not reach the spanlet agent: %s: %s", key, e)
             mark = None
-        _libs[path] = mark
+        _libs[key] = mark
         return mark
 
 
-def _open(path: str):
-    # PyDLL: the call keeps the GIL (the marker is a few instructions; a GIL
-    # release and re-take would cost more than the call itself).
-    lib = ctypes.PyDLL(path)
-    version = lib.spanlet_marker_abi_version
-    version.argtypes, version.restype = [], ctypes.c_uint32
-    if version() != ABI_VERSION:
-        raise ValueError(f"marker ABI version {version()}, this client speaks {ABI_VERSION}")
-    # spanlet_mark is what the agent probes; the client calls it through spanlet_mark_halves.
-    for symbol in ("spanlet_mark", "spanlet_mark_halves"):
-        if not hasattr(lib, symbol):
-            raise AttributeError(f"no {symbol} in the library")
-    mark = lib.spanlet_mark_halves
-    # No argtypes on purpose: with them ctypes builds a temporary object per
-    # argument (about 1 µs a call); without, a Python int < 2**32 goes straight
-    # into its register. Every argument passed is masked to 32 bits below.
-    mark.argtypes, mark.restype = None, None
+def _checked_mark(module):
+    version = getattr(module, "ABI_VERSION", None)
+    if version != ABI_VERSION:
+        raise ValueError(f"marker ABI version {version}, this client speaks {ABI_VERSION}")
+    mark = getattr(module, "mark", None)
+    if not callable(mark):
+        raise AttributeError(f"no mark() in {module.__file__}")
     return mark
 
 
@@ -141,7 +150,7 @@ class SpanletSpanProcessor(SpanProcessor):
 
     @property
     def active(self) -> bool:
-        """Whether the marker library is in use (False: the processor is a no-op)."""
+        """Whether the marker is in use (False: the processor is a no-op)."""
         return self._mark is not None
 
     def on_start(self, span: Span, parent_context=None) -> None:
@@ -150,14 +159,12 @@ class SpanletSpanProcessor(SpanProcessor):
             return
         try:
             ctx = span.get_span_context()
-            t, s = ctx.trace_id, ctx.span_id
+            s = ctx.span_id
             try:  # the SDK span's own dict: 0.1 µs where the public mapping costs 1 µs
                 modality = span._attributes._dict.get(MODALITY_ATTRIBUTE)
             except AttributeError:  # another SDK version or span class
                 modality = _modality_attribute(span)
-            # The marker's arguments: the ids in 32-bit halves, then the modality.
-            entry = (t >> 96, (t >> 64) & _M32, (t >> 32) & _M32, t & _M32, s >> 32, s & _M32,
-                     MODALITIES.get(modality, 0))
+            entry = (ctx.trace_id, s, MODALITIES.get(modality, 0))  # mark()'s arguments
             stack = self._local.stack
             stack.append(entry)
             self._open[s] = (stack, entry)
@@ -191,7 +198,7 @@ class SpanletSpanProcessor(SpanProcessor):
 
     def _forget_oldest(self, stack: list) -> None:
         oldest = stack.pop(0)
-        span_id = oldest[4] << 32 | oldest[5]
+        span_id = oldest[1]
         if self._open.get(span_id, (None, None))[1] is oldest:
             del self._open[span_id]
 

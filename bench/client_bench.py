@@ -5,36 +5,19 @@ No kernel uprobe is attached here (no root needed); the agent's uprobe on
 spanlet_mark adds its own cost per edge, measured separately by the lead.
 
 Run: .venv/bin/python bench/client_bench.py [--spans N] [--repeat R] [--lib PATH]
-(builds the marker library with $CC, default gcc, unless --lib is given)
+(the marker extension that the package build made, unless --lib names another build)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider  # noqa: E402
-
-from spanlet import client  # noqa: E402
-
-MARKER_SOURCE = ROOT / "native" / "spanlet_marker.c"
-
-
-def build_marker(out_dir: str) -> str:
-    """The production build, with the Makefile's exact flags."""
-    lib = os.path.join(out_dir, "libspanlet_marker.so")
-    cc = os.environ.get("CC", "gcc")
-    subprocess.run([cc, "-O2", "-fPIC", "-shared", "-o", lib, str(MARKER_SOURCE)], check=True)
-    return lib
+from spanlet import SpanletSpanProcessor, client
 
 
 def tracer_with(processor: SpanProcessor | None):
@@ -71,8 +54,8 @@ def ns_per_edge_direct(processor, spans: int, tracer) -> float:
 
 
 def ns_per_mark(mark, calls: int) -> float:
-    """The ctypes call into spanlet_mark_halves alone, as the processor makes it."""
-    args = (0xDEADBEEF, 0xFEEDFACE, 0x12345678, 0x9ABCDEF0, 0xCAFEF00D, 0x0BADF00D, 2)
+    """The call into the marker's mark() alone, as the processor makes it."""
+    args = (0xDEADBEEFFEEDFACE123456789ABCDEF0, 0xCAFEF00D0BADF00D, 2)
     start = time.perf_counter_ns()
     for _ in range(calls):
         mark(*args)
@@ -83,25 +66,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spans", type=int, default=4_000)
     ap.add_argument("--repeat", type=int, default=40)
-    ap.add_argument("--lib", help="a built libspanlet_marker.so (default: build one now)")
+    ap.add_argument("--lib", help="another build of the marker extension (default: the package's own)")
     args = ap.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="spanlet-client-bench-") as tmp:
-        lib = args.lib or build_marker(tmp)
-        processor = client.SpanletSpanProcessor(lib)
-        if not processor.active:
-            sys.exit(f"marker library {lib} unusable (see the warning above)")
-        plain, noop, marked = tracer_with(None), tracer_with(SpanProcessor()), tracer_with(processor)
-        for tracer in (plain, noop, marked):
-            ns_per_span(tracer, 2000)  # warm-up
+    processor = SpanletSpanProcessor(args.lib)
+    if not processor.active:
+        sys.exit(f"marker {client.library_path(args.lib) or client.MARKER_MODULE} unusable "
+                 "(see the warning above)")
+    plain, noop, marked = tracer_with(None), tracer_with(SpanProcessor()), tracer_with(processor)
+    for tracer in (plain, noop, marked):
+        ns_per_span(tracer, 2000)  # warm-up
 
-        runs = {"without": [], "noop": [], "with": [], "edge": [], "mark": []}
-        for _ in range(args.repeat):  # short runs, interleaved, so drift and noise hit all alike
-            runs["without"].append(ns_per_span(plain, args.spans))
-            runs["noop"].append(ns_per_span(noop, args.spans))
-            runs["with"].append(ns_per_span(marked, args.spans))
-            runs["edge"].append(ns_per_edge_direct(processor, args.spans // 2, plain))
-            runs["mark"].append(ns_per_mark(processor._mark, args.spans))
+    runs = {"without": [], "noop": [], "with": [], "edge": [], "mark": []}
+    for _ in range(args.repeat):  # short runs, interleaved, so drift and noise hit all alike
+        runs["without"].append(ns_per_span(plain, args.spans))
+        runs["noop"].append(ns_per_span(noop, args.spans))
+        runs["with"].append(ns_per_span(marked, args.spans))
+        runs["edge"].append(ns_per_edge_direct(processor, args.spans // 2, plain))
+        runs["mark"].append(ns_per_mark(processor._mark, args.spans))
 
     best = {k: min(v) / 1000 for k, v in runs.items()}
     med = {k: statistics.median(v) / 1000 for k, v in runs.items()}
@@ -121,7 +103,7 @@ def main() -> None:
     row("added per span edge: (with - without) / 2", lambda r: (r["with"] - r["without"]) / 2)
     row("  of which the SDK calling any processor", lambda r: (r["noop"] - r["without"]) / 2)
     row("processor alone per edge (on_start/on_end direct)", lambda r: r["edge"])
-    row("  of which the ctypes marker call", lambda r: r["mark"])
+    row("  of which the marker call (mark(), METH_FASTCALL)", lambda r: r["mark"])
 
 if __name__ == "__main__":
     main()

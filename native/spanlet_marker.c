@@ -1,34 +1,48 @@
-/* The span marker that agent/client.py calls on every span start and end; the
- * agent's uprobe on spanlet_mark (bpf/span_ctx.bpf.c) reads its arguments. */
+/* The span marker that agent/client.py calls on every span start and end: the
+ * CPython extension spanlet.libspanlet_marker, whose spanlet_mark the agent's
+ * uprobe (bpf/span_ctx.bpf.c) reads the arguments of. */
 
 /*
- * Built by the top-level Makefile with exactly
- *     $(CC) -O2 -fPIC -shared -o agent/_native/libspanlet_marker.so native/spanlet_marker.c
- * The test build adds -DSPANLET_MARKER_RECORD, which makes spanlet_mark also keep
- * a bounded log of its calls (tests/unit/test_client.py); the production build
- * contains none of that code.
+ * Built by the package build itself (pyproject.toml, [tool.setuptools]
+ * ext-modules) into spanlet/libspanlet_marker.cpython-*.so; the agent's
+ * discovery finds it by the base name libspanlet_marker. The test build adds
+ * -DSPANLET_MARKER_RECORD, which makes spanlet_mark also keep a bounded log of
+ * its calls, read through the module's record_* functions
+ * (tests/unit/test_client.py); the production build contains none of that code.
  *
- * ABI (x86-64 SysV, all four arguments in registers, read by the uprobe at entry):
+ * ABI of spanlet_mark (x86-64 SysV, all four arguments in registers, read by
+ * the uprobe at entry):
  *   rdi = trace_hi   high 64 bits of the 128-bit trace id (big-endian bytes 0..7)
  *   rsi = trace_lo   low 64 bits (bytes 8..15)
  *   rdx = span_id    the 64-bit span id; 0 means "this thread is in no span"
  *   ecx = modality   0 other, 1 text, 2 image, 3 audio, 4 video (agent/events.py)
- * A change to that contract, or to spanlet_mark_halves (the entry point the
- * Python client calls, below), bumps SPANLET_MARKER_ABI_VERSION, which the
- * client checks before it uses the library.
+ * A change to that contract, or to mark() (the entry point the Python client
+ * calls, below), bumps SPANLET_MARKER_ABI_VERSION (the module's ABI_VERSION),
+ * which the client checks before it uses the module.
  */
 
+#define PY_SSIZE_T_CLEAN
+#include <Python.h> /* first: it sets the feature macros (_GNU_SOURCE) for the libc headers */
+#include <stdint.h>
 #ifdef SPANLET_MARKER_RECORD
-#define _GNU_SOURCE
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-#include <stdint.h>
 
 #ifndef SPANLET_MARKER_ABI_VERSION /* -D only to test the client's version check */
-#define SPANLET_MARKER_ABI_VERSION 1
+#define SPANLET_MARKER_ABI_VERSION 2
 #endif
 #define SPANLET_EXPORT __attribute__((visibility("default"), noinline, used))
+/* GCC may otherwise clone a noinline function for a caller in the same file
+ * (.isra, .constprop) and call the clone: mark() must reach the probed symbol. */
+#if defined(__has_attribute)
+#if __has_attribute(noipa)
+#define SPANLET_NO_CLONE __attribute__((noipa))
+#endif
+#endif
+#ifndef SPANLET_NO_CLONE
+#define SPANLET_NO_CLONE
+#endif
 
 #ifdef SPANLET_MARKER_RECORD
 /* Big enough for every test; calls past it are counted but not kept. */
@@ -60,24 +74,34 @@ static void record(uint64_t trace_hi, uint64_t trace_lo, uint64_t span_id, uint3
 	};
 }
 
-/* Number of calls since the last reset, kept or not. */
-SPANLET_EXPORT uint64_t spanlet_marker_record_count(void)
+/* record_count(): the number of calls since the last reset, kept or not. */
+static PyObject *py_record_count(PyObject *module, PyObject *unused)
 {
-	return __atomic_load_n(&records_seen, __ATOMIC_ACQUIRE);
+	return PyLong_FromUnsignedLongLong(__atomic_load_n(&records_seen, __ATOMIC_ACQUIRE));
 }
 
-/* Copies call number `index` into *out; returns 0, or -1 if it was not kept. */
-SPANLET_EXPORT int spanlet_marker_record_get(uint64_t index, struct spanlet_marker_record *out)
+/* record_get(index): (trace_hi, trace_lo, span_id, modality, tid) of call
+ * number `index`; IndexError if it was not kept. */
+static PyObject *py_record_get(PyObject *module, PyObject *arg)
 {
-	if (index >= SPANLET_MARKER_RECORD_CAP || index >= spanlet_marker_record_count())
-		return -1;
-	*out = records[index];
-	return 0;
+	unsigned long long index = PyLong_AsUnsignedLongLong(arg);
+	struct spanlet_marker_record r;
+
+	if (index == (unsigned long long)-1 && PyErr_Occurred())
+		return NULL;
+	if (index >= SPANLET_MARKER_RECORD_CAP || index >= __atomic_load_n(&records_seen, __ATOMIC_ACQUIRE)) {
+		PyErr_Format(PyExc_IndexError, "marker call %llu was not recorded", index);
+		return NULL;
+	}
+	r = records[index];
+	return Py_BuildValue("(KKKII)", (unsigned long long)r.trace_hi, (unsigned long long)r.trace_lo,
+			     (unsigned long long)r.span_id, (unsigned int)r.modality, (unsigned int)r.tid);
 }
 
-SPANLET_EXPORT void spanlet_marker_record_reset(void)
+static PyObject *py_record_reset(PyObject *module, PyObject *unused)
 {
 	__atomic_store_n(&records_seen, 0, __ATOMIC_RELEASE);
+	Py_RETURN_NONE;
 }
 #endif /* SPANLET_MARKER_RECORD */
 
@@ -102,8 +126,8 @@ SPANLET_EXPORT void spanlet_marker_record_reset(void)
  * can neither drop the call site's argument setup nor fold this function into
  * another one.
  */
-SPANLET_EXPORT void spanlet_mark(uint64_t trace_hi, uint64_t trace_lo, uint64_t span_id,
-				 uint32_t modality)
+SPANLET_EXPORT SPANLET_NO_CLONE void spanlet_mark(uint64_t trace_hi, uint64_t trace_lo,
+						  uint64_t span_id, uint32_t modality)
 {
 	__asm__ volatile(SPANLET_PROBE_SITE : : "r"(trace_hi), "r"(trace_lo), "r"(span_id),
 			 "r"(modality) : "memory");
@@ -112,24 +136,111 @@ SPANLET_EXPORT void spanlet_mark(uint64_t trace_hi, uint64_t trace_lo, uint64_t 
 #endif
 }
 
-/*
- * What the Python client calls instead of spanlet_mark. ctypes converts a
- * uint64_t argument through a temporary c_uint64 object (1.3 µs a call against
- * 0.4 µs without, measured; the client's budget is 1.5 µs per span edge), but
- * passes a Python int below 2**32 with no argtypes as it is; so the ids arrive as
- * 32-bit halves and are joined here. The call to spanlet_mark is a real call
- * (it is noinline and interposable), so the uprobe on it fires.
- */
-SPANLET_EXPORT void spanlet_mark_halves(uint32_t trace_hi_hi, uint32_t trace_hi_lo,
-					uint32_t trace_lo_hi, uint32_t trace_lo_lo,
-					uint32_t span_id_hi, uint32_t span_id_lo, uint32_t modality)
+/* The 128-bit trace id as its two 64-bit halves; -1 with an exception set if
+ * it is not an int in [0, 2**128). */
+static int trace_halves(PyObject *trace_id, uint64_t *hi, uint64_t *lo)
 {
-	spanlet_mark((uint64_t)trace_hi_hi << 32 | trace_hi_lo,
-		     (uint64_t)trace_lo_hi << 32 | trace_lo_lo,
-		     (uint64_t)span_id_hi << 32 | span_id_lo, modality);
+	uint64_t words[2]; /* the id's 16 bytes in the machine's order */
+
+	if (!PyLong_Check(trace_id)) {
+		PyErr_SetString(PyExc_TypeError, "trace_id must be an int");
+		return -1;
+	}
+#if PY_VERSION_HEX >= 0x030D0000
+	Py_ssize_t need = PyLong_AsNativeBytes(trace_id, words, sizeof(words),
+					       Py_ASNATIVEBYTES_NATIVE_ENDIAN |
+					       Py_ASNATIVEBYTES_UNSIGNED_BUFFER |
+					       Py_ASNATIVEBYTES_REJECT_NEGATIVE);
+	if (need < 0)
+		return -1;
+	if ((size_t)need > sizeof(words)) {
+		PyErr_SetString(PyExc_OverflowError, "trace_id does not fit in 128 bits");
+		return -1;
+	}
+#else /* 3.11, 3.12: the private converter (its signature changed in 3.13) */
+	if (_PyLong_AsByteArray((PyLongObject *)trace_id, (unsigned char *)words, sizeof(words),
+				PY_LITTLE_ENDIAN, 0) < 0)
+		return -1;
+#endif
+	*hi = words[PY_LITTLE_ENDIAN ? 1 : 0];
+	*lo = words[PY_LITTLE_ENDIAN ? 0 : 1];
+	return 0;
 }
 
-SPANLET_EXPORT uint32_t spanlet_marker_abi_version(void)
+/*
+ * mark(trace_id, span_id, modality): what the Python client calls on every span
+ * edge. METH_FASTCALL: the arguments arrive as a C array, with no tuple built
+ * and no ctypes conversion objects (the ctypes entry point this replaces cost
+ * about 0.3 µs a call). The GIL is kept: a release and re-take would cost more
+ * than the call. The call to spanlet_mark is a real call (noinline, noipa,
+ * interposable), so the uprobe on it fires.
+ */
+static PyObject *py_mark(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-	return SPANLET_MARKER_ABI_VERSION;
+	uint64_t trace_hi, trace_lo;
+	unsigned long long span_id;
+	unsigned long modality;
+
+	if (nargs != 3) {
+		PyErr_Format(PyExc_TypeError, "mark() takes 3 arguments (%zd given)", nargs);
+		return NULL;
+	}
+	if (trace_halves(args[0], &trace_hi, &trace_lo) < 0)
+		return NULL;
+	span_id = PyLong_AsUnsignedLongLong(args[1]);
+	if (span_id == (unsigned long long)-1 && PyErr_Occurred())
+		return NULL;
+	modality = PyLong_AsUnsignedLong(args[2]);
+	if (modality == (unsigned long)-1 && PyErr_Occurred())
+		return NULL;
+	if (modality > UINT32_MAX) {
+		PyErr_SetString(PyExc_OverflowError, "modality does not fit in 32 bits");
+		return NULL;
+	}
+	spanlet_mark(trace_hi, trace_lo, span_id, (uint32_t)modality);
+	Py_RETURN_NONE;
+}
+
+static PyMethodDef marker_methods[] = {
+	{"mark", (PyCFunction)(void (*)(void))py_mark, METH_FASTCALL,
+	 "mark(trace_id, span_id, modality)\n--\n\n"
+	 "Tell the spanlet agent that the calling thread is now in this span "
+	 "(span_id 0: in none)."},
+#ifdef SPANLET_MARKER_RECORD
+	{"record_count", py_record_count, METH_NOARGS, "Calls since the last reset, kept or not."},
+	{"record_get", py_record_get, METH_O,
+	 "(trace_hi, trace_lo, span_id, modality, tid) of one recorded call."},
+	{"record_reset", py_record_reset, METH_NOARGS, "Forget the recorded calls."},
+#endif
+	{NULL, NULL, 0, NULL},
+};
+
+static int marker_exec(PyObject *module)
+{
+	return PyModule_AddIntConstant(module, "ABI_VERSION", SPANLET_MARKER_ABI_VERSION);
+}
+
+static PyModuleDef_Slot marker_slots[] = {
+	{Py_mod_exec, marker_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+	{Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+#if PY_VERSION_HEX >= 0x030D0000
+	{Py_mod_gil, Py_MOD_GIL_NOT_USED}, /* no state; the record log uses atomics */
+#endif
+	{0, NULL},
+};
+
+static struct PyModuleDef marker_module = {
+	PyModuleDef_HEAD_INIT,
+	.m_name = "spanlet.libspanlet_marker",
+	.m_doc = "The span marker whose spanlet_mark the spanlet agent uprobes.",
+	.m_size = 0,
+	.m_methods = marker_methods,
+	.m_slots = marker_slots,
+};
+
+PyMODINIT_FUNC PyInit_libspanlet_marker(void)
+{
+	return PyModuleDef_Init(&marker_module);
 }

@@ -14,8 +14,9 @@ if [ "$(id -u)" != 0 ]; then
   exit 2
 fi
 
+# python3-dev: Python.h, for the span marker extension that the install builds.
 debs=(python3-bpfcc bpftool linux-headers-cloud-amd64 iproute2 gcc make libc6-dev
-      prometheus python3-venv)
+      prometheus python3-venv python3-dev)
 missing=()
 for p in "${debs[@]}"; do have_pkg "$p" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -63,20 +64,18 @@ fi
 step "Python virtual environment in $venv"
 py="${SPANLET_PYTHON:-python3}"
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-# BCC's Python module ships for Debian's interpreter only; it is pure Python
-# over libbcc.so, so the venv sees it through a folder holding only that link.
-bccdir="$venv/bcc-site"
-mkdir -p "$bccdir"
-ln -sfn /usr/lib/python3/dist-packages/bcc "$bccdir/bcc"
-site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "$bccdir" > "$site/spanlet-bcc.pth"
+# BCC's module through a folder holding only its link, named in a .pth file.
+source "$here/scripts/bcc_venv.sh"
+bcc_into_venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
+# The editable install also builds the span marker extension in place
+# (agent/libspanlet_marker.cpython-*.so).
 "$venv/bin/python" -m pip install -q -e "$here[agent,test]"
-"$venv/bin/python" -c 'import bcc, pyroute2, yaml, pydantic, spanlet.cli; print("   python modules import: bcc, pyroute2, yaml, pydantic")'
+"$venv/bin/python" -c 'import bcc, pyroute2, yaml, pydantic, spanlet.cli, spanlet.libspanlet_marker; print("   python modules import: bcc, pyroute2, yaml, pydantic, the span marker")'
 
 step "native parts"
 make -s -C "$here" native CC="${CC:-gcc}"
-echo "   agent/_native/libspanlet_marker.so, agent/_native/standin/ (the demo's stand-in CUDA and NVML)"
+echo "   agent/_native/standin/ (the demo's stand-in CUDA and NVML)"
 
 echo
 echo "setup done: run the agent with 'make run', the tests with 'make test', the demo with 'make demo-agent' and 'make demo'"

@@ -99,7 +99,7 @@ class Worker:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        from spanlet.client import SpanletSpanProcessor
+        from spanlet import SpanletSpanProcessor
 
         self.args = args
         self.modality = args.modality

@@ -17,7 +17,7 @@ from spanlet.probes.maps import percpu_sum
 
 log = logging.getLogger(__name__)
 
-MARKER_LIBRARY = "libspanlet_marker.so"
+MARKER_LIBRARY = "libspanlet_marker"
 MARKER_SYMBOL = "spanlet_mark"
 SPAN_CTX_PIN_ROOT = Path("/sys/fs/bpf/spanlet")
 _instances = itertools.count()

@@ -42,8 +42,10 @@ def agent(tmp_path):
 @pytest.fixture
 def child(agent, tmp_path):
     standin = cuda_standin.build(tmp_path / "cuda")
-    env = dict(os.environ, PYTHONPATH=str(ROOT),
-               SPANLET_MARKER_LIB=str(ROOT / "agent" / "_native" / "libspanlet_marker.so"))
+    # The child loads the marker extension that the package build made (no
+    # SPANLET_MARKER_LIB), as an installed serving process would.
+    env = {k: v for k, v in os.environ.items() if k != "SPANLET_MARKER_LIB"}
+    env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "support" / "span_child.py"),
          f"127.0.0.1:{agent.spans.receiver.grpc_port}", str(standin.lib_dir / cuda_standin.DRIVER)],

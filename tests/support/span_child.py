@@ -21,7 +21,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from spanlet.client import SpanletSpanProcessor
+from spanlet import SpanletSpanProcessor
 
 endpoint, libcuda = sys.argv[1], sys.argv[2]
 cuda = ctypes.CDLL(libcuda)

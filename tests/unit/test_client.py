@@ -1,62 +1,73 @@
 """SpanletSpanProcessor (agent/client.py) against the real OpenTelemetry SDK and
-the marker library (native/spanlet_marker.c) built here, no root: the record
+the marker extension (native/spanlet_marker.c) built here, no root: the record
 build logs every spanlet_mark call with its arguments and calling thread."""
 
 from __future__ import annotations
 
+import ast
 import ctypes as C
+import importlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+import marker_build
 from spanlet import client
+from spanlet.discovery import library_pattern
+from spanlet.probes.span_ctx import MARKER_LIBRARY, MARKER_SYMBOL
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE = ROOT / "native" / "spanlet_marker.c"
 CLEAR = (b"\0" * 16, 0, 0)
+RECORD_ONLY = ("record_count", "record_get", "record_reset")
+NO_MARK_SOURCE = """\
+#include <Python.h>
+static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "spanlet.libspanlet_marker", NULL, 0, NULL};
+PyMODINIT_FUNC PyInit_libspanlet_marker(void)
+{
+	PyObject *m = PyModule_Create(&def);
+	if (m && PyModule_AddIntConstant(m, "ABI_VERSION", %d) < 0)
+		Py_CLEAR(m);
+	return m;
+}
+""" % client.ABI_VERSION
+# What the old ctypes marker was: a plain shared object with the probed symbol, no module.
+NO_INIT_SOURCE = "void spanlet_mark(unsigned long a, unsigned long b, unsigned long c, unsigned d) {}\n"
 
 
-class Record(C.Structure):
-    _fields_ = [
-        ("trace_hi", C.c_uint64),
-        ("trace_lo", C.c_uint64),
-        ("span_id", C.c_uint64),
-        ("modality", C.c_uint32),
-        ("tid", C.c_uint32),
-    ]
+class Record(NamedTuple):
+    """One recorded spanlet_mark call, as record_get() returns it."""
+    trace_hi: int
+    trace_lo: int
+    span_id: int
+    modality: int
+    tid: int
 
 
 class Recorder:
-    """The record build's in-library log of spanlet_mark calls."""
+    """The record build's in-extension log of spanlet_mark calls."""
 
     def __init__(self, path: str):
         self.path = path
-        self.lib = C.CDLL(path)  # same handle as the processor's: dlopen shares it
-        self.lib.spanlet_marker_record_count.restype = C.c_uint64
-        self.lib.spanlet_marker_record_get.argtypes = [C.c_uint64, C.POINTER(Record)]
-        self.lib.spanlet_marker_record_get.restype = C.c_int
+        self.module = client.load_extension(path)  # same dlopen handle as the processor's
 
     def reset(self) -> None:
-        self.lib.spanlet_marker_record_reset()
+        self.module.record_reset()
 
     def records(self) -> list[Record]:
-        out = []
-        for i in range(self.lib.spanlet_marker_record_count()):
-            r = Record()
-            assert self.lib.spanlet_marker_record_get(i, C.byref(r)) == 0, "record log overflowed"
-            out.append(r)
-        return out
+        return [Record(*self.module.record_get(i)) for i in range(self.module.record_count())]
 
     def marks(self) -> list[tuple[bytes, int, int]]:
         """(16-byte trace id, span id, modality) per call, in call order."""
@@ -64,26 +75,24 @@ class Recorder:
                 for r in self.records()]
 
 
-def build(out: Path, name: str, *defines: str, source: Path = SOURCE) -> str:
-    """With the top-level Makefile's exact flags, plus any -D."""
-    lib = out / name
-    subprocess.run([os.environ.get("CC", "gcc"), "-O2", "-fPIC", "-shared", *defines, "-o", str(lib),
-                    str(source)], check=True, capture_output=True, text=True)
-    return str(lib)
+def build(out: Path, name: str, *defines: str, source: Path | None = None) -> str:
+    """With the package build's flags (pyproject.toml ext-modules), plus any -D."""
+    return marker_build.build(out, name, *defines, source=source)
 
 
 @pytest.fixture(scope="module")
 def libs():
     out = Path(tempfile.mkdtemp(prefix="spanlet-client-test-"))
     try:
-        no_mark = out / "no_mark.c"
-        no_mark.write_text("unsigned spanlet_marker_abi_version(void) { return 1; }\n")
+        (out / "no_mark.c").write_text(NO_MARK_SOURCE)
+        (out / "no_init.c").write_text(NO_INIT_SOURCE)
         (out / "not_elf.so").write_text("not a shared object\n")
         yield {
-            "prod": build(out, "libspanlet_marker.so"),
+            "prod": build(out, "libspanlet_marker" + marker_build.EXT_SUFFIX),
             "record": build(out, "librecord.so", "-DSPANLET_MARKER_RECORD"),
-            "abi2": build(out, "libabi2.so", "-DSPANLET_MARKER_ABI_VERSION=2"),
-            "no_mark": build(out, "libno_mark.so", source=no_mark),
+            "abi_other": build(out, "libabi_other.so", f"-DSPANLET_MARKER_ABI_VERSION={client.ABI_VERSION + 1}"),
+            "no_mark": build(out, "libno_mark.so", source=out / "no_mark.c"),
+            "no_init": build(out, "libno_init.so", source=out / "no_init.c"),
             "not_elf": str(out / "not_elf.so"),
             "missing": str(out / "does_not_exist.so"),
         }
@@ -93,7 +102,7 @@ def libs():
 
 @pytest.fixture
 def fresh_client(monkeypatch):
-    """Forget loaded libraries and the once-per-process warning, as a new process would."""
+    """Forget loaded markers and the once-per-process warning, as a new process would."""
     monkeypatch.setattr(client, "_libs", {})
     monkeypatch.setattr(client, "_warned", False)
     monkeypatch.delenv(client.LIB_ENV, raising=False)
@@ -120,43 +129,85 @@ def ids(span, modality: int) -> tuple[bytes, int, int]:
     return (ctx.trace_id.to_bytes(16, "big"), ctx.span_id, modality)
 
 
-# The library itself.
+def installed_marker() -> str:
+    """The file of the marker extension that the package build made."""
+    return importlib.import_module(client.MARKER_MODULE).__file__
+
+
+# The extension itself.
 
 def test_production_build_exports_the_abi_and_no_record_code(libs):
-    lib = C.CDLL(libs["prod"])
-    lib.spanlet_marker_abi_version.restype = C.c_uint32
-    assert lib.spanlet_marker_abi_version() == 1
-    assert lib.spanlet_mark and lib.spanlet_mark_halves
-    for test_only in ("spanlet_marker_record_count", "spanlet_marker_record_get",
-                      "spanlet_marker_record_reset"):
-        with pytest.raises(AttributeError):
-            getattr(lib, test_only)
+    module = client.load_extension(libs["prod"])
+    assert module.ABI_VERSION == client.ABI_VERSION == 2
+    assert callable(module.mark)
+    assert C.CDLL(libs["prod"])[MARKER_SYMBOL]  # the probed symbol, exported
+    for test_only in RECORD_ONLY:
+        assert not hasattr(module, test_only)
+    assert all(hasattr(client.load_extension(libs["record"]), f) for f in RECORD_ONLY)
+
+
+def test_the_package_build_made_the_marker_the_agent_looks_for(fresh_client):
+    """The editable/wheel build's extension is what the processor loads by
+    default, its file is found by the agent's discovery, and it exports the
+    probed symbol."""
+    path = installed_marker()
+    assert Path(path).name.startswith("libspanlet_marker.cpython-")
+    assert client.SpanletSpanProcessor().active
+    assert C.CDLL(path)[MARKER_SYMBOL]
+    pattern = library_pattern([MARKER_LIBRARY])
+    for name in (path, "/opt/x/libspanlet_marker.so"):
+        line = f"7f0000000000-7f0000001000 r-xp 00001000 fd:01 123 {name}\n"
+        assert pattern.search(line).group(6) == name
+    for other in ("/opt/x/libspanlet_marker_extra.so", "/opt/x/libspanlet.so"):
+        assert not pattern.search(f"7f0000000000-7f0000001000 r-xp 00001000 fd:01 123 {other}\n")
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the probe-site NOP is x86-64 only")
-def test_spanlet_mark_starts_with_the_nop5_that_optimized_uprobes_need(libs):
+@pytest.mark.parametrize("which", ["prod", "installed"])
+def test_spanlet_mark_starts_with_the_nop5_that_optimized_uprobes_need(libs, which):
     """Linux 6.18+ turns a uprobe on a 5-byte NOP into a trampoline call (about
-    7x cheaper than the int3 trap); the production build must keep it first."""
-    lib = C.CDLL(libs["prod"])
+    7x cheaper than the int3 trap); the production build must keep it first,
+    here and in the extension the package build made."""
+    lib = C.CDLL(libs["prod"] if which == "prod" else installed_marker())
     code = C.string_at(C.cast(lib.spanlet_mark, C.c_void_p).value, 10)
     endbr64, nop5, ret = b"\xf3\x0f\x1e\xfa", b"\x0f\x1f\x44\x00\x00", b"\xc3"
     assert code.removeprefix(endbr64).startswith(nop5 + ret)
 
 
 def test_spanlet_mark_receives_full_64_bit_arguments(recorder):
-    """The fixed ABI, called directly with every high bit set; then the halves
-    entry point the client uses must arrive at spanlet_mark with the same values."""
-    mark = recorder.lib.spanlet_mark
+    """The fixed ABI, called directly with every high bit set; then mark(), the
+    entry point the client uses, must arrive at spanlet_mark with the same values."""
+    mark = C.CDLL(recorder.path).spanlet_mark
     mark.argtypes = [C.c_uint64, C.c_uint64, C.c_uint64, C.c_uint32]
     mark(0xF1E2D3C4B5A69788, 0x8877665544332211, 0xFEDCBA9876543210, 4)
-    t, s = 0xF1E2D3C4B5A697888877665544332211, 0xFEDCBA9876543210
-    recorder.lib.spanlet_mark_halves(t >> 96, (t >> 64) & 0xFFFFFFFF, (t >> 32) & 0xFFFFFFFF,
-                                     t & 0xFFFFFFFF, s >> 32, s & 0xFFFFFFFF, 4)
-    (direct, halves) = recorder.records()
-    for r in (direct, halves):
-        assert (r.trace_hi, r.trace_lo, r.span_id, r.modality) == (
-            0xF1E2D3C4B5A69788, 0x8877665544332211, 0xFEDCBA9876543210, 4)
-        assert r.tid == threading.get_native_id()
+    recorder.module.mark(0xF1E2D3C4B5A697888877665544332211, 0xFEDCBA9876543210, 4)
+    (direct, via_mark) = recorder.records()
+    for r in (direct, via_mark):
+        assert r == (0xF1E2D3C4B5A69788, 0x8877665544332211, 0xFEDCBA9876543210, 4,
+                     threading.get_native_id())
+
+
+def test_mark_takes_the_full_range_and_refuses_what_does_not_fit(recorder):
+    mark = recorder.module.mark
+    mark(2**128 - 1, 2**64 - 1, 2**32 - 1)
+    mark(2**64, 1, 0)  # the lowest trace id with a high half
+    mark(0, 0, 0)
+    bad = [((-1, 1, 0), OverflowError), ((2**128, 1, 0), OverflowError), ((1.0, 1, 0), TypeError),
+           ((1, -1, 0), OverflowError), ((1, 2**64, 0), OverflowError), ((1, "1", 0), TypeError),
+           ((1, 1, -1), OverflowError), ((1, 1, 2**32), OverflowError), ((1, 1), TypeError),
+           ((1, 1, 0, 0), TypeError)]
+    for args, error in bad:
+        with pytest.raises(error):
+            mark(*args)
+    assert [r[:4] for r in recorder.records()] == [
+        (2**64 - 1, 2**64 - 1, 2**64 - 1, 2**32 - 1), (1, 0, 1, 0), (0, 0, 0, 0)]
+
+
+def test_record_get_refuses_calls_it_did_not_keep(recorder):
+    recorder.module.mark(1, 2, 3)
+    assert recorder.module.record_count() == 1
+    with pytest.raises(IndexError):
+        recorder.module.record_get(1)
 
 
 # Marks for spans.
@@ -332,7 +383,7 @@ def test_never_ended_spans_do_not_grow_the_stack_without_bound(recorder):
 
 # The app must never break because of spanlet.
 
-@pytest.mark.parametrize("which", ["missing", "not_elf", "no_mark", "abi2"])
+@pytest.mark.parametrize("which", ["missing", "not_elf", "no_mark", "no_init", "abi_other"])
 def test_unusable_library_warns_once_and_spans_still_work(libs, fresh_client, caplog, which):
     caplog.set_level(logging.WARNING, logger="spanlet.client")
     other = "not_elf" if which == "missing" else "missing"  # a second, different failure
@@ -356,7 +407,7 @@ def test_unusable_library_in_a_fresh_process_logs_exactly_one_warning(libs, tmp_
     script = (
         "import logging\n"
         "from opentelemetry.sdk.trace import TracerProvider\n"
-        "from spanlet.client import SpanletSpanProcessor\n"
+        "from spanlet import SpanletSpanProcessor\n"
         "logging.basicConfig(format='%(name)s %(levelname)s %(message)s')\n"
         "p = TracerProvider()\n"
         "for _ in range(3): p.add_span_processor(SpanletSpanProcessor())\n"
@@ -373,6 +424,19 @@ def test_unusable_library_in_a_fresh_process_logs_exactly_one_warning(libs, tmp_
     assert out.stdout == "spans ok\n"
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("spanlet.client WARNING ") and libs["missing"] in lines[0]
+
+
+def test_package_without_its_marker_warns_once_and_spans_still_work(fresh_client, monkeypatch, caplog):
+    """An install whose extension is gone (or never built): the default load fails softly."""
+    caplog.set_level(logging.WARNING, logger="spanlet.client")
+    monkeypatch.setattr(client, "MARKER_MODULE", "spanlet.no_such_marker")
+    proc = client.SpanletSpanProcessor()
+    _, tracer, exporter = traced(proc)
+    with tracer.start_as_current_span("a"):
+        pass
+    assert proc.active is False and len(exporter.get_finished_spans()) == 1
+    warnings = [r for r in caplog.records if r.name == "spanlet.client"]
+    assert len(warnings) == 1 and "spanlet.no_such_marker" in warnings[0].getMessage()
 
 
 def test_exceptions_in_the_processor_never_reach_the_app(recorder, caplog):
@@ -403,3 +467,54 @@ def test_shutdown_clears_the_thread_and_stops_marking(recorder):
     tracer.start_span("after").end()
     assert recorder.marks() == [ids(span, 0), CLEAR]
     assert proc.active is False
+
+
+# The package: `from spanlet import SpanletSpanProcessor`, and nothing of the daemon.
+
+def _fresh_python(code: str, tmp_path) -> str:
+    env = {k: v for k, v in os.environ.items() if k != client.LIB_ENV}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_import_spanlet_loads_neither_the_client_nor_opentelemetry(tmp_path):
+    out = _fresh_python("import sys, spanlet\n"
+                        "print(sorted(m for m in sys.modules if m.startswith(('spanlet', 'opentelemetry'))))",
+                        tmp_path)
+    assert out.strip() == "['spanlet']"
+
+
+def test_the_client_api_imports_and_marks_with_nothing_of_the_daemon(tmp_path):
+    """The public import, a span with the processor active, and the modules that
+    pulled in: the client and its marker only, no daemon dependency."""
+    code = (
+        "import sys\n"
+        "from opentelemetry.sdk.trace import TracerProvider\n"
+        "from spanlet import SpanletSpanProcessor\n"
+        "import spanlet.client\n"
+        "assert SpanletSpanProcessor is spanlet.client.SpanletSpanProcessor\n"
+        "p = TracerProvider(); proc = SpanletSpanProcessor(); p.add_span_processor(proc)\n"
+        "with p.get_tracer('x').start_as_current_span('a', attributes={'mm.modality': 'text'}):\n"
+        "    pass\n"
+        "print(proc.active)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('spanlet')))\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'yaml', 'pydantic', 'pyroute2', 'bcc',\n"
+        "      'prometheus_client', 'chdb', 'clickhouse_connect', 'kubernetes', 'rich', 'pynvml', 'grpc'}))\n"
+    )
+    active, spanlet_modules, daemon_deps = _fresh_python(code, tmp_path).splitlines()
+    assert active == "True"
+    # spanlet.modality (where a branch has it): the stdlib-only modality names
+    # that the client shares with the agent's decoder.
+    loaded = set(ast.literal_eval(spanlet_modules))
+    assert {"spanlet", "spanlet.client", "spanlet.libspanlet_marker"} <= loaded
+    assert loaded - {"spanlet", "spanlet.client", "spanlet.libspanlet_marker", "spanlet.modality"} == set()
+    assert daemon_deps == "[]"
+
+
+def test_an_unknown_name_is_still_an_attribute_error():
+    import spanlet
+    with pytest.raises(AttributeError):
+        spanlet.NoSuchThing  # noqa: B018
+    assert spanlet.SpanletSpanProcessor is client.SpanletSpanProcessor

@@ -386,10 +386,17 @@ def test_dockerfile_installs_what_setup_installs():
     # The venv as scripts/setup.sh makes it: BCC's module through a folder
     # holding only its link, named in a .pth file.
     setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert "bcc_into_venv" in setup  # its helper, shared with scripts/wheel_check.sh
+    setup += (ROOT / "scripts" / "bcc_venv.sh").read_text()
     assert "ln -sfn /usr/lib/python3/dist-packages/bcc" in setup
     assert re.search(r"ln -sfn /usr/lib/python3/dist-packages/bcc \S+/bcc-site/bcc", text)
     assert re.search(r"spanlet-bcc\.pth", text)
-    assert "make -s native" in text or "make native" in text or "make -C" in text
+    # The span marker is compiled in the image, by the package build: a wheel of
+    # the source installed with the agent extra, not an editable tree or a copy.
+    assert re.search(r"pip wheel [^\n]*--no-deps [^\n]*/src", text)
+    assert re.search(r"pip install [^\n]*spanlet-\*\.whl\)\[agent\]", text)
+    assert not re.search(r"pip install [^\n]*(-e|--editable) ", text)
+    assert "python3-dev" in pkgs  # Python.h, for the marker extension
     # The agent's entry point is on PATH (the DaemonSet runs `spanlet run`).
     assert re.search(r"^ENV PATH=\S*/bin:", text, re.M)
 
