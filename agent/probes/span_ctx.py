@@ -1,6 +1,6 @@
 """Loader of bpf/span_ctx.bpf.c: owns the span_ctx map that the other
 process-context probes read, and attaches the marker uprobe to every copy of
-the client's libspanlet_marker.so that discovery finds (containers included)."""
+the client's marker (the libspanlet_marker extension) that discovery finds (containers included)."""
 
 from __future__ import annotations
 
