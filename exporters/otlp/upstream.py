@@ -7,7 +7,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Callable, Mapping
 from urllib.parse import unquote, urlsplit
 
 from spanlet.config import OtlpConfig
@@ -69,40 +69,44 @@ def _parse_bool(var: str, value: str) -> bool | None:
     return None
 
 
+# The signal's variable lookup that resolve_upstream hands its helpers:
+# `env("PROTOCOL")` is _env(environ, "PROTOCOL", signal).
+EnvLookup = Callable[[str], tuple[str, str] | None]
+
+
 def resolve_upstream(cfg: OtlpConfig, environ: Mapping[str, str] = os.environ,
                      signal: str = "traces") -> Upstream | None:
     """Where and how to export `signal` ("traces" or "metrics"), or None when
     no endpoint is configured.
 
     Explicit configuration wins and the environment fills what it leaves
-    empty, key by key (shown for traces; for metrics read METRICS_ for
-    TRACES_ and /v1/metrics for /v1/traces; the other signal's forms play
-    no part):
-      endpoint   cfg.upstream_endpoint, else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
-                 (used as-is), else OTEL_EXPORTER_OTLP_ENDPOINT (for
-                 http/protobuf the path /v1/traces is appended to it). A
-                 config endpoint with no path gets /v1/traces too.
-      protocol   cfg.upstream_protocol, else OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL,
-                 else http/protobuf (the specification's default).
-      headers    OTEL_EXPORTER_OTLP_[TRACES_]HEADERS, with cfg.upstream_headers
-                 set on top (a key in both takes the config value).
-      timeout    cfg.upstream_timeout_s when set in the config, else
-                 OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT (milliseconds), else
-                 the config default.
-      TLS        an http:// endpoint is plaintext, https:// is TLS; a gRPC
-                 endpoint without a scheme is plaintext only when
-                 OTEL_EXPORTER_OTLP_[TRACES_]INSECURE=true.
-                 OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE, _CLIENT_KEY and
-                 _CLIENT_CERTIFICATE name PEM files.
-      compression OTEL_EXPORTER_OTLP_[TRACES_]COMPRESSION: gzip or none.
-    The TRACES_ form of a variable wins over the generic one. Invalid values
-    in the environment are logged and ignored, as the OTel SDK specification
-    asks."""
+    empty, key by key; each helper below states its key's rule (shown for
+    traces; for metrics read METRICS_ for TRACES_ and /v1/metrics for
+    /v1/traces; the other signal's forms play no part). The TRACES_ form of a
+    variable wins over the generic one. Invalid values in the environment are
+    logged and ignored, as the OTel SDK specification asks."""
     def env(name: str) -> tuple[str, str] | None:
         return _env(environ, name, signal)
 
-    env_protocol = env("PROTOCOL")
+    protocol = _protocol(cfg, env)
+    found = _endpoint(cfg, environ, signal)
+    if found is None:
+        return None
+    endpoint, append_path = found
+    target, insecure = _target(endpoint, protocol, _insecure_flag(env), append_path, signal)
+    return Upstream(protocol=protocol, endpoint=target, insecure=insecure,
+                    headers=tuple(sorted(_headers(cfg, env).items())),
+                    timeout_s=_timeout_s(cfg, env), compression=_compression(env),
+                    certificate=_pem_file(env, "CERTIFICATE"),
+                    client_key=_pem_file(env, "CLIENT_KEY"),
+                    client_certificate=_pem_file(env, "CLIENT_CERTIFICATE"))
+
+
+def _protocol(cfg: OtlpConfig, env: EnvLookup) -> str:
+    """cfg.upstream_protocol, else OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else
+    http/protobuf (the specification's default)."""
     protocol = cfg.upstream_protocol
+    env_protocol = env("PROTOCOL")
     if not protocol and env_protocol:
         var, value = env_protocol
         if value in (GRPC, HTTP_PROTOBUF):
@@ -110,65 +114,92 @@ def resolve_upstream(cfg: OtlpConfig, environ: Mapping[str, str] = os.environ,
         else:
             log.warning("%s=%r is not supported (grpc, http/protobuf); using %s",
                         var, value, DEFAULT_PROTOCOL)
-    protocol = protocol or DEFAULT_PROTOCOL
+    return protocol or DEFAULT_PROTOCOL
 
+
+def _endpoint(cfg: OtlpConfig, environ: Mapping[str, str],
+              signal: str) -> tuple[str, bool] | None:
+    """(endpoint, whether /v1/traces is to be appended to it), or None when
+    none is set: cfg.upstream_endpoint, else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+    (used as-is), else OTEL_EXPORTER_OTLP_ENDPOINT (for http/protobuf the
+    path /v1/traces is appended to it). A config endpoint with no path gets
+    /v1/traces too."""
     signal_endpoint = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
-    append_path = False
     if cfg.upstream_endpoint.strip():
         endpoint = cfg.upstream_endpoint.strip()
-        append_path = urlsplit(endpoint).path in ("", "/") if "://" in endpoint else True
-    elif environ.get(signal_endpoint, "").strip():
-        endpoint = environ[signal_endpoint].strip()
-    elif environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip():
-        endpoint = environ["OTEL_EXPORTER_OTLP_ENDPOINT"].strip()
-        append_path = True
-    else:
-        return None
+        return endpoint, urlsplit(endpoint).path in ("", "/") if "://" in endpoint else True
+    if environ.get(signal_endpoint, "").strip():
+        return environ[signal_endpoint].strip(), False
+    if environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip():
+        return environ["OTEL_EXPORTER_OTLP_ENDPOINT"].strip(), True
+    return None
 
+
+def _insecure_flag(env: EnvLookup) -> bool | None:
+    """OTEL_EXPORTER_OTLP_[TRACES_]INSECURE as a bool, None when unset or invalid."""
     env_insecure = env("INSECURE")
-    insecure_flag = _parse_bool(*env_insecure) if env_insecure else None
+    return _parse_bool(*env_insecure) if env_insecure else None
+
+
+def _target(endpoint: str, protocol: str, insecure_flag: bool | None, append_path: bool,
+            signal: str) -> tuple[str, bool]:
+    """(the sender's target, whether it is plaintext). An http:// endpoint is
+    plaintext, https:// is TLS; an endpoint without a scheme is plaintext only
+    when OTEL_EXPORTER_OTLP_[TRACES_]INSECURE=true. gRPC gets host:port,
+    http/protobuf the full URL, with /v1/traces where `append_path`."""
     scheme = endpoint.split("://", 1)[0].lower() if "://" in endpoint else ""
     insecure = scheme == "http" if scheme else bool(insecure_flag)
     if protocol == GRPC:
-        target = urlsplit(endpoint).netloc if scheme else endpoint.rstrip("/")
-    else:
-        target = endpoint if scheme else ("http://" if insecure else "https://") + endpoint
-        if append_path:
-            target = target.rstrip("/") + f"/v1/{signal}"
+        return (urlsplit(endpoint).netloc if scheme else endpoint.rstrip("/")), insecure
+    target = endpoint if scheme else ("http://" if insecure else "https://") + endpoint
+    if append_path:
+        target = target.rstrip("/") + f"/v1/{signal}"
+    return target, insecure
 
+
+def _headers(cfg: OtlpConfig, env: EnvLookup) -> dict[str, str]:
+    """OTEL_EXPORTER_OTLP_[TRACES_]HEADERS, with cfg.upstream_headers set on
+    top (a key in both takes the config value)."""
     env_headers = env("HEADERS")
     headers = parse_headers(env_headers[1], env_headers[0]) if env_headers else {}
     headers.update({k.lower(): v for k, v in cfg.upstream_headers.items()})
+    return headers
 
-    timeout_s = cfg.upstream_timeout_s
+
+def _timeout_s(cfg: OtlpConfig, env: EnvLookup) -> float:
+    """cfg.upstream_timeout_s when set in the config, else
+    OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT (milliseconds), else the config default."""
     env_timeout = env("TIMEOUT")
-    if "upstream_timeout_s" not in cfg.model_fields_set and env_timeout:
-        var, value = env_timeout
-        try:
-            ms = float(value)
-            if not (ms > 0 and math.isfinite(ms)):
-                raise ValueError
-            timeout_s = ms / 1000.0
-        except ValueError:
-            log.warning("%s=%r is not a positive number of milliseconds; ignored", var, value)
+    if "upstream_timeout_s" in cfg.model_fields_set or not env_timeout:
+        return cfg.upstream_timeout_s
+    var, value = env_timeout
+    try:
+        ms = float(value)
+        if not (ms > 0 and math.isfinite(ms)):
+            raise ValueError
+        return ms / 1000.0
+    except ValueError:
+        log.warning("%s=%r is not a positive number of milliseconds; ignored", var, value)
+        return cfg.upstream_timeout_s
 
-    compression = "none"
+
+def _compression(env: EnvLookup) -> str:
+    """OTEL_EXPORTER_OTLP_[TRACES_]COMPRESSION: gzip or none (the default)."""
     env_compression = env("COMPRESSION")
-    if env_compression:
-        var, value = env_compression
-        if value.lower() in ("gzip", "none"):
-            compression = value.lower()
-        else:
-            log.warning("%s=%r is not supported (gzip, none); ignored", var, value)
+    if not env_compression:
+        return "none"
+    var, value = env_compression
+    if value.lower() in ("gzip", "none"):
+        return value.lower()
+    log.warning("%s=%r is not supported (gzip, none); ignored", var, value)
+    return "none"
 
-    def path(name: str) -> str:
-        found = env(name)
-        return found[1] if found else ""
 
-    return Upstream(protocol=protocol, endpoint=target, insecure=insecure,
-                    headers=tuple(sorted(headers.items())), timeout_s=timeout_s,
-                    compression=compression, certificate=path("CERTIFICATE"),
-                    client_key=path("CLIENT_KEY"), client_certificate=path("CLIENT_CERTIFICATE"))
+def _pem_file(env: EnvLookup, name: str) -> str:
+    """The variable's value, empty when unset: OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE,
+    _CLIENT_KEY and _CLIENT_CERTIFICATE name PEM files."""
+    found = env(name)
+    return found[1] if found else ""
 
 
 # ---------------------------------------------------------------------------
