@@ -72,6 +72,14 @@ def families_to_request(families: Sequence[Family], *, start_ns: int, now_ns: in
     without samples and malformed histogram samples are left out."""
     node = node or _node_of(families)
     request = ExportMetricsServiceRequest()
+    scope = _scope_metrics(request, node)
+    points = sum(_add_metric(scope, fam, node, start_ns, now_ns) for fam in families)
+    return request, points
+
+
+def _scope_metrics(request: ExportMetricsServiceRequest, node: str):
+    """The request's one ResourceMetrics, service spanlet on `node`, and the
+    ScopeMetrics in it that holds every metric."""
     rm = request.resource_metrics.add()
     resource = [("service.name", SERVICE_NAME)]
     if node:
@@ -81,49 +89,76 @@ def families_to_request(families: Sequence[Family], *, start_ns: int, now_ns: in
     _set_attributes(rm.resource.attributes, resource)
     sm = rm.scope_metrics.add()
     sm.scope.name, sm.scope.version = SCOPE_NAME, _VERSION
-    points = 0
-    for fam in families:
-        if not fam.samples:
-            continue
-        if fam.type not in ("counter", "gauge", "histogram"):
-            log.warning("%s: metric type %r is not exported", fam.name, fam.type)
-            continue
-        metric = sm.metrics.add(name=fam.name, description=fam.help, unit=otlp_unit(fam.unit))
+    return sm
+
+
+def _add_metric(sm, fam: Family, node: str, start_ns: int, now_ns: int) -> int:
+    """Adds `fam` to the ScopeMetrics `sm` as one metric and returns its number
+    of data points; a family without samples, of a type that is not exported,
+    or whose samples are all left out adds nothing."""
+    if not fam.samples:
+        return 0
+    if fam.type not in ("counter", "gauge", "histogram"):
+        log.warning("%s: metric type %r is not exported", fam.name, fam.type)
+        return 0
+    metric = sm.metrics.add(name=fam.name, description=fam.help, unit=otlp_unit(fam.unit))
+    data = _metric_data(metric, fam.type)
+    for s in fam.samples:
+        _add_point(data, fam, s, node, start_ns, now_ns)
+    points = len(data.data_points)
+    if not points:
+        del sm.metrics[-1]
+    return points
+
+
+def _metric_data(metric, kind: str):
+    """The part of `metric` that holds the points of a family of type `kind`: a
+    monotonic cumulative Sum for a counter, a Gauge for a gauge, a cumulative
+    Histogram for a histogram."""
+    if kind == "counter":
+        data = metric.sum
+        data.is_monotonic = True
+    elif kind == "gauge":
+        return metric.gauge
+    else:
+        data = metric.histogram
+    data.aggregation_temporality = AGGREGATION_TEMPORALITY_CUMULATIVE
+    return data
+
+
+def _add_point(data, fam: Family, sample, node: str, start_ns: int, now_ns: int) -> None:
+    """Adds `sample` to `data` as one data point, its labels and `node` as
+    attributes; a sample that does not fit its family is left out."""
+    if not _fits(fam, sample):
+        return
+    if isinstance(sample, HistogramSample):
+        dp = data.data_points.add(start_time_unix_nano=start_ns, time_unix_nano=now_ns,
+                                  count=sample.count, sum=sample.sum)
+        dp.explicit_bounds.extend(sample.bounds)
+        dp.bucket_counts.extend(sample.bucket_counts)
+    else:
+        dp = data.data_points.add(time_unix_nano=now_ns, as_double=float(sample.value))
         if fam.type == "counter":
-            data = metric.sum
-            data.is_monotonic = True
-            data.aggregation_temporality = AGGREGATION_TEMPORALITY_CUMULATIVE
-        elif fam.type == "gauge":
-            data = metric.gauge
-        else:
-            data = metric.histogram
-            data.aggregation_temporality = AGGREGATION_TEMPORALITY_CUMULATIVE
-        for s in fam.samples:
-            attrs = list(s.labels)
-            if node and all(k != NODE_LABEL for k, _ in attrs):
-                attrs.append((NODE_LABEL, node))
-            if isinstance(s, HistogramSample) != (fam.type == "histogram"):
-                log.warning("%s: a %s sample in a %s family left out",
-                            fam.name, type(s).__name__, fam.type)
-                continue
-            if isinstance(s, HistogramSample):
-                if len(s.bucket_counts) != len(s.bounds) + 1:
-                    log.warning("%s: histogram with %d bounds and %d buckets left out",
-                                fam.name, len(s.bounds), len(s.bucket_counts))
-                    continue
-                dp = data.data_points.add(start_time_unix_nano=start_ns, time_unix_nano=now_ns,
-                                          count=s.count, sum=s.sum)
-                dp.explicit_bounds.extend(s.bounds)
-                dp.bucket_counts.extend(s.bucket_counts)
-            else:
-                dp = data.data_points.add(time_unix_nano=now_ns, as_double=float(s.value))
-                if fam.type == "counter":
-                    dp.start_time_unix_nano = start_ns
-            _set_attributes(dp.attributes, sorted(attrs))
-            points += 1
-        if not data.data_points:
-            del sm.metrics[-1]
-    return request, points
+            dp.start_time_unix_nano = start_ns
+    attrs = list(sample.labels)
+    if node and all(k != NODE_LABEL for k, _ in attrs):
+        attrs.append((NODE_LABEL, node))
+    _set_attributes(dp.attributes, sorted(attrs))
+
+
+def _fits(fam: Family, sample) -> bool:
+    """Whether `sample` can be exported in `fam`, with a warning where not: a
+    histogram sample only in a histogram family and the reverse, and a
+    histogram's buckets one more than its bounds."""
+    if isinstance(sample, HistogramSample) != (fam.type == "histogram"):
+        log.warning("%s: a %s sample in a %s family left out",
+                    fam.name, type(sample).__name__, fam.type)
+        return False
+    if isinstance(sample, HistogramSample) and len(sample.bucket_counts) != len(sample.bounds) + 1:
+        log.warning("%s: histogram with %d bounds and %d buckets left out",
+                    fam.name, len(sample.bounds), len(sample.bucket_counts))
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------
