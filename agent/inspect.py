@@ -132,62 +132,85 @@ def render(op: str, answer: dict):
 
 
 def _summary(d: dict) -> list:
+    return [*_probes(d["probes"], d["nvml"]), _join_line(d["join"]),
+            _exporters_table(d["exporters"]), _metrics_table(d["metrics"])]
+
+
+def _probes(probes: list, nvml: dict) -> list:
+    """The probes table, NVML as its last row, then a dim line for each probe or
+    attachment that failed and why."""
     from rich.text import Text
-    out = []
     t = _table("Probes", "probe", "state", "ev/s", "drop/s", "read", "dropped")
     notes = []
-    for p in d["probes"]:
-        state = Text("attached", style="green") if p["attached"] else Text("NOT attached", style="bold red")
-        if p["attached"] and p["failed_attachments"]:
-            state = Text(f"attached, {len(p['failed_attachments'])} failed", style="yellow")
-        t.add_row(p["name"], state, _num(p["events_per_s"], "{:.1f}"),
+    for p in probes:
+        t.add_row(p["name"], _probe_state(p), _num(p["events_per_s"], "{:.1f}"),
                   _num(p["drops_per_s"], "{:.1f}"), str(p["events_read"]),
                   Text(str(p["events_dropped"]), style="red" if p["events_dropped"] else ""))
         if not p["attached"]:
             notes.append(f"{p['name']}: {p['reason']}")
         for f in p["failed_attachments"]:
             notes.append(f"{p['name']}: {f}")
-    nv = d["nvml"]
-    t.add_row("nvml", Text(f"{nv['gpus']} GPU(s)", style="green") if nv["available"]
+    t.add_row("nvml", Text(f"{nvml['gpus']} GPU(s)", style="green") if nvml["available"]
               else Text("unavailable", style="yellow"), "", "", "", "")
-    if not nv["available"] and nv["reason"]:
-        notes.append(f"nvml: {nv['reason']}")
-    out.append(t)
-    for n in notes:
-        out.append(Text("  " + n, style="dim"))
-    j = d["join"]
+    if not nvml["available"] and nvml["reason"]:
+        notes.append(f"nvml: {nvml['reason']}")
+    return [t] + [Text("  " + n, style="dim") for n in notes]
+
+
+def _probe_state(p: dict):
+    from rich.text import Text
+    if not p["attached"]:
+        return Text("NOT attached", style="bold red")
+    if p["failed_attachments"]:
+        return Text(f"attached, {len(p['failed_attachments'])} failed", style="yellow")
+    return Text("attached", style="green")
+
+
+def _join_line(j: dict):
+    from rich.text import Text
     cov = j["span_coverage"]
-    out.append(Text.assemble(
+    return Text.assemble(
         "Join: span coverage ", Text(_pct(cov), style=_alarm("spanlet_span_kernel_coverage_ratio", cov)),
         f", event coverage {_pct(j['event_coverage'])}, pending {j['pending_events']} events, "
-        f"{j['spans_in']} spans in, {j['events_evicted']} events evicted"))
+        f"{j['spans_in']} spans in, {j['events_evicted']} events evicted")
+
+
+def _exporters_table(exporters: list):
     e = _table("Exporters", "exporter", "state", "queue", "sent", "dropped")
-    for x in d["exporters"]:
-        st = x.get("stats", {})
-        if x["name"] == "otlp_receiver":
-            e.add_row("otlp receiver", "listening", "-", str(st.get("spans_accepted", 0)),
-                      str(sum(st.get("spans_rejected", {}).values())))
-        elif x["name"] == "otlp_span_export":
-            dropped = sum(st.get(k, 0) for k in ("dropped_queue_full", "dropped_failed",
-                                                 "dropped_shutdown"))
-            e.add_row("otlp export", "on" if x["enabled"] else "off (no endpoint)",
-                      f"{x['queue']}/{x['queue_capacity']}", str(st.get("exported", 0)),
-                      Text(str(dropped), style="red" if dropped else ""))
-        else:
-            e.add_row(x["name"], "on" if x["enabled"] else Text("NOT started", style="red"),
-                      str(st.get("queued_rows", "-")), str(st.get("rows_written", "-")),
-                      str(st.get("dropped_rows_total", "-")))
-    out.append(e)
+    for x in exporters:
+        e.add_row(*_exporter_row(x))
+    return e
+
+
+def _exporter_row(x: dict) -> tuple:
+    """One exporter's cells; the receiver and the span export keep stats of their own shape."""
+    from rich.text import Text
+    st = x.get("stats", {})
+    if x["name"] == "otlp_receiver":
+        return ("otlp receiver", "listening", "-", str(st.get("spans_accepted", 0)),
+                str(sum(st.get("spans_rejected", {}).values())))
+    if x["name"] == "otlp_span_export":
+        dropped = sum(st.get(k, 0) for k in ("dropped_queue_full", "dropped_failed",
+                                             "dropped_shutdown"))
+        return ("otlp export", "on" if x["enabled"] else "off (no endpoint)",
+                f"{x['queue']}/{x['queue_capacity']}", str(st.get("exported", 0)),
+                Text(str(dropped), style="red" if dropped else ""))
+    return (x["name"], "on" if x["enabled"] else Text("NOT started", style="red"),
+            str(st.get("queued_rows", "-")), str(st.get("rows_written", "-")),
+            str(st.get("dropped_rows_total", "-")))
+
+
+def _metrics_table(metrics: list):
+    from rich.text import Text
     m = _table("Metrics now (breaches in red)", "metric", "stat", "now", "alert if")
-    for r in d["metrics"]:
+    for r in metrics:
         name = r["metric"].removeprefix("spanlet_")
         cond = f"{r['op']} {r['threshold']:g}" if r["threshold"] is not None else "-"
         if r["where"]:
             cond += f" ({r['where']})"
         style = "bold red" if r["breach"] else ""
         m.add_row(Text(name, style=style), r["stat"], Text(_num(r["value"]), style=style), cond)
-    out.append(m)
-    return out
+    return m
 
 
 def _spans(d: dict) -> list:
