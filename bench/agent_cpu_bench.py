@@ -12,10 +12,7 @@ CPU is read from /proc/<agent>/stat.
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,35 +24,10 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 
 import grpc  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noqa: E402
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 
 import cuda_standin  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spans_request(n: int, rnd: random.Random) -> ExportTraceServiceRequest:
-    req = ExportTraceServiceRequest()
-    rs = req.resource_spans.add()
-    rs.resource.attributes.add(key="service.name").value.string_value = "bench"
-    ss = rs.scope_spans.add()
-    now = time.time_ns()
-    for _ in range(n):
-        s = ss.spans.add(name="infer", trace_id=rnd.randbytes(16), span_id=rnd.randbytes(8),
-                         kind=2, start_time_unix_nano=now - 5_000_000, end_time_unix_nano=now)
-        s.attributes.add(key="mm.modality").value.string_value = "text"
-    return req
+from common import Agent, cpu_s, spans_request  # noqa: E402
+from processes import free_port, stop_process  # noqa: E402
 
 
 def send_spans(port: int, per_s: int, seconds: float, stop: threading.Event) -> int:
@@ -63,7 +35,7 @@ def send_spans(port: int, per_s: int, seconds: float, stop: threading.Event) -> 
     rnd, sent, t0 = random.Random(1), 0, time.monotonic()
     batch = 100
     while not stop.is_set() and time.monotonic() - t0 < seconds:
-        stub.Export(spans_request(batch, rnd))
+        stub.Export(spans_request(batch, rnd, "bench", "text"))
         sent += batch
         ahead = sent / per_s - (time.monotonic() - t0)
         if ahead > 0:
@@ -81,20 +53,15 @@ def run_once(a, mode: str, standin) -> tuple[float, float, int]:
     grpc_port, http_port = free_port(), free_port()
     with cuda_standin.Workload(standin.workload) as w:
         w.load(standin.lib_dir)
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "spanlet.cli", "run", "--set", "tc.enabled=false",
-             "--set", "sandbox.enabled=false", "--set", "store.enabled=false",
-             "--set", f"gpu.launch_events={mode}",
-             "--set", f"otlp.grpc_port={grpc_port}", "--set", f"otlp.http_port={free_port()}",
-             "--set", f"http_port={http_port}", "--set", "http_address=127.0.0.1"],
-            cwd=REPO, stderr=subprocess.PIPE, text=True)
+        agent = Agent(["tc.enabled=false", "sandbox.enabled=false", "store.enabled=false",
+                       f"gpu.launch_events={mode}",
+                       f"otlp.grpc_port={grpc_port}", f"otlp.http_port={free_port()}",
+                       f"http_port={http_port}", "http_address=127.0.0.1"])
         try:
-            for line in agent.stderr:
-                if "spanlet: running" in line:
-                    break
-            threading.Thread(target=lambda: [None for _ in agent.stderr], daemon=True).start()
+            if not agent.wait_running():
+                raise SystemExit("the agent did not start:\n" + "".join(agent.tail))
             time.sleep(1)
-            idle = measure(agent.pid, a.seconds)
+            idle = measure(agent.proc.pid, a.seconds)
             stop = threading.Event()
             sent = [0]
             t = threading.Thread(target=lambda: sent.__setitem__(
@@ -103,13 +70,12 @@ def run_once(a, mode: str, standin) -> tuple[float, float, int]:
             n = int(a.events * (a.seconds + 1))
             w.send(f"paced {n} {a.events}", "go")
             time.sleep(0.5)
-            loaded = measure(agent.pid, a.seconds)
+            loaded = measure(agent.proc.pid, a.seconds)
             w.until("done")
             stop.set()
             t.join()
         finally:
-            agent.terminate()
-            agent.wait(15)
+            stop_process(agent.proc, 15)
     return idle, loaded, sent[0]
 
 

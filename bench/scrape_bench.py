@@ -24,6 +24,7 @@ import socket  # noqa: E402
 from spanlet import config  # noqa: E402
 from spanlet.daemon import Daemon  # noqa: E402
 from netns import Namespace, socket_in, veth_pair  # noqa: E402
+from processes import free_port  # noqa: E402
 
 
 def scrape_ms(port: int, n: int) -> tuple[float, int]:
@@ -71,9 +72,7 @@ def main() -> int:
     client, server = Namespace("spanlet-scb"), Namespace("spanlet-scs")
     try:
         veth_pair(client, "scb0", "169.254.95.1", server, "scs0", "169.254.95.2")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cfg = config.load(env={}, overrides=[
             f"tc.netns={server.name}", "tc.interfaces=scs0", "http_address=127.0.0.1",
             f"http_port={port}", "store.enabled=false", "otlp.grpc_port=0", "otlp.http_port=0"])

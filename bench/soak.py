@@ -25,9 +25,6 @@ import math
 import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,15 +37,15 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 
 import grpc  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noqa: E402
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import cuda_standin  # noqa: E402
+from common import Agent, cpu_s, spans_request  # noqa: E402
+from processes import free_port, stop_process  # noqa: E402
 from spanlet.config import OtlpConfig  # noqa: E402
 from spanlet.demo.standin import DRIVER, RUNTIME  # noqa: E402
 from spanlet.exporters.otlp.receiver import OtlpReceiver  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
 SPAN_BATCH = 50
 # Self-metrics read at every sample: what would grow if something leaked by design.
 WATCHED = {
@@ -74,17 +71,6 @@ def soak_libraries(lib_dir: Path, dest: Path) -> Path:
         shutil.copy2(lib_dir / name, dest / renamed)
         (dest / name).symlink_to(renamed)
     return dest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def rss_mb(pid: int) -> dict[str, float]:
@@ -113,19 +99,6 @@ def scrape(port: int) -> dict[str, float]:
 
 # -- load ------------------------------------------------------------------------------------------
 
-def spans_request(n: int, rnd: random.Random) -> ExportTraceServiceRequest:
-    req = ExportTraceServiceRequest()
-    rs = req.resource_spans.add()
-    rs.resource.attributes.add(key="service.name").value.string_value = "soak"
-    ss = rs.scope_spans.add()
-    now = time.time_ns()
-    for _ in range(n):
-        s = ss.spans.add(name="infer", trace_id=rnd.randbytes(16), span_id=rnd.randbytes(8), kind=2,
-                         start_time_unix_nano=now - 5_000_000, end_time_unix_nano=now)
-        s.attributes.add(key="mm.modality").value.string_value = "image"
-    return req
-
-
 class SpanSender(threading.Thread):
     """OTLP/gRPC spans to the agent at a steady rate, in batches."""
 
@@ -141,7 +114,7 @@ class SpanSender(threading.Thread):
         rnd, t0, offered = random.Random(1), time.monotonic(), 0
         while not self.stop.is_set():
             try:
-                stub.Export(spans_request(SPAN_BATCH, rnd), timeout=10)
+                stub.Export(spans_request(SPAN_BATCH, rnd, "soak", "image"), timeout=10)
                 self.sent += SPAN_BATCH
             except grpc.RpcError:
                 self.failed += SPAN_BATCH
@@ -269,46 +242,32 @@ def main() -> int:
         data_dir = tmp_path / "data"
         with cuda_standin.Workload(standin.workload, timeout_s=seconds + 120) as w:
             w.load(soak_libraries(standin.lib_dir, tmp_path / "soaklib"))
-            agent = subprocess.Popen(
-                [sys.executable, "-m", "spanlet.cli", "run", "--set", "tc.enabled=false",
-                 "--set", "sandbox.enabled=false", "--set", "store.enabled=true",
-                 "--set", "gpu.launch_events=all", "--set", f"data_dir={data_dir}",
-                 "--set", f"gpu.driver_libraries={SOAK_DRIVER}", "--set", f"gpu.runtime_libraries={SOAK_RUNTIME}",
-                 "--set", f"admin_socket={tmp_path / 'admin.sock'}",
-                 "--set", f"otlp.grpc_port={grpc_port}", "--set", f"otlp.http_port={free_port()}",
-                 "--set", f"otlp.upstream_endpoint=http://127.0.0.1:{upstream.rx.grpc_port}",
-                 "--set", "otlp.upstream_protocol=grpc",
-                 "--set", f"http_port={http_port}", "--set", "http_address=127.0.0.1",
-                 *(arg for kv in a.agent_set for arg in ("--set", kv))],
-                cwd=REPO, stderr=subprocess.PIPE, text=True)
-            log_tail: list[str] = []
+            agent = Agent([
+                "tc.enabled=false", "sandbox.enabled=false", "store.enabled=true",
+                "gpu.launch_events=all", f"data_dir={data_dir}",
+                f"gpu.driver_libraries={SOAK_DRIVER}", f"gpu.runtime_libraries={SOAK_RUNTIME}",
+                f"admin_socket={tmp_path / 'admin.sock'}",
+                f"otlp.grpc_port={grpc_port}", f"otlp.http_port={free_port()}",
+                f"otlp.upstream_endpoint=http://127.0.0.1:{upstream.rx.grpc_port}",
+                "otlp.upstream_protocol=grpc",
+                f"http_port={http_port}", "http_address=127.0.0.1", *a.agent_set])
             try:
-                for line in agent.stderr:
-                    log_tail = (log_tail + [line])[-20:]
-                    if "spanlet: running" in line:
-                        break
-                else:
-                    print("the agent did not start:\n" + "".join(log_tail), file=sys.stderr)
+                if not agent.wait_running():
+                    print("the agent did not start:\n" + "".join(agent.tail), file=sys.stderr)
                     return 1
-                threading.Thread(target=keep_tail, args=(agent.stderr, log_tail), daemon=True).start()
                 time.sleep(2)  # discovery attaches the GPU probe to the workload
                 sender = SpanSender(grpc_port, a.spans)
                 launches = int(a.launches * seconds)
                 w.send(f"paced {launches} {a.launches}", "go")
                 sender.start()
-                samples = sample(agent.pid, http_port, seconds, a.interval)
+                samples = sample(agent.proc.pid, http_port, seconds, a.interval)
                 w.until("done")
                 sender.stop.set()
                 sender.join(15)
                 time.sleep(2)  # the last spans through the join, the store batch and the export batch
                 final = scrape(http_port)
             finally:
-                agent.send_signal(signal.SIGTERM)
-                try:
-                    agent.wait(30)
-                except subprocess.TimeoutExpired:
-                    agent.kill()
-                    agent.wait(10)
+                stop_process(agent.proc, 30)
         stored = (store_counts(data_dir, w.pid) if "store.enabled=false" not in a.agent_set
                   else {"spans": 0, "span_ids": 0, "launches": 0, "events": 0})
     upstream.rx.stop(0)
@@ -327,17 +286,10 @@ def main() -> int:
     if others > 0.01 * launches:
         print(f"NOTE: {others:,.0f} GPU probe records more than the workload's launches: the load was not the "
               f"soak's alone")
-    print(f"agent exit status {agent.returncode}")
-    if agent.returncode:
-        print("".join(log_tail), file=sys.stderr)
+    print(f"agent exit status {agent.proc.returncode}")
+    if agent.proc.returncode:
+        print("".join(agent.tail), file=sys.stderr)
     return 0
-
-
-def keep_tail(stream, tail: list[str], keep: int = 20) -> None:
-    """Drain the agent's log (so it never blocks on a full pipe), keeping its last lines."""
-    for line in stream:
-        tail.append(line)
-        del tail[:-keep]
 
 
 def sample(pid: int, http_port: int, seconds: float, interval: float) -> list[dict]:

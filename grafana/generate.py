@@ -433,6 +433,12 @@ def table_units(**units: str) -> list[dict]:
             for col, u in units.items()]
 
 
+def trace_table(title: str, sql: str, description: str, *, h: int, w: int = 24, **units: str) -> Panel:
+    """A table from the store whose trace_id opens the trace; `units` by column name."""
+    return Panel("table", title, [ch(sql)], description=description, w=w, h=h,
+                 overrides=[trace_link_override(), *table_units(**units)])
+
+
 # -- (d) sandbox ----------------------------------------------------------------------------
 
 S = 'node=~"$node", namespace=~"$namespace", pod=~"$pod", rule=~"$rule", action=~"$action"'
@@ -497,16 +503,16 @@ def sandbox() -> dict:
                   f"GROUP BY time, pool ORDER BY time", "timeSeries")],
               description="Sandbox events in the store per interval.", stack=True,
               custom={"drawStyle": "bars", "fillOpacity": 80}, w=12),
-        Panel("table", "Recent violations",
-              [ch(f"SELECT Timestamp AS time, Node AS node, K8sNamespace AS namespace, K8sPodName AS pod, "
-                  f"K8sContainerName AS container, Pid AS pid, Tid AS tid, Rule AS rule, "
-                  f"Action AS action, PoolId AS pool_id, Len AS length, PoolMaxBytes AS pool_max_bytes, "
-                  f"Prot AS prot, Fd AS fd, TraceId AS trace_id, SpanId AS span_id "
-                  f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {where} "
-                  f"ORDER BY Timestamp DESC, Tid LIMIT 200")],
-              description="Newest first (the query of exporters/clickhouse/queries.py "
-                          "sandbox_violations); a trace id opens its trace.", w=24, h=9,
-              overrides=[trace_link_override(), *table_units(length="bytes", pool_max_bytes="bytes")]),
+        trace_table("Recent violations",
+                    f"SELECT Timestamp AS time, Node AS node, K8sNamespace AS namespace, K8sPodName AS pod, "
+                    f"K8sContainerName AS container, Pid AS pid, Tid AS tid, Rule AS rule, "
+                    f"Action AS action, PoolId AS pool_id, Len AS length, PoolMaxBytes AS pool_max_bytes, "
+                    f"Prot AS prot, Fd AS fd, TraceId AS trace_id, SpanId AS span_id "
+                    f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {where} "
+                    f"ORDER BY Timestamp DESC, Tid LIMIT 200",
+                    "Newest first (the query of exporters/clickhouse/queries.py "
+                    "sandbox_violations); a trace id opens its trace.", h=9,
+                    length="bytes", pool_max_bytes="bytes"),
     ]
     pv = f'label_values({VIOLATIONS}{{node=~"$node"}}, '
     return dashboard(
@@ -547,56 +553,53 @@ def drilldown() -> dict:
         Panel("stat", "Kernel events in range",
               [ch(f"SELECT count() AS events FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {ev_where}")],
               description="Rows of kernel_events.", w=6, h=4, options={"graphMode": "none"}),
-        Panel("table", "Spans and their kernel facts (newest first)",
-              [ch(f"SELECT Timestamp AS time, TraceId AS trace_id, SpanId AS span_id, "
-                  f"ParentSpanId AS parent_span_id, ServiceName AS service, SpanName AS span, "
-                  f"SpanKind AS kind, Duration AS duration, StatusCode AS status, "
-                  f"{ns_col} AS namespace, {pod_col} AS pod, {facts} "
-                  f"FROM {DB}.{TRACES} FINAL WHERE {spans_where} "
-                  f"ORDER BY Timestamp DESC, SpanId LIMIT 500")],
-              description="otel_traces with the kernel.* facts the join added (GPU launches and "
-                          "their time, sync wait, wire bytes, sandbox violations); a trace id "
-                          "opens its trace.", w=24, h=10,
-              overrides=[trace_link_override(), *table_units(
-                  duration="ns", kernel_gpu_launch_ns="ns", kernel_gpu_sync_wait_ns="ns",
-                  kernel_net_rx_bytes="bytes", kernel_net_tx_bytes="bytes")]),
-        Panel("table", "Slowest GPU stalls",
-              [ch(f"SELECT Timestamp AS time, TraceId AS trace_id, SpanId AS span_id, "
-                  f"ServiceName AS service, SpanName AS span, Duration AS duration, "
-                  f"{stall} AS gpu_sync_wait, {stall} / greatest(Duration, 1) AS stalled_share, "
-                  f"{pod_col} AS pod FROM {DB}.{TRACES} FINAL WHERE {stall} > 0 AND {spans_where} "
-                  f"ORDER BY gpu_sync_wait DESC, Timestamp DESC, SpanId LIMIT 20")],
-              description="Spans with the longest CUDA synchronisation wait (the query of "
-                          "exporters/clickhouse/queries.py slowest_gpu_stall_spans).", w=14, h=9,
-              overrides=[trace_link_override(), *table_units(
-                  duration="ns", gpu_sync_wait="ns", stalled_share="percentunit")]),
+        trace_table("Spans and their kernel facts (newest first)",
+                    f"SELECT Timestamp AS time, TraceId AS trace_id, SpanId AS span_id, "
+                    f"ParentSpanId AS parent_span_id, ServiceName AS service, SpanName AS span, "
+                    f"SpanKind AS kind, Duration AS duration, StatusCode AS status, "
+                    f"{ns_col} AS namespace, {pod_col} AS pod, {facts} "
+                    f"FROM {DB}.{TRACES} FINAL WHERE {spans_where} "
+                    f"ORDER BY Timestamp DESC, SpanId LIMIT 500",
+                    "otel_traces with the kernel.* facts the join added (GPU launches and "
+                    "their time, sync wait, wire bytes, sandbox violations); a trace id "
+                    "opens its trace.", h=10,
+                    duration="ns", kernel_gpu_launch_ns="ns", kernel_gpu_sync_wait_ns="ns",
+                    kernel_net_rx_bytes="bytes", kernel_net_tx_bytes="bytes"),
+        trace_table("Slowest GPU stalls",
+                    f"SELECT Timestamp AS time, TraceId AS trace_id, SpanId AS span_id, "
+                    f"ServiceName AS service, SpanName AS span, Duration AS duration, "
+                    f"{stall} AS gpu_sync_wait, {stall} / greatest(Duration, 1) AS stalled_share, "
+                    f"{pod_col} AS pod FROM {DB}.{TRACES} FINAL WHERE {stall} > 0 AND {spans_where} "
+                    f"ORDER BY gpu_sync_wait DESC, Timestamp DESC, SpanId LIMIT 20",
+                    "Spans with the longest CUDA synchronisation wait (the query of "
+                    "exporters/clickhouse/queries.py slowest_gpu_stall_spans).", w=14, h=9,
+                    duration="ns", gpu_sync_wait="ns", stalled_share="percentunit"),
         Panel("timeseries", "GPU stall per interval by service",
               [ch(f"SELECT $__timeInterval(Timestamp) AS time, ServiceName AS service, "
                   f"sum({stall}) / 1e9 AS stalled FROM {DB}.{TRACES} FINAL WHERE {spans_where} "
                   f"GROUP BY time, service ORDER BY time", "timeSeries")],
               description=f"Sum of {GPU_STALL_ATTRIBUTE} per interval.", unit="s", w=10, h=9),
-        Panel("table", "Sandbox violations",
-              [ch(f"SELECT Timestamp AS time, K8sNamespace AS namespace, K8sPodName AS pod, "
-                  f"K8sContainerName AS container, Pid AS pid, Tid AS tid, Rule AS rule, "
-                  f"Action AS action, PoolId AS pool_id, Len AS length, TraceId AS trace_id, "
-                  f"SpanId AS span_id FROM {DB}.{KERNEL_EVENTS} FINAL "
-                  f"WHERE Kind = '{SANDBOX_KIND}' AND {ev_where} ORDER BY Timestamp DESC, Tid LIMIT 100")],
-              description="mmap sandbox violations, with the span that was running.", w=24, h=7,
-              overrides=[trace_link_override(), *table_units(length="bytes")]),
-        Panel("table", "Kernel events (newest first)",
-              [ch(f"SELECT Timestamp AS time, Kind AS kind, Node AS node, K8sPodName AS pod, "
-                  f"Pid AS pid, Tid AS tid, TraceId AS trace_id, SpanId AS span_id, "
-                  f"Modality AS modality, Api AS api, Entry AS entry, DurationNs AS duration, "
-                  f"Rule AS rule, Action AS action, "
-                  f"if(SrcAddr = '', '', concat(SrcAddr, ':', toString(SrcPort), ' -> ', DstAddr, ':', "
-                  f"toString(DstPort))) AS flow, Direction AS direction, ProtoClass AS protocol, "
-                  f"RequestBytes AS request_bytes, ResponseBytes AS response_bytes "
-                  f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {ev_where} "
-                  f"ORDER BY Timestamp DESC, Tid LIMIT 500")],
-              description="kernel_events: GPU launches and syncs, sandbox violations, HTTP "
-                          "requests and flows seen on the wire.", w=24, h=10,
-              overrides=[trace_link_override(), *table_units(
-                  duration="ns", request_bytes="bytes", response_bytes="bytes")]),
+        trace_table("Sandbox violations",
+                    f"SELECT Timestamp AS time, K8sNamespace AS namespace, K8sPodName AS pod, "
+                    f"K8sContainerName AS container, Pid AS pid, Tid AS tid, Rule AS rule, "
+                    f"Action AS action, PoolId AS pool_id, Len AS length, TraceId AS trace_id, "
+                    f"SpanId AS span_id FROM {DB}.{KERNEL_EVENTS} FINAL "
+                    f"WHERE Kind = '{SANDBOX_KIND}' AND {ev_where} ORDER BY Timestamp DESC, Tid LIMIT 100",
+                    "mmap sandbox violations, with the span that was running.", h=7,
+                    length="bytes"),
+        trace_table("Kernel events (newest first)",
+                    f"SELECT Timestamp AS time, Kind AS kind, Node AS node, K8sPodName AS pod, "
+                    f"Pid AS pid, Tid AS tid, TraceId AS trace_id, SpanId AS span_id, "
+                    f"Modality AS modality, Api AS api, Entry AS entry, DurationNs AS duration, "
+                    f"Rule AS rule, Action AS action, "
+                    f"if(SrcAddr = '', '', concat(SrcAddr, ':', toString(SrcPort), ' -> ', DstAddr, ':', "
+                    f"toString(DstPort))) AS flow, Direction AS direction, ProtoClass AS protocol, "
+                    f"RequestBytes AS request_bytes, ResponseBytes AS response_bytes "
+                    f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {ev_where} "
+                    f"ORDER BY Timestamp DESC, Tid LIMIT 500",
+                    "kernel_events: GPU launches and syncs, sandbox violations, HTTP "
+                    "requests and flows seen on the wire.", h=10,
+                    duration="ns", request_bytes="bytes", response_bytes="bytes"),
         Panel("timeseries", "Kernel events per interval by kind",
               [ch(f"SELECT $__timeInterval(Timestamp) AS time, Kind AS kind, count() AS events "
                   f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {ev_where} "

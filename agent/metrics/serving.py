@@ -186,19 +186,7 @@ def _seconds_between(start_ns: int, end_ns: int, max_s: float) -> float:
 
 def _vector(values) -> array:
     """An embedding's values as doubles; ints count as numbers."""
-    out = array("d")
-    for v in values:
-        kind = v.WhichOneof("value")
-        if kind == "double_value":
-            x = v.double_value
-        elif kind == "int_value":
-            x = float(v.int_value)
-        else:
-            raise _Reject(WRONG_TYPE)
-        if not math.isfinite(x):
-            raise _Reject(NOT_FINITE)
-        out.append(x)
-    return out
+    return array("d", map(_number, values))
 
 
 @dataclass(frozen=True, order=True)
@@ -213,9 +201,31 @@ def _agree(a: str, b: str) -> str:
 
 # -- one class per metric --------------------------------------------------------
 
-class RequestDurationSeconds:
+class _HistogramMetric:
+    """A metric that is one histogram per series, in `hist`; `name` is its family."""
+
+    name: str
+    hist: _Histograms
+
+    def family(self) -> Family:
+        return family(self.name, self.hist.samples())
+
+
+class _WindowGauge:
+    """A gauge per series that `roll` recomputes into `values`; `name` is its family."""
+
+    name: str
+    values: list[Sample]
+
+    def family(self) -> Family:
+        return family(self.name, list(self.values))
+
+
+class RequestDurationSeconds(_HistogramMetric):
     """#9: duration of request (SERVER root) spans; also the window's durations
     per series, sampled, which #11 and the scheduler feed read."""
+
+    name = "spanlet_request_duration_seconds"
 
     def __init__(self, s, rng: random.Random):
         self.hist = _Histograms(s.request_duration_bounds_s)
@@ -237,12 +247,12 @@ class RequestDurationSeconds:
         self.window = {}
         return closed
 
-    def family(self) -> Family:
-        return family("spanlet_request_duration_seconds", self.hist.samples())
 
 
-class TimeToFirstTokenSeconds:
+class TimeToFirstTokenSeconds(_HistogramMetric):
     """#10: span start to its first `first_token` event, else the attribute."""
+
+    name = "spanlet_time_to_first_token_seconds"
 
     def __init__(self, s):
         self.hist = _Histograms(s.time_to_first_token_bounds_s)
@@ -264,12 +274,12 @@ class TimeToFirstTokenSeconds:
             raise _Reject(OUT_OF_RANGE)
         return x
 
-    def family(self) -> Family:
-        return family("spanlet_time_to_first_token_seconds", self.hist.samples())
 
 
-class P99LatencyVolatilityRatio:
+class P99LatencyVolatilityRatio(_WindowGauge):
     """#11: stddev / mean of the per-window p99 of #9 over the last N windows."""
+
+    name = "spanlet_p99_latency_volatility_ratio"
 
     def __init__(self, s):
         self.history = _WindowHistory(s.volatility_windows)
@@ -283,12 +293,12 @@ class P99LatencyVolatilityRatio:
             if len(p99s) >= 2 and (mean := statistics.fmean(p99s)) > 0:
                 self.values.append(Sample(lab, statistics.pstdev(p99s) / mean))
 
-    def family(self) -> Family:
-        return family("spanlet_p99_latency_volatility_ratio", list(self.values))
 
 
-class SloComplianceRatio:
+class SloComplianceRatio(_WindowGauge):
     """#12: share of the window's requests that met their class target."""
+
+    name = "spanlet_slo_compliance_ratio"
 
     def __init__(self, s):
         self.targets = s.slo_target_s
@@ -307,12 +317,12 @@ class SloComplianceRatio:
         self.values = [Sample(lab, met / n) for lab, (met, n) in sorted(self.window.items())]
         self.window = {}
 
-    def family(self) -> Family:
-        return family("spanlet_slo_compliance_ratio", list(self.values))
 
 
-class ThroughputDecayRatio:
+class ThroughputDecayRatio(_WindowGauge):
     """#13: 1 - observed output tokens/s / the model's configured peak."""
+
+    name = "spanlet_throughput_decay_ratio"
 
     def __init__(self, s):
         self.s = s
@@ -358,12 +368,12 @@ class ThroughputDecayRatio:
                 self.values.append(Sample(lab, tdr))
         self.tokens, self.kv_max = {}, {}
 
-    def family(self) -> Family:
-        return family("spanlet_throughput_decay_ratio", list(self.values))
 
 
-class ModalityAlignmentDelaySeconds:
+class ModalityAlignmentDelaySeconds(_HistogramMetric):
     """#14: audio/video presentation time skew beyond δ_sync, once per trace."""
+
+    name = "spanlet_modality_alignment_delay_seconds"
 
     def __init__(self, s):
         self.s = s
@@ -409,8 +419,6 @@ class ModalityAlignmentDelaySeconds:
     def pending(self) -> int:
         return len(self._waiting)
 
-    def family(self) -> Family:
-        return family("spanlet_modality_alignment_delay_seconds", self.hist.samples())
 
 
 class ModalityDegradationsTotal:
@@ -433,9 +441,11 @@ class ModalityDegradationsTotal:
                       [Sample(lab, c[0]) for lab, c in sorted(self.counts.items())])
 
 
-class EmbeddingDriftScore:
+class EmbeddingDriftScore(_WindowGauge):
     """#16: CMSD, stddev over windows of the cosine distance between two
     modalities' mean embeddings."""
+
+    name = "spanlet_embedding_drift_score"
 
     def __init__(self, s, rng: random.Random):
         self.s = s
@@ -493,8 +503,6 @@ class EmbeddingDriftScore:
         self.window, self.dims = {}, {}
         return left_out
 
-    def family(self) -> Family:
-        return family("spanlet_embedding_drift_score", list(self.values))
 
 
 # -- the engine ------------------------------------------------------------------

@@ -40,6 +40,23 @@ def _time_window(since_ns: int | None, until_ns: int | None) -> list[str]:
     return where
 
 
+def _equal(pairs: Sequence[tuple[str, str | None]]) -> list[str]:
+    """`column = 'value'` for each (column, value) whose value was given."""
+    return [f"{column} = {quote_string(value)}" for column, value in pairs if value is not None]
+
+
+def _select(database: str, table: str, columns: str, where: list[str],
+            window: tuple[int | None, int | None], order_by: str, limit: int) -> str:
+    """SELECT the timestamp (epoch ns, the first field of every query) and `columns`
+    from the deduplicated (FINAL) table, within the time window, limited."""
+    check_identifier(database, "database name")
+    where = where + _time_window(*window)
+    return (f"SELECT toUnixTimestamp64Nano(Timestamp), {columns}\n"
+            f"FROM {database}.{table} FINAL\n"
+            f"WHERE {' AND '.join(where)}\n"
+            f"ORDER BY {order_by}\nLIMIT {_limit(limit)}")
+
+
 def _run(backend: Backend, built: tuple[str, Sequence[str]]) -> list[dict]:
     sql, names = built
     return [dict(zip(names, row)) for row in backend.query(sql)]
@@ -56,20 +73,12 @@ def recent_pod_spans_sql(database: str, pod: str, namespace: str | None = None, 
                          limit: int = 100) -> tuple[str, tuple[str, ...]]:
     """The pod's most recent spans, newest first, with their kernel.* facts
     (a Map of the kernel.* SpanAttributes)."""
-    check_identifier(database, "database name")
-    where = [f"ResourceAttributes[{quote_string(POD_ATTRIBUTE)}] = {quote_string(pod)}"]
-    if namespace is not None:
-        where.append(f"ResourceAttributes[{quote_string(NAMESPACE_ATTRIBUTE)}] = "
-                     f"{quote_string(namespace)}")
-    where += _time_window(since_ns, until_ns)
-    sql = (
-        "SELECT toUnixTimestamp64Nano(Timestamp), TraceId, SpanId, ParentSpanId, ServiceName, "
-        "SpanName, Duration, StatusCode, "
-        "mapFilter((k, v) -> startsWith(k, 'kernel.'), SpanAttributes)\n"
-        f"FROM {database}.{TRACES} FINAL\n"
-        f"WHERE {' AND '.join(where)}\n"
-        f"ORDER BY Timestamp DESC, SpanId\nLIMIT {_limit(limit)}")
-    return sql, SPAN_FIELDS
+    where = _equal([(f"ResourceAttributes[{quote_string(POD_ATTRIBUTE)}]", pod),
+                    (f"ResourceAttributes[{quote_string(NAMESPACE_ATTRIBUTE)}]", namespace)])
+    columns = ("TraceId, SpanId, ParentSpanId, ServiceName, SpanName, Duration, StatusCode, "
+               "mapFilter((k, v) -> startsWith(k, 'kernel.'), SpanAttributes)")
+    return _select(database, TRACES, columns, where, (since_ns, until_ns),
+                   "Timestamp DESC, SpanId", limit), SPAN_FIELDS
 
 
 def recent_pod_spans(backend: Backend, database: str, pod: str, namespace: str | None = None,
@@ -89,21 +98,12 @@ def slowest_gpu_stall_spans_sql(database: str, *, service: str | None = None,
                                 limit: int = 20) -> tuple[str, tuple[str, ...]]:
     """Spans with the longest GPU synchronisation wait (kernel.gpu.sync_wait_ns),
     longest first."""
-    check_identifier(database, "database name")
     stall = f"toUInt64OrZero(SpanAttributes[{quote_string(GPU_STALL_ATTRIBUTE)}])"
-    where = [f"{stall} > 0"]
-    if service is not None:
-        where.append(f"ServiceName = {quote_string(service)}")
-    if pod is not None:
-        where.append(f"ResourceAttributes[{quote_string(POD_ATTRIBUTE)}] = {quote_string(pod)}")
-    where += _time_window(since_ns, until_ns)
-    sql = (
-        "SELECT toUnixTimestamp64Nano(Timestamp), TraceId, SpanId, ServiceName, SpanName, "
-        f"Duration, {stall} AS stall, ResourceAttributes[{quote_string(POD_ATTRIBUTE)}]\n"
-        f"FROM {database}.{TRACES} FINAL\n"
-        f"WHERE {' AND '.join(where)}\n"
-        f"ORDER BY stall DESC, Timestamp DESC, SpanId\nLIMIT {_limit(limit)}")
-    return sql, STALL_FIELDS
+    pod_column = f"ResourceAttributes[{quote_string(POD_ATTRIBUTE)}]"
+    where = [f"{stall} > 0", *_equal([("ServiceName", service), (pod_column, pod)])]
+    columns = f"TraceId, SpanId, ServiceName, SpanName, Duration, {stall} AS stall, {pod_column}"
+    return _select(database, TRACES, columns, where, (since_ns, until_ns),
+                   "stall DESC, Timestamp DESC, SpanId", limit), STALL_FIELDS
 
 
 def slowest_gpu_stall_spans(backend: Backend, database: str, **kw) -> list[dict]:
@@ -122,21 +122,11 @@ def sandbox_violations_sql(database: str, *, pod: str | None = None,
                            until_ns: int | None = None,
                            limit: int = 100) -> tuple[str, tuple[str, ...]]:
     """Sandbox violations, newest first."""
-    check_identifier(database, "database name")
-    where = ["Kind = 'SANDBOX'"]
-    if pod is not None:
-        where.append(f"K8sPodName = {quote_string(pod)}")
-    if namespace is not None:
-        where.append(f"K8sNamespace = {quote_string(namespace)}")
-    where += _time_window(since_ns, until_ns)
-    sql = (
-        "SELECT toUnixTimestamp64Nano(Timestamp), K8sNamespace, K8sPodName, K8sContainerName, "
-        "Pid, Tid, CgroupId, Rule, Action, Addr, Len, PoolId, PoolMaxBytes, Prot, Fd, "
-        "TraceId, SpanId\n"
-        f"FROM {database}.{KERNEL_EVENTS} FINAL\n"
-        f"WHERE {' AND '.join(where)}\n"
-        f"ORDER BY Timestamp DESC, Tid\nLIMIT {_limit(limit)}")
-    return sql, VIOLATION_FIELDS
+    where = ["Kind = 'SANDBOX'", *_equal([("K8sPodName", pod), ("K8sNamespace", namespace)])]
+    columns = ("K8sNamespace, K8sPodName, K8sContainerName, Pid, Tid, CgroupId, Rule, Action, "
+               "Addr, Len, PoolId, PoolMaxBytes, Prot, Fd, TraceId, SpanId")
+    return _select(database, KERNEL_EVENTS, columns, where, (since_ns, until_ns),
+                   "Timestamp DESC, Tid", limit), VIOLATION_FIELDS
 
 
 def sandbox_violations(backend: Backend, database: str, **kw) -> list[dict]:

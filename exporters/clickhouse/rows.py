@@ -216,15 +216,14 @@ def kernel_event_row(ev: events._Event, resolve: PodResolver | None = None,
         put("SrcPort", flow["sport"])
         put("DstPort", flow["dport"])
         put("L4Proto", flow["l4proto"])
-        if kind == events.Kind.HTTP:
+        if kind in (events.Kind.HTTP, events.Kind.FLOW):     # seen on an interface, one way
             put("Ifindex", d["ifindex"])
             put("Direction", _enum_name(events.Direction, d["direction"]))
+        if kind == events.Kind.HTTP:
             put("Method", d["method"])
             put("PathHash", d["path_hash"])
             put("TraceFlags", d["trace_flags"])
         elif kind == events.Kind.FLOW:
-            put("Ifindex", d["ifindex"])
-            put("Direction", _enum_name(events.Direction, d["direction"]))
             put("ProtoClass", _enum_name(events.Proto, d["proto_class"]))
         elif kind == events.Kind.HTTP_BYTES:
             req, other = ev.rx_tx()

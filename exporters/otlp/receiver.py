@@ -121,6 +121,16 @@ def drop_invalid_spans(request: ExportTraceServiceRequest) -> tuple[int, Counter
     return valid, rejected
 
 
+def shut_down(conns: Iterable[socket.socket]) -> None:
+    """Shut both ways of each connection, which wakes a handler blocked on it;
+    one already closed is passed over."""
+    for conn in conns:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 class Backpressure(Exception):
     """Raised by `on_request` when the agent cannot take spans now. The client
     is told to retry: gRPC UNAVAILABLE (with RetryInfo when `retry_after_s` is
@@ -480,22 +490,14 @@ class _HttpServer(ThreadingHTTPServer):
             expired = [c for c, deadline in self._conns.items() if deadline < now]
             for c in expired:
                 self._conns[c] = float("inf")      # counted once
-        for conn in expired:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        shut_down(expired)
         return expired
 
     def close_connections(self) -> None:
         """End keep-alive connections so no handler outlives stop()."""
         with self._conns_lock:
             conns = list(self._conns)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        shut_down(conns)
 
     def handle_error(self, request, client_address) -> None:
         log.debug("OTLP HTTP connection from %s failed", client_address, exc_info=True)

@@ -28,7 +28,8 @@ from spanlet.daemon import Daemon
 from spanlet.demo.standin import build_nvml
 from netns import linked, socket_in
 from otlp_upstream import wait_for
-from prometheus_server import Prometheus, free_port
+from processes import free_port
+from prometheus_server import Prometheus
 
 pytestmark = pytest.mark.kernel
 METRICS = [

@@ -22,7 +22,8 @@ import pytest
 
 from spanlet.demo import run as demo
 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
-from prometheus_server import Prometheus, free_port
+from processes import free_port, stop_process
+from prometheus_server import Prometheus
 
 import grafana_queries
 
@@ -96,13 +97,7 @@ def agent(tmp_path):
                 time.sleep(0.5)
         yield proc, port, grpc_port, data
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_process(proc, 60)
         log.close()
 
 

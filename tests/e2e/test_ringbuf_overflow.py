@@ -18,7 +18,7 @@ from spanlet.daemon import Daemon
 from spanlet.inspect import ask
 from otlp_upstream import wait_for
 from gpu_harness import cgroup_id, counts
-from prometheus_server import free_port
+from processes import free_port
 
 pytestmark = pytest.mark.kernel
 

@@ -1,7 +1,8 @@
-# A ClickHouse server stand-in for tests: ClickHouse's HTTP interface on 127.0.0.1 in front of a real embedded
-# ClickHouse engine (chdb), so that clickhouse-connect talks HTTP to real SQL, real Native data and real tables.
-# It can go away in the ways a server does (503 from a proxy in front, connection refused, a hung server) and
-# come back on the same port with its data.
+"""A ClickHouse server stand-in for tests: ClickHouse's HTTP interface on 127.0.0.1
+in front of a real embedded ClickHouse engine (chdb)."""
+# clickhouse-connect talks HTTP to real SQL, real Native data and real tables. The server can go away
+# in the ways a server does (503 from a proxy in front, connection refused, a hung server) and come
+# back on the same port with its data.
 from __future__ import annotations
 
 import os
@@ -11,6 +12,8 @@ import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
+
+from spanlet.exporters.otlp.receiver import shut_down
 
 UP, UNAVAILABLE_503, REFUSED, HUNG = "up", "503", "refused", "hung"
 
@@ -117,20 +120,12 @@ class ChdbHttpStandin:
             self._thread.join(5)
         with self._mode_lock:
             open_now = list(self._open)
-        for sock in open_now:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        shut_down(open_now)
 
     def _release_hung(self) -> None:
         with self._mode_lock:
             hung, self._hung = self._hung, []
-        for sock in hung:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        shut_down(hung)
 
     # -- requests -----------------------------------------------------------------------------------
 

@@ -1,20 +1,15 @@
-"""A real Prometheus server (Debian's `prometheus`) on loopback that scrapes
-one target every second, and a free loopback port."""
+"""A real Prometheus server (Debian's `prometheus`) on a free loopback port that
+scrapes one target every second."""
 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from processes import free_port
 
 
 class Prometheus:

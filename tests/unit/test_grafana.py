@@ -294,7 +294,8 @@ def test_clickhouse_targets_follow_the_plugin_query_model():
 
 def agent_families() -> dict[str, str]:
     """family name -> type, read from the code: every family(...) and
-    _single(...) with a literal name in agent/metrics, typed by the catalogue."""
+    _single(...) with a literal name in agent/metrics, and every metric class's
+    literal `name = ...` (the family its base class makes), typed by the catalogue."""
     out = {}
     for path in (ROOT / "agent" / "metrics").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -302,6 +303,11 @@ def agent_families() -> dict[str, str]:
                     and node.args and isinstance(node.args[0], ast.Constant)
                     and isinstance(node.args[0].value, str)):
                 out[node.args[0].value] = catalogue.BY_NAME[node.args[0].value].type
+            elif isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    if (isinstance(stmt, ast.Assign) and [getattr(t, "id", "") for t in stmt.targets] == ["name"]
+                            and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)):
+                        out[stmt.value.value] = catalogue.BY_NAME[stmt.value.value].type
     return out
 
 

@@ -203,10 +203,15 @@ def _prefix_key(table, prefix: str):
     return k
 
 
-def _prefix_leaf(table, v: tuple[int, int, int]):
-    leaf = table.Leaf()
-    leaf.kind, leaf.unlisted_pool_id, leaf.len = v
-    return leaf
+def _struct(kind: str, *fields: str) -> Callable:
+    """A maker of a map's Key or Leaf (`kind`) whose `fields` are set, in order,
+    from a tuple of as many values."""
+    def make(table, values: tuple):
+        struct = getattr(table, kind)()
+        for name, value in zip(fields, values, strict=True):
+            setattr(struct, name, value)
+        return struct
+    return make
 
 
 def _pool_key(table, path: str):
@@ -215,26 +220,14 @@ def _pool_key(table, path: str):
     return k
 
 
-def _pool_ref(table, v: tuple[int, int]):
-    leaf = table.Leaf()
-    leaf.pool_id, leaf.max_bytes = v
-    return leaf
-
-
-def _grant_key(table, k: tuple[int, int, int]):
-    key = table.Key()
-    key.pool_id, key.kind, key.id = k
-    return key
-
-
 def _u8(table, v: int):
     return table.Leaf(v)
 
 
-def _fd_key(table, k: tuple[int, int]):
-    key = table.Key()
-    key.tgid, key.fd = k
-    return key
+_prefix_leaf = _struct("Leaf", "kind", "unlisted_pool_id", "len")
+_pool_ref = _struct("Leaf", "pool_id", "max_bytes")
+_grant_key = _struct("Key", "pool_id", "kind", "id")
+_fd_key = _struct("Key", "tgid", "fd")
 
 
 class MapSync:

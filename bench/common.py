@@ -1,0 +1,65 @@
+"""What the benches that run the whole agent share: `spanlet run` in its own
+process, OTLP span batches to load it with, and a process's CPU time."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+REPO = Path(__file__).resolve().parent.parent
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User and system CPU seconds of `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def spans_request(n: int, rnd: random.Random, service: str,
+                  modality: str) -> ExportTraceServiceRequest:
+    """`n` SERVER spans of 5 ms ending now, of one service and one mm.modality."""
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    rs.resource.attributes.add(key="service.name").value.string_value = service
+    ss = rs.scope_spans.add()
+    now = time.time_ns()
+    for _ in range(n):
+        s = ss.spans.add(name="infer", trace_id=rnd.randbytes(16), span_id=rnd.randbytes(8), kind=2,
+                         start_time_unix_nano=now - 5_000_000, end_time_unix_nano=now)
+        s.attributes.add(key="mm.modality").value.string_value = modality
+    return req
+
+
+class Agent:
+    """`spanlet run` with each of `settings` (KEY=VALUE) as a --set; `tail` holds
+    the last lines of its log, which is drained so that it never blocks on a pipe."""
+
+    def __init__(self, settings: list[str], keep: int = 20) -> None:
+        self.keep = keep
+        self.tail: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "spanlet.cli", "run", *(arg for kv in settings for arg in ("--set", kv))],
+            cwd=REPO, stderr=subprocess.PIPE, text=True)
+
+    def _read(self, until: str | None) -> bool:
+        for line in self.proc.stderr:
+            self.tail.append(line)
+            del self.tail[:-self.keep]
+            if until is not None and until in line:
+                return True
+        return False
+
+    def wait_running(self) -> bool:
+        """Whether the agent said it runs (False: its log ended first)."""
+        if not self._read("spanlet: running"):
+            return False
+        threading.Thread(target=self._read, args=(None,), daemon=True).start()
+        return True
