@@ -50,28 +50,27 @@ def probe_classes(cfg: Config) -> list[type[Probe]]:
     return classes
 
 
+class _Attached:
+    """A StartedProbes attribute: the started probe of that name while it is
+    attached, else None (a detached probe's maps are gone)."""
+
+    def __init__(self, probe_name: str) -> None:
+        self.probe_name = probe_name
+
+    def __get__(self, probes: "StartedProbes | None", owner=None):
+        if probes is None:
+            return self
+        return next((p for p in probes if p.name == self.probe_name and p.status.attached), None)
+
+
 class StartedProbes(list):
     """The probes the daemon started, in start order; the metric engine and
     the admin API read the four whose maps they show while each is attached."""
 
-    def _attached(self, name: str) -> Probe | None:
-        return next((p for p in self if p.name == name and p.status.attached), None)
-
-    @property
-    def gpu(self) -> Probe | None:
-        return self._attached("gpu_launch")
-
-    @property
-    def tc(self) -> Probe | None:
-        return self._attached("tc_classify")
-
-    @property
-    def sandbox(self) -> Probe | None:
-        return self._attached("mmap_sandbox")
-
-    @property
-    def span_ctx(self) -> Probe | None:
-        return self._attached("span_ctx")
+    gpu = _Attached("gpu_launch")
+    tc = _Attached("tc_classify")
+    sandbox = _Attached("mmap_sandbox")
+    span_ctx = _Attached("span_ctx")
 
 
 def _in_parallel(fns: list[Callable[[], None]], timeout_s: float) -> None:
