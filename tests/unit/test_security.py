@@ -233,7 +233,8 @@ def secret_config(tmp: Path, store_url: str, upstream: str) -> config.Config:
     pw = tmp / "password"
     pw.write_text(SECRET_PASSWORD + "\n")
     return config.load(env={"OTEL_EXPORTER_OTLP_HEADERS": OTEL_HEADERS}, overrides=[
-        "log_level=debug", "store.backend=clickhouse", f"store.url={store_url}",
+        "log_level=debug", f"admin_socket={tmp}/admin.sock", "store.backend=clickhouse",
+        f"store.url={store_url}",
         f"store.user={STORE_USER}", f"store.password_file={pw}",
         f"otlp.upstream_endpoint={upstream}",
         f"otlp.upstream_headers={{authorization: Bearer {SECRET_TOKEN}, x-api-key: {SECRET_API_KEY}}}"])
