@@ -162,14 +162,28 @@ def test_the_package_build_made_the_marker_the_agent_looks_for(fresh_client):
         assert not pattern.search(f"7f0000000000-7f0000001000 r-xp 00001000 fd:01 123 {other}\n")
 
 
+def _file_code(path: str, addr: int, n: int) -> bytes:
+    """The `n` bytes at `addr` as the library FILE holds them: in memory a
+    uprobe that any agent on the machine set would show as its own bytes."""
+    real = os.path.realpath(path)
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if len(fields) >= 6 and os.path.realpath(fields[5]) == real and lo <= addr < hi:
+            with open(real, "rb") as f:
+                f.seek(addr - lo + int(fields[2], 16))
+                return f.read(n)
+    raise AssertionError(f"{path} is not mapped at {addr:#x}")
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the probe-site NOP is x86-64 only")
 @pytest.mark.parametrize("which", ["prod", "installed"])
 def test_spanlet_mark_starts_with_the_nop5_that_optimized_uprobes_need(libs, which):
     """Linux 6.18+ turns a uprobe on a 5-byte NOP into a trampoline call (about
     7x cheaper than the int3 trap); the production build must keep it first,
     here and in the extension the package build made."""
-    lib = C.CDLL(libs["prod"] if which == "prod" else installed_marker())
-    code = C.string_at(C.cast(lib.spanlet_mark, C.c_void_p).value, 10)
+    path = libs["prod"] if which == "prod" else installed_marker()
+    code = _file_code(path, C.cast(C.CDLL(path).spanlet_mark, C.c_void_p).value, 10)
     endbr64, nop5, ret = b"\xf3\x0f\x1e\xfa", b"\x0f\x1f\x44\x00\x00", b"\xc3"
     assert code.removeprefix(endbr64).startswith(nop5 + ret)
 
