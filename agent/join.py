@@ -58,7 +58,7 @@ class FactsReader(Protocol):
     """The kernel's span facts map (spanlet.probes.span_facts.SpanFacts)."""
 
     def take(self, trace_id: bytes, span_id: int) -> KernelRow | None: ...
-    def rows(self) -> list[KernelRow]: ...
+    def ages(self) -> list[tuple[bytes, int, int]]: ...   # (trace id, span id, first epoch ns)
     def delete(self, trace_id: bytes, span_id: int) -> bool: ...
     def stats(self): ...
 
@@ -330,23 +330,23 @@ class SpanJoin:
         if self.facts is None or (not force and now - self._last_sweep < self.cfg.sweep_interval_s):
             return 0
         self._last_sweep = now
-        rows = self.facts.rows()
+        rows = self.facts.ages()
         too_old = time.time_ns() - int(self.cfg.ttl_s * 1e9)
         handled = 0
         with self._lock:
             self._evict_locked()
-            for r in rows:
-                key = (r.trace_id, r.span_id)
+            for trace_id, span_id, first_ns in rows:
+                key = (trace_id, span_id)
                 if key in self._done:
                     late = self.facts.take(*key)
                     if late is None:
                         continue
                     facts = self._late.get(key)
                     if facts is None:
-                        facts = self._late[key] = Facts(r.trace_id, late.first_ns)
+                        facts = self._late[key] = Facts(trace_id, late.first_ns)
                     facts.add_row(late)
                     self.stats.rows_late += 1
-                elif r.first_ns < too_old and self.facts.delete(*key):
+                elif first_ns < too_old and self.facts.delete(*key):
                     self.stats.rows_expired += 1
                 else:
                     continue

@@ -44,6 +44,9 @@ class FakeFacts:
         self.st.present = len(self.map)
         return list(self.map.values())
 
+    def ages(self) -> list[tuple[bytes, int, int]]:
+        return [(r.trace_id, r.span_id, r.first_ns) for r in self.rows()]
+
     def delete(self, trace_id: bytes, span_id: int) -> bool:
         gone = self.map.pop((trace_id, span_id), None) is not None
         self.st.swept += gone

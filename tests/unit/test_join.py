@@ -159,8 +159,8 @@ def test_sweep_reads_the_map_at_most_every_interval():
     now = [100.0]
     facts = FakeFacts()
     reads = []
-    rows = facts.rows
-    facts.rows = lambda: reads.append(now[0]) or rows()
+    ages = facts.ages
+    facts.ages = lambda: reads.append(now[0]) or ages()
     j = SpanJoin(JoinConfig(sweep_interval_s=2), facts=facts, clock=lambda: now[0])
     for t in range(20):
         now[0] = 100.0 + t * 0.5
