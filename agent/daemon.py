@@ -155,7 +155,7 @@ class Daemon:
         statuses = [owner.start()]
         self.probes.append(owner)
         for probe in rest:
-            statuses.append(probe.start(span_ctx_pin=owner.shared_pin()))
+            statuses.append(probe.start(pin_dir=owner.shared_pin_dir()))
             self.probes.append(probe)
         log.info("probes compiled and attached in %.2f s", time.monotonic() - t0)
         if self.store is not None:
@@ -170,6 +170,8 @@ class Daemon:
                 log.error("probe %s NOT attached: %s", st.name, st.reason)
         if self.probes.tc is not None:
             self.spans.join.http_bytes_reader = self.probes.tc.request_bytes
+        if self.probes.span_ctx is not None:
+            self.spans.join.facts = self.probes.span_ctx.facts
         for probe in self.probes:
             if probe.status.attached:
                 t = threading.Thread(target=self._read_loop, args=(probe,),
@@ -279,6 +281,8 @@ class Daemon:
         if self.metrics_exporter is not None:   # its last export reads the maps: before detach
             phases.append(("metrics export", lambda: self.metrics_exporter.shutdown(
                 timeout_millis=int(left(1.0) * 1000))))
+        # Facts that came late are read before their map goes.
+        phases.append(("span facts sweep", lambda: self.spans.join.sweep(force=True)))
         # Detaching waits on the kernel (RCU grace periods per tracepoint and
         # uprobe): the probes detach side by side, the span-context owner last.
         owner, rest = self.probes[:1], self.probes[1:]

@@ -172,7 +172,10 @@ def _join_line(j: dict):
     return Text.assemble(
         "Join: span coverage ", Text(_pct(cov), style=_alarm("spanlet_span_kernel_coverage_ratio", cov)),
         f", event coverage {_pct(j['event_coverage'])}, pending {j['pending_events']} events, "
-        f"{j['spans_in']} spans in, {j['events_evicted']} events evicted")
+        f"{j['spans_in']} spans in, {j['events_evicted']} events evicted"
+        + (f"; span facts: {sf['present']} rows waiting, {sf['evicted']} evicted, "
+           f"{j.get('rows_expired', 0)} expired, {j.get('rows_late', 0)} late"
+           if (sf := j.get("span_facts")) else ""))
 
 
 def _exporters_table(exporters: list):

@@ -1,9 +1,10 @@
 """Agent CPU at 1,000 spans/s and 50,000 kernel events/s, as a share of one
 core, side by side with the same agent idle: `spanlet run` in its own process,
 a stand-in CUDA workload launching at a paced rate, and an OTLP client sending
-spans in batches of 100. Two agent settings: launch_events=spanned (the
-default: launches outside a span are counted in the kernel only) and
-launch_events=all (every launch is a ring-buffer record decoded in Python).
+spans in batches of 100. Three agent settings: launch_events=off (the
+default: launches are counted in the kernel, per span in the span facts
+map), sampled (a few records per span) and all (every launch is a
+ring-buffer record decoded in Python).
 CPU is read from /proc/<agent>/stat.
 
     sudo .venv/bin/python bench/agent_cpu_bench.py [--seconds 10]
@@ -88,7 +89,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="spanlet-cpu-bench-") as tmp:
         standin = cuda_standin.build(Path(tmp))
-        for mode in ("spanned", "all"):
+        for mode in ("off", "sampled", "all"):
             rows.append((mode, *run_once(a, mode, standin)))
     print(f"agent CPU as a share of one core, {a.seconds:.0f} s each, "
           f"{a.spans:,} spans/s + {a.events:,} GPU launches/s:")

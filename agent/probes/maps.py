@@ -1,5 +1,5 @@
 """Readers of BPF maps shared by the probes: a batch dump of a BCC hash table
-and the sum of a per-CPU counter."""
+(as ctypes entries, or packed bytes) and the sum of a per-CPU counter."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ def _bcc_lib():
     return lib
 
 
-def dump_table(table, chunk: int = 4096) -> dict[bytes, object]:
-    """All entries of a BCC hash table, read in batches (one syscall per chunk
-    instead of two per key); falls back to iteration where batches are refused."""
+def _batches(table, chunk: int):
+    """(keys array, values array, count) per BPF_MAP_LOOKUP_BATCH call over the
+    whole table (the arrays are reused: copy before the next); None where
+    the kernel refuses batches for this map."""
     lib = _bcc_lib()
     n = max(1, min(chunk, table.max_entries))
     keys = (table.Key * n)()
     values = (table.Leaf * n)()
     token = C.c_uint32(0)
     count = C.c_uint32(0)
-    out: dict[bytes, object] = {}
     first = True
     while True:
         count.value = n
@@ -32,13 +32,43 @@ def dump_table(table, chunk: int = 4096) -> dict[bytes, object]:
         err = C.get_errno()
         if res != 0 and err not in (errno.ENOENT,):
             if first and err in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
-                return {bytes(k): v for k, v in table.items()}
+                yield None
+                return
             raise OSError(err, f"BPF_MAP_LOOKUP_BATCH on {table.name}: {os.strerror(err)}")
-        for i in range(count.value):
-            out[bytes(keys[i])] = type(values[i]).from_buffer_copy(values[i])
+        yield keys, values, count.value
         if res != 0 or count.value == 0:
-            return out
+            return
         first = False
+
+
+def dump_table(table, chunk: int = 4096) -> dict[bytes, object]:
+    """All entries of a BCC hash table, read in batches (one syscall per chunk
+    instead of two per key); falls back to iteration where batches are refused."""
+    out: dict[bytes, object] = {}
+    for batch in _batches(table, chunk):
+        if batch is None:
+            return {bytes(k): v for k, v in table.items()}
+        keys, values, n = batch
+        for i in range(n):
+            out[bytes(keys[i])] = type(values[i]).from_buffer_copy(values[i])
+    return out
+
+
+def read_batches(table, chunk: int = 4096) -> tuple[bytes, bytes]:
+    """All keys and all values of a BCC hash table, each packed into one
+    bytes object (for struct.iter_unpack: no Python object per entry)."""
+    ks, vs = [], []
+    k_size, v_size = C.sizeof(table.Key), C.sizeof(table.Leaf)
+    for batch in _batches(table, chunk):
+        if batch is None:
+            for k, v in table.items():
+                ks.append(bytes(k))
+                vs.append(bytes(v))
+            break
+        keys, values, n = batch
+        ks.append(C.string_at(keys, n * k_size))
+        vs.append(C.string_at(values, n * v_size))
+    return b"".join(ks), b"".join(vs)
 
 
 def percpu_sum(table, key) -> int:
