@@ -55,9 +55,10 @@ So:
   runtime context other than OTel's default (``OTEL_PYTHON_CONTEXT``): only
   attach and detach are followed then.
 
-Per span this keeps one tuple, on the span object itself; per thread one
-reference to the span last marked there (thread-local, gone with the thread).
-Nothing grows with spans that never end.
+Per span this keeps one tuple, on the span object itself; per thread the
+extension keeps the last mark's integers (C thread-local: no reference, gone
+with the thread), and calls spanlet_mark only when they change. Nothing grows
+with spans that never end.
 
 The marker is the C extension ``spanlet.libspanlet_marker`` that the package
 build compiles from native/spanlet_marker.c (another build of it can be named
@@ -98,7 +99,7 @@ LIB_ENV = "SPANLET_MARKER_LIB"
 # The extension's module name; a build loaded from a path is loaded under it too
 # (its init function is PyInit_libspanlet_marker).
 MARKER_MODULE = "spanlet.libspanlet_marker"
-ABI_VERSION = 2
+ABI_VERSION = 3
 # name -> number; spanlet.modality is stdlib only, so no agent part comes with it
 from spanlet.modality import NUMBERS as MODALITIES  # noqa: E402
 
@@ -143,30 +144,30 @@ def load_extension(path: str | None):
 
 
 def load_marker(lib_path: str | os.PathLike | None = None):
-    """The marker's mark(trace_id, span_id, modality), ready to call, or None
-    (after one warning per process) when the marker cannot be used."""
+    """The marker module, checked (its ABI version; mark, follow, unmark and
+    forget), or None (after one warning per process) when it cannot be used."""
     path = library_path(lib_path)
     key = path or MARKER_MODULE
     with _libs_lock:
         if key in _libs:
             return _libs[key]
         try:
-            mark = _checked_mark(load_extension(path))
+            marker = _checked_marker(load_extension(path))
         except Exception as e:  # ImportError, AttributeError, ABI mismatch: all mean "cannot use it"
             _warn_once("spanlet marker unusable, spans will not reach the spanlet agent: %s: %s", key, e)
-            mark = None
-        _libs[key] = mark
-        return mark
+            marker = None
+        _libs[key] = marker
+        return marker
 
 
-def _checked_mark(module):
+def _checked_marker(module):
     version = getattr(module, "ABI_VERSION", None)
     if version != ABI_VERSION:
         raise ValueError(f"marker ABI version {version}, this client speaks {ABI_VERSION}")
-    mark = getattr(module, "mark", None)
-    if not callable(mark):
-        raise AttributeError(f"no mark() in {module.__file__}")
-    return mark
+    for name in ("mark", "follow", "unmark", "forget"):
+        if not callable(getattr(module, name, None)):
+            raise AttributeError(f"no {name}() in {module.__file__}")
+    return module
 
 
 def _modality_attribute(span):
@@ -185,27 +186,21 @@ def _entry_of(span) -> tuple[int, int, int]:
     return (ctx.trace_id, ctx.span_id, MODALITIES.get(modality, 0))
 
 
-# What the marker was last told, per thread: [the span object last followed
-# (None: none; held, so `is` is safe), the arguments of the last mark()]. One
-# list, because each threading.local attribute access costs ~70 ns.
-class _ThreadMark(threading.local):
-    def __init__(self) -> None:
-        self.last = [None, _CLEAR]  # a thread that never marked is in no span
-
-
-_thread = _ThreadMark()
-_mark = None  # the newest active processor's mark(), or None: follow nothing
+# What the marker was last told is kept per thread in the extension (C
+# thread-local integers: no reference held, nothing left when a thread exits);
+# its follow() calls spanlet_mark only when that changes.
+_follow_mark = None  # the newest active processor's marker follow(), or None: follow nothing
+_unmark = None  # and its unmark()
 _owners: list[weakref.ref] = []  # the active processors, newest last
 _owners_lock = threading.Lock()
 
 
-def _follow(span, last: list) -> None:
+def _follow(span) -> None:
     """Tell the marker that `span` (a span object or None) is now this thread's
-    current span, if that changes what it was last told; `last` is the thread's."""
-    mark = _mark
-    if mark is None:
+    current span; it calls spanlet_mark only if that changes what it last said."""
+    follow = _follow_mark
+    if follow is None:
         return
-    last[0] = span
     try:
         if span is None:
             entry = _CLEAR
@@ -221,15 +216,13 @@ def _follow(span, last: list) -> None:
             entry = getattr(span, _ENTRY, None) or _entry_of(span)
         else:
             entry = _CLEAR
-        if entry is not last[1]:
-            last[1] = entry
-            mark(*entry)
+        follow(*entry)
     except Exception:
         _warn_once("spanlet span processor failed to mark a context change; continuing", exc_info=True)
 
 
-# Set by _install() when the runtime context is OTel's contextvars one: the
-# ContextVar holding each context's OTel Context, and its get().
+# Set by _install_hooks(): the runtime context's get_current, and where that is
+# OTel's contextvars one, the ContextVar holding each context's OTel Context.
 _CONTEXT_VAR: contextvars.ContextVar | None = None
 _current_context = None
 
@@ -240,18 +233,13 @@ def _follow_current() -> None:
         span = _current_context().get(_SPAN_KEY)
     except Exception:
         span = None
-    last = _thread.last
-    if span is not last[0]:
-        _follow(span, last)
+    _follow(span)
 
 
 def _follow_context(ctx: contextvars.Context) -> None:
     """Follow the OTel context held in `ctx`, a contextvars context about to run here."""
     otel = ctx.get(_CONTEXT_VAR)
-    span = otel.get(_SPAN_KEY) if otel is not None else None
-    last = _thread.last
-    if span is not last[0]:
-        _follow(span, last)
+    _follow(otel.get(_SPAN_KEY) if otel is not None else None)
 
 
 class _FollowingRuntimeContext(_RuntimeContext):
@@ -271,11 +259,9 @@ class _FollowingRuntimeContext(_RuntimeContext):
         token = self._set(context)
         try:
             span = context.get(_SPAN_KEY)
-            last = _thread.last
-            if span is not last[0]:
-                _follow(span, last)
         except Exception:  # not an OTel Context: the OTel API's own checks speak for it
-            pass
+            span = None
+        _follow(span)
         return token
 
     def get_current(self):  # replaced per instance in __init__; here for the ABC
@@ -283,13 +269,7 @@ class _FollowingRuntimeContext(_RuntimeContext):
 
     def detach(self, token) -> None:
         self._reset(token)  # when it raises (OTel logs it), the context did not change
-        try:  # _follow_current(), inlined: this runs on every span's end
-            span = self.get_current().get(_SPAN_KEY)
-            last = _thread.last
-            if span is not last[0]:
-                _follow(span, last)
-        except Exception:
-            pass
+        _follow_current()
 
 
 def _wrap_handle_run(run):
@@ -390,32 +370,36 @@ def _remove_hooks() -> None:
 
 
 def _remark_after_fork() -> None:
+    for ref in list(_owners):
+        processor = ref()
+        if processor is not None and processor._marker is not None:
+            processor._marker.forget()
     if _hooked:
-        _thread.last[:] = [object(), None]
         _follow_current()
 
 
 def _use_newest_owner() -> None:
     """Mark through the newest processor still active; none: follow nothing."""
-    global _mark
-    _owners[:] = [ref for ref in _owners if ref() is not None and ref()._mark is not None]
-    _mark = _owners[-1]()._mark if _owners else None
+    global _follow_mark, _unmark
+    _owners[:] = [ref for ref in _owners if ref() is not None and ref()._marker is not None]
+    marker = _owners[-1]()._marker if _owners else None
+    _follow_mark, _unmark = (marker.follow, marker.unmark) if marker is not None else (None, None)
 
 
 class SpanletSpanProcessor(SpanProcessor):
     """Marks each thread's current span for the spanlet agent; see the module doc."""
 
     def __init__(self, lib_path: str | os.PathLike | None = None) -> None:
-        self._mark = load_marker(lib_path)
-        if self._mark is None:
+        self._marker = load_marker(lib_path)
+        self._mark = self._marker.mark if self._marker is not None else None
+        if self._marker is None:
             return
         try:
             _install_hooks()
             with _owners_lock:
                 _owners.append(weakref.ref(self))
                 _use_newest_owner()
-            _thread.last[0] = object()  # a span current already: tell this marker
-            _follow_current()
+            _follow_current()  # a span current already: tell this marker
         except Exception:
             _warn_once("spanlet span processor could not hook the OTel context; continuing", exc_info=True)
 
@@ -440,25 +424,21 @@ class SpanletSpanProcessor(SpanProcessor):
     def on_end(self, span: ReadableSpan) -> None:
         """A span that ends while current in this thread is unmarked at once."""
         try:
-            last, mark = _thread.last, _mark
-            entry = last[1]
-            if entry is _CLEAR or mark is None:
+            unmark = _unmark
+            if unmark is None:
                 return
             ctx = span._context if type(span) is ReadableSpan else span.context
-            if entry[1] == ctx[1] and entry[0] == ctx[0]:  # a SpanContext is a tuple
-                last[1] = _CLEAR
-                mark(*_CLEAR)
+            unmark(ctx[0], ctx[1])  # a SpanContext is a tuple (trace_id, span_id, ...)
         except Exception:
             _warn_once("spanlet span processor failed in on_end; continuing", exc_info=True)
 
     def shutdown(self) -> None:
         """Clears the calling thread's context and stops marking (safe twice)."""
-        mark, self._mark = self._mark, None
-        if mark is None:
+        marker, self._marker, self._mark = self._marker, None, None
+        if marker is None:
             return
         try:
-            mark(*_CLEAR)
-            _thread.last[:] = [None, _CLEAR]
+            marker.follow(*_CLEAR)
             with _owners_lock:
                 _use_newest_owner()
         except Exception:

@@ -62,6 +62,7 @@ class Recorder:
         self.module = client.load_extension(path)  # same dlopen handle as the processor's
 
     def reset(self) -> None:
+        """Forget the log, and the calling thread's last mark (back to none)."""
         self.module.record_reset()
 
     def records(self) -> list[Record]:
@@ -97,7 +98,7 @@ def forget_client_state(monkeypatch) -> None:
     client._remove_hooks()
     monkeypatch.setattr(client, "_libs", {})
     monkeypatch.setattr(client, "_warned", False)
-    monkeypatch.setattr(client, "_thread", client._ThreadMark())
     monkeypatch.setattr(client, "_owners", [])
-    monkeypatch.setattr(client, "_mark", None)
+    monkeypatch.setattr(client, "_follow_mark", None)
+    monkeypatch.setattr(client, "_unmark", None)
     monkeypatch.delenv(client.LIB_ENV, raising=False)

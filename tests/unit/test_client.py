@@ -112,8 +112,8 @@ def installed_marker() -> str:
 
 def test_production_build_exports_the_abi_and_no_record_code(libs):
     module = client.load_extension(libs["prod"])
-    assert module.ABI_VERSION == client.ABI_VERSION == 2
-    assert callable(module.mark)
+    assert module.ABI_VERSION == client.ABI_VERSION == 3
+    assert all(callable(getattr(module, f)) for f in ("mark", "follow", "unmark", "forget"))
     assert C.CDLL(libs["prod"])[MARKER_SYMBOL]  # the probed symbol, exported
     for test_only in RECORD_ONLY:
         assert not hasattr(module, test_only)
@@ -182,6 +182,36 @@ def test_record_get_refuses_calls_it_did_not_keep(recorder):
     assert recorder.module.record_count() == 1
     with pytest.raises(IndexError):
         recorder.module.record_get(1)
+
+
+def test_follow_marks_only_what_changed_per_thread_and_unmark_only_its_own_span(recorder):
+    """The extension's per-thread last mark: follow() calls spanlet_mark only
+    on a change, per thread; unmark() only for the thread's own last span;
+    forget() makes the next follow() mark; record_reset() is back to none."""
+    m = recorder.module
+    a, b = (7 << 64 | 1, 11, 2), (7 << 64 | 1, 12, 0)
+    assert [m.follow(*a), m.follow(*a), m.follow(*b), m.follow(*b)] == [True, False, True, False]
+    other_thread = []
+    t = threading.Thread(target=lambda: other_thread.append((m.follow(*b), m.follow(*b))))
+    t.start()
+    t.join(30)
+    assert other_thread == [(True, False)]  # its own last mark, not the main thread's
+    assert [m.unmark(8 << 64 | 1, 12), m.unmark(7 << 64 | 1, 11), m.unmark(7 << 64 | 1, 12)] == [
+        False, False, True]  # another trace, an earlier span, then the thread's own
+    assert [m.unmark(7 << 64 | 1, 12), m.follow(0, 0, 0)] == [False, False]  # already in none
+    m.follow(*a)
+    m.forget()
+    assert [m.follow(*a), m.follow(*a)] == [True, False]
+    main, tid = threading.get_native_id(), t.native_id
+    assert [(r.tid, r[:4]) for r in recorder.records()] == [
+        (main, (7, 1, 11, 2)), (main, (7, 1, 12, 0)), (tid, (7, 1, 12, 0)), (main, (0, 0, 0, 0)),
+        (main, (7, 1, 11, 2)), (main, (7, 1, 11, 2))]
+    for call, args, error in [(m.follow, (1, 2), TypeError), (m.follow, (1, -1, 0), OverflowError),
+                              (m.unmark, (1,), TypeError), (m.unmark, (-1, 0), OverflowError)]:
+        with pytest.raises(error):
+            call(*args)
+    recorder.reset()
+    assert m.follow(0, 0, 0) is False  # the thread is back in no span
 
 
 # Marks for spans.
@@ -457,7 +487,7 @@ def test_exceptions_in_the_processor_never_reach_the_app(recorder, caplog):
     def broken(*args):
         raise RuntimeError("marker exploded")
 
-    client._mark = broken  # what every context hook calls (monkeypatched by fresh_client)
+    client._follow_mark = broken  # what every context hook calls (monkeypatched by fresh_client)
     _, tracer, exporter = traced(proc)
     with tracer.start_as_current_span("a"):
         with tracer.start_as_current_span("b"):
