@@ -43,6 +43,8 @@ So:
   pass ``mm.modality`` (text, image, audio, video or other; anything else
   counts as other) to ``start_span(attributes=...)`` or
   ``start_as_current_span(attributes=...)``. Setting it later has no effect.
+  (A span of a provider without this processor is marked too when current,
+  with the modality it has when it first becomes current.)
 - A marker call speaks for the calling thread only: a span ended on another
   thread stays marked in the thread where it is current until that thread's
   context next changes.
@@ -63,7 +65,8 @@ with spans that never end.
 The marker is the C extension ``spanlet.libspanlet_marker`` that the package
 build compiles from native/spanlet_marker.c (another build of it can be named
 by path: the argument, or $SPANLET_MARKER_LIB). If it cannot be used (missing,
-not an extension of this interpreter, no ``mark``, or another ABI version), one
+not an extension of this interpreter, no ``mark``/``follow``/``unmark``/``forget``,
+or another ABI version), one
 warning is logged per process on logger ``spanlet.client`` and the processor
 does nothing. Nothing in here ever raises into the application. This module
 imports nothing of the agent daemon: only the standard library and the

@@ -6,7 +6,10 @@ the SDK as it is without spanlet; "with" has them installed, as any process
 with an active processor has.
 
 No kernel uprobe is attached here (no root needed); the agent's uprobe on
-spanlet_mark adds its own cost per edge, measured separately by the lead.
+spanlet_mark adds its own cost per mark, measured separately. A spanlet agent
+running on the machine attaches to every process that maps a file named
+libspanlet_marker*, this one included: pass --lib with a build under another
+name (tests/support/marker_build.py makes one) to keep its traps out.
 
 Run: .venv/bin/python bench/client_bench.py [--spans N] [--repeat R] [--lib PATH]
 (the marker extension that the package build made, unless --lib names another build)
