@@ -1,8 +1,15 @@
-"""Cost of SpanletSpanProcessor to an instrumented app: µs per span (start+end)
-with the processor and without it, side by side in one run, and per span edge.
+"""Cost of SpanletSpanProcessor to an instrumented app, with the processor and
+without it side by side in one run: µs per span edge and per asyncio task switch.
+
+"Without" runs with the client's process-wide context hooks removed, so it is
+the SDK as it is without spanlet; "with" has them installed, as any process
+with an active processor has.
 
 No kernel uprobe is attached here (no root needed); the agent's uprobe on
-spanlet_mark adds its own cost per edge, measured separately by the lead.
+spanlet_mark adds its own cost per mark, measured separately. A spanlet agent
+running on the machine attaches to every process that maps a file named
+libspanlet_marker*, this one included: pass --lib with a build under another
+name (tests/support/marker_build.py makes one) to keep its traps out.
 
 Run: .venv/bin/python bench/client_bench.py [--spans N] [--repeat R] [--lib PATH]
 (the marker extension that the package build made, unless --lib names another build)
@@ -11,6 +18,7 @@ Run: .venv/bin/python bench/client_bench.py [--spans N] [--repeat R] [--lib PATH
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
@@ -18,6 +26,10 @@ import time
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
 from spanlet import SpanletSpanProcessor, client
+
+# The benchmark thread's CPU time: other work on the machine (a 2-core VM
+# here) preempts the run but does not count.
+clock = time.thread_time_ns
 
 
 def tracer_with(processor: SpanProcessor | None):
@@ -31,12 +43,12 @@ def ns_per_span(tracer, spans: int) -> float:
     """One root span with one child, the shape of a served request, repeated;
     result per span. Attributes as a real app would pass them."""
     attrs = {"mm.modality": "image"}
-    start = time.perf_counter_ns()
+    start = clock()
     for _ in range(spans // 2):
         with tracer.start_as_current_span("request", attributes=attrs):
             with tracer.start_as_current_span("decode"):
                 pass
-    return (time.perf_counter_ns() - start) / (spans // 2 * 2)
+    return (clock() - start) / (spans // 2 * 2)
 
 
 def ns_per_edge_direct(processor, spans: int, tracer) -> float:
@@ -44,22 +56,44 @@ def ns_per_edge_direct(processor, spans: int, tracer) -> float:
     span = tracer.start_span("probe", attributes={"mm.modality": "audio"})
     readable = span._readable_span()  # what the SDK hands to on_end
     on_start, on_end = processor.on_start, processor.on_end
-    start = time.perf_counter_ns()
+    start = clock()
     for _ in range(spans):
         on_start(span)
         on_end(readable)
-    elapsed = time.perf_counter_ns() - start
+    elapsed = clock() - start
     span.end()
     return elapsed / (2 * spans)
+
+
+def ns_per_task_switch(tracer, steps: int, tasks: int = 4, spans: bool = True) -> float:
+    """`tasks` coroutines on one event loop, each in its own span (or in none),
+    each yielding `steps` times: ns per task step, every step a switch to
+    another task (and, with spans, to another span)."""
+
+    async def worker(i: int) -> None:
+        if spans:
+            with tracer.start_as_current_span(f"task{i}"):
+                for _ in range(steps):
+                    await asyncio.sleep(0)
+        else:
+            for _ in range(steps):
+                await asyncio.sleep(0)
+
+    async def run() -> int:
+        start = clock()
+        await asyncio.gather(*(worker(i) for i in range(tasks)))
+        return clock() - start
+
+    return asyncio.run(run()) / (tasks * steps)
 
 
 def ns_per_mark(mark, calls: int) -> float:
     """The call into the marker's mark() alone, as the processor makes it."""
     args = (0xDEADBEEFFEEDFACE123456789ABCDEF0, 0xCAFEF00D0BADF00D, 2)
-    start = time.perf_counter_ns()
+    start = clock()
     for _ in range(calls):
         mark(*args)
-    return (time.perf_counter_ns() - start) / calls
+    return (clock() - start) / calls
 
 
 def main() -> None:
@@ -77,13 +111,20 @@ def main() -> None:
     for tracer in (plain, noop, marked):
         ns_per_span(tracer, 2000)  # warm-up
 
-    runs = {"without": [], "noop": [], "with": [], "edge": [], "mark": []}
+    runs = {k: [] for k in ("without", "noop", "with", "edge", "mark",
+                            "switch_without", "switch_with", "switch_nospan")}
+    switch_steps = max(args.spans // 8, 100)
     for _ in range(args.repeat):  # short runs, interleaved, so drift and noise hit all alike
+        client._remove_hooks()  # the SDK as it is without spanlet
         runs["without"].append(ns_per_span(plain, args.spans))
         runs["noop"].append(ns_per_span(noop, args.spans))
+        runs["switch_without"].append(ns_per_task_switch(plain, switch_steps))
+        client._install_hooks()
         runs["with"].append(ns_per_span(marked, args.spans))
         runs["edge"].append(ns_per_edge_direct(processor, args.spans // 2, plain))
         runs["mark"].append(ns_per_mark(processor._mark, args.spans))
+        runs["switch_with"].append(ns_per_task_switch(marked, switch_steps))
+        runs["switch_nospan"].append(ns_per_task_switch(marked, switch_steps, spans=False))
 
     best = {k: min(v) / 1000 for k, v in runs.items()}
     med = {k: statistics.median(v) / 1000 for k, v in runs.items()}
@@ -104,6 +145,11 @@ def main() -> None:
     row("  of which the SDK calling any processor", lambda r: (r["noop"] - r["without"]) / 2)
     row("processor alone per edge (on_start/on_end direct)", lambda r: r["edge"])
     row("  of which the marker call (mark(), METH_FASTCALL)", lambda r: r["mark"])
+    print(f"  asyncio: 4 tasks on one loop, {switch_steps} steps each (await asyncio.sleep(0))")
+    row("per task switch, no processor (tasks in 4 spans)", lambda r: r["switch_without"])
+    row("per task switch, with processor (4 spans: a mark each)", lambda r: r["switch_with"])
+    row("added per task switch, 4 spans", lambda r: r["switch_with"] - r["switch_without"])
+    row("per task switch, with processor, tasks in no span", lambda r: r["switch_nospan"])
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
-/* The span marker that agent/client.py calls on every span start and end: the
- * CPython extension spanlet.libspanlet_marker, whose spanlet_mark the agent's
- * uprobe (bpf/span_ctx.bpf.c) reads the arguments of. */
+/* The span marker that agent/client.py calls whenever a thread's current span
+ * changes: the CPython extension spanlet.libspanlet_marker, whose spanlet_mark
+ * the agent's uprobe (bpf/span_ctx.bpf.c) reads the arguments of. */
 
 /*
  * Built by the package build itself (pyproject.toml, [tool.setuptools]
@@ -16,9 +16,10 @@
  *   rsi = trace_lo   low 64 bits (bytes 8..15)
  *   rdx = span_id    the 64-bit span id; 0 means "this thread is in no span"
  *   ecx = modality   0 other, 1 text, 2 image, 3 audio, 4 video (agent/events.py)
- * A change to that contract, or to mark() (the entry point the Python client
- * calls, below), bumps SPANLET_MARKER_ABI_VERSION (the module's ABI_VERSION),
- * which the client checks before it uses the module.
+ * A change to that contract, or to the module's functions (mark(), follow(),
+ * unmark(), forget(): the entry points the Python client calls, below), bumps
+ * SPANLET_MARKER_ABI_VERSION (the module's ABI_VERSION), which the client
+ * checks before it uses the module. 3: follow, unmark and forget added.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -30,7 +31,7 @@
 #endif
 
 #ifndef SPANLET_MARKER_ABI_VERSION /* -D only to test the client's version check */
-#define SPANLET_MARKER_ABI_VERSION 2
+#define SPANLET_MARKER_ABI_VERSION 3
 #endif
 #define SPANLET_EXPORT __attribute__((visibility("default"), noinline, used))
 /* GCC may otherwise clone a noinline function for a caller in the same file
@@ -98,11 +99,6 @@ static PyObject *py_record_get(PyObject *module, PyObject *arg)
 			     (unsigned long long)r.span_id, (unsigned int)r.modality, (unsigned int)r.tid);
 }
 
-static PyObject *py_record_reset(PyObject *module, PyObject *unused)
-{
-	__atomic_store_n(&records_seen, 0, __ATOMIC_RELEASE);
-	Py_RETURN_NONE;
-}
 #endif /* SPANLET_MARKER_RECORD */
 
 /*
@@ -167,9 +163,38 @@ static int trace_halves(PyObject *trace_id, uint64_t *hi, uint64_t *lo)
 	return 0;
 }
 
+/* mark()'s arguments as the probed function takes them; 0 and -1 with an
+ * exception set if they are not ints in range. */
+static int parse_mark(PyObject *const *args, Py_ssize_t nargs, const char *name, uint64_t *trace_hi,
+		      uint64_t *trace_lo, uint64_t *span_id, uint32_t *modality)
+{
+	unsigned long long span;
+	unsigned long m;
+
+	if (nargs != 3) {
+		PyErr_Format(PyExc_TypeError, "%s() takes 3 arguments (%zd given)", name, nargs);
+		return -1;
+	}
+	if (trace_halves(args[0], trace_hi, trace_lo) < 0)
+		return -1;
+	span = PyLong_AsUnsignedLongLong(args[1]);
+	if (span == (unsigned long long)-1 && PyErr_Occurred())
+		return -1;
+	m = PyLong_AsUnsignedLong(args[2]);
+	if (m == (unsigned long)-1 && PyErr_Occurred())
+		return -1;
+	if (m > UINT32_MAX) {
+		PyErr_SetString(PyExc_OverflowError, "modality does not fit in 32 bits");
+		return -1;
+	}
+	*span_id = span;
+	*modality = (uint32_t)m;
+	return 0;
+}
+
 /*
- * mark(trace_id, span_id, modality): what the Python client calls on every span
- * edge. METH_FASTCALL: the arguments arrive as a C array, with no tuple built
+ * mark(trace_id, span_id, modality): calls spanlet_mark unconditionally.
+ * METH_FASTCALL: the arguments arrive as a C array, with no tuple built
  * and no ctypes conversion objects (the ctypes entry point this replaces cost
  * about 0.3 µs a call). The GIL is kept: a release and re-take would cost more
  * than the call. The call to spanlet_mark is a real call (noinline, noipa,
@@ -177,12 +202,55 @@ static int trace_halves(PyObject *trace_id, uint64_t *hi, uint64_t *lo)
  */
 static PyObject *py_mark(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+	uint64_t trace_hi, trace_lo, span_id;
+	uint32_t modality;
+
+	if (parse_mark(args, nargs, "mark", &trace_hi, &trace_lo, &span_id, &modality) < 0)
+		return NULL;
+	spanlet_mark(trace_hi, trace_lo, span_id, modality);
+	Py_RETURN_NONE;
+}
+
+/*
+ * What spanlet_mark was last called with on this thread: plain integers in
+ * thread-local storage, so they hold no reference and go with the thread.
+ * A thread that never marked starts as "in no span" (all zero), which is what
+ * the agent holds for a thread it has never seen. `unknown` set (forget()):
+ * the next follow() marks whatever it is given.
+ */
+struct last_mark {
+	uint64_t trace_hi, trace_lo, span_id;
+	uint32_t modality;
+	uint32_t unknown;
+};
+static _Thread_local struct last_mark last;
+
+/* follow(trace_id, span_id, modality): the calling thread is now in this span
+ * (span_id 0: none); calls spanlet_mark only if that is not what it last
+ * told it. True if it marked. */
+static PyObject *py_follow(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+	struct last_mark now = {0};
+
+	if (parse_mark(args, nargs, "follow", &now.trace_hi, &now.trace_lo, &now.span_id, &now.modality) < 0)
+		return NULL;
+	if (!last.unknown && now.span_id == last.span_id && now.trace_lo == last.trace_lo &&
+	    now.trace_hi == last.trace_hi && now.modality == last.modality)
+		Py_RETURN_FALSE;
+	last = now;
+	spanlet_mark(now.trace_hi, now.trace_lo, now.span_id, now.modality);
+	Py_RETURN_TRUE;
+}
+
+/* unmark(trace_id, span_id): a span that ends; if it is the calling thread's
+ * last mark, the thread is marked as in no span. True if it marked. */
+static PyObject *py_unmark(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
 	uint64_t trace_hi, trace_lo;
 	unsigned long long span_id;
-	unsigned long modality;
 
-	if (nargs != 3) {
-		PyErr_Format(PyExc_TypeError, "mark() takes 3 arguments (%zd given)", nargs);
+	if (nargs != 2) {
+		PyErr_Format(PyExc_TypeError, "unmark() takes 2 arguments (%zd given)", nargs);
 		return NULL;
 	}
 	if (trace_halves(args[0], &trace_hi, &trace_lo) < 0)
@@ -190,14 +258,30 @@ static PyObject *py_mark(PyObject *module, PyObject *const *args, Py_ssize_t nar
 	span_id = PyLong_AsUnsignedLongLong(args[1]);
 	if (span_id == (unsigned long long)-1 && PyErr_Occurred())
 		return NULL;
-	modality = PyLong_AsUnsignedLong(args[2]);
-	if (modality == (unsigned long)-1 && PyErr_Occurred())
-		return NULL;
-	if (modality > UINT32_MAX) {
-		PyErr_SetString(PyExc_OverflowError, "modality does not fit in 32 bits");
-		return NULL;
-	}
-	spanlet_mark(trace_hi, trace_lo, span_id, (uint32_t)modality);
+	if (last.unknown || span_id == 0 || span_id != last.span_id || trace_lo != last.trace_lo ||
+	    trace_hi != last.trace_hi)
+		Py_RETURN_FALSE;
+	last = (struct last_mark){0};
+	spanlet_mark(0, 0, 0, 0);
+	Py_RETURN_TRUE;
+}
+
+#ifdef SPANLET_MARKER_RECORD
+/* record_reset(): forget the recorded calls, and the calling thread's last
+ * mark (back to "in no span"), as a fresh process would be. */
+static PyObject *py_record_reset(PyObject *module, PyObject *unused)
+{
+	__atomic_store_n(&records_seen, 0, __ATOMIC_RELEASE);
+	last = (struct last_mark){0};
+	Py_RETURN_NONE;
+}
+#endif
+
+/* forget(): the calling thread's last mark is unknown (a forked child's
+ * thread, another build of the marker taking over); the next follow() marks. */
+static PyObject *py_forget(PyObject *module, PyObject *unused)
+{
+	last = (struct last_mark){.unknown = 1};
 	Py_RETURN_NONE;
 }
 
@@ -206,11 +290,20 @@ static PyMethodDef marker_methods[] = {
 	 "mark(trace_id, span_id, modality)\n--\n\n"
 	 "Tell the spanlet agent that the calling thread is now in this span "
 	 "(span_id 0: in none)."},
+	{"follow", (PyCFunction)(void (*)(void))py_follow, METH_FASTCALL,
+	 "follow(trace_id, span_id, modality)\n--\n\n"
+	 "mark() unless it is what this thread last marked; True if it marked."},
+	{"unmark", (PyCFunction)(void (*)(void))py_unmark, METH_FASTCALL,
+	 "unmark(trace_id, span_id)\n--\n\n"
+	 "Mark this thread as in no span if this span is its last mark; True if it marked."},
+	{"forget", py_forget, METH_NOARGS,
+	 "forget()\n--\n\nThis thread's last mark is unknown: the next follow() marks."},
 #ifdef SPANLET_MARKER_RECORD
 	{"record_count", py_record_count, METH_NOARGS, "Calls since the last reset, kept or not."},
 	{"record_get", py_record_get, METH_O,
 	 "(trace_hi, trace_lo, span_id, modality, tid) of one recorded call."},
-	{"record_reset", py_record_reset, METH_NOARGS, "Forget the recorded calls."},
+	{"record_reset", py_record_reset, METH_NOARGS,
+	 "Forget the recorded calls and this thread's last mark."},
 #endif
 	{NULL, NULL, 0, NULL},
 };
@@ -226,7 +319,7 @@ static PyModuleDef_Slot marker_slots[] = {
 	{Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
 #endif
 #if PY_VERSION_HEX >= 0x030D0000
-	{Py_mod_gil, Py_MOD_GIL_NOT_USED}, /* no state; the record log uses atomics */
+	{Py_mod_gil, Py_MOD_GIL_NOT_USED}, /* state is thread-local; the record log uses atomics */
 #endif
 	{0, NULL},
 };
