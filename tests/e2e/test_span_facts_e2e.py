@@ -1,0 +1,177 @@
+"""Exact per-span kernel facts (issue 13): real OTel SDK children launch known
+numbers of stand-in kernels in each span and export their spans to one agent;
+every span must arrive upstream with exactly its own kernel.gpu.launches."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+import cuda_standin
+from facts_child import FactsChild
+from otlp_upstream import Upstream, agent_config, kernel_attrs, wait_for
+from spanlet.daemon import Daemon
+
+pytestmark = pytest.mark.kernel
+
+RUNS = 20
+LATE_SPAN_NAME = "spanlet.kernel.late_events"
+# case → (the child's span processor, its commands); each span of a case makes a known,
+# different number of launches (see span_facts_child.py)
+CASES = {
+    "4x5-batch": ("batch", ["threads 4 5"]),
+    "4x5-simple": ("simple", ["threads 4 5"]),
+    "8x5-batch": ("batch", ["threads 8 5"]),
+    "asyncio-4-coroutines": ("batch", ["asyncio 4 6"]),
+    "asyncio.to_thread": ("batch", ["to_thread 5"]),
+    "executor-copy_context": ("batch", ["executor 5"]),
+    "context.attach-thread": ("batch", ["attach 5"]),
+}
+SPANS_PER_CASE = {"4x5-batch": 20, "4x5-simple": 20, "8x5-batch": 40, "asyncio-4-coroutines": 4,
+                  "asyncio.to_thread": 5, "executor-copy_context": 5, "context.attach-thread": 5}
+
+
+class Agent:
+    """The agent (a Daemon in this process) and the upstream it exports to."""
+
+    def __init__(self, daemon: Daemon, upstream: Upstream, libcuda: Path):
+        self.daemon, self.upstream, self.libcuda = daemon, upstream, libcuda
+        self.endpoint = f"127.0.0.1:{daemon.spans.receiver.grpc_port}"
+
+    def child(self, processor: str = "batch") -> FactsChild:
+        return FactsChild(self.endpoint, self.libcuda, processor)
+
+    def settle(self) -> None:
+        """What is late goes out now, and everything queued reaches the upstream."""
+        self.daemon.spans.tick()
+        assert self.daemon.spans.exporter.force_flush(10_000)
+
+    def received(self, expected: dict) -> dict:
+        """(trace, span) → the kernel.gpu.launches of each span received with those ids,
+        once every expected span arrived; and the late records of any of them."""
+        up = self.upstream
+        wait_for(lambda: all(k in up.by_ids for k in expected), 30, "the spans upstream")
+        self.settle()
+        with up.lock:
+            got = {k: [kernel_attrs(s).get("kernel.gpu.launches", 0) for s in up.by_ids[k]]
+                   for k in expected}
+            late = [(k, kernel_attrs(s)) for k, spans in up.by_ids.items() for s in spans
+                    if s.name == LATE_SPAN_NAME and (k[0], s.parent_span_id.hex()) in expected]
+        return got, late
+
+
+def assert_exact(agent: Agent, expected: dict) -> None:
+    got, late = agent.received(expected)
+    wrong = {k: (expected[k], v) for k, v in got.items() if v != [expected[k]]}
+    assert not wrong, (f"{len(expected) - len(wrong)} of {len(expected)} spans exact; "
+                       f"(expected, got) of the others: {sorted(wrong.values())}")
+    assert not late, f"late records for these spans: {late}"
+
+
+@pytest.fixture(scope="module")
+def agent(standin):
+    up = Upstream()
+    up.rx.start()
+    d = Daemon(agent_config(up, "otlp.batch_interval_s=0.05", "http_port=0", "http_address=127.0.0.1"))
+    d.check_node()
+    d.start()
+    a = Agent(d, up, standin.lib_dir / cuda_standin.DRIVER)
+    try:
+        # the probes attach once per library file: after this child every other one is traced
+        with a.child() as first:
+            span_ctx, gpu = d.probes.span_ctx, d.probes.gpu
+            wait_for(lambda: any(l.pid == first.pid for l in span_ctx.libraries)
+                     and any(l.pid == first.pid for l in gpu.libraries()), 10,
+                     "the agent to attach to the first child")
+        yield a
+    finally:
+        d.stop()
+        up.rx.stop()
+
+
+class Flood:
+    """A stand-in CUDA process launching back to back, outside any span, until closed."""
+
+    def __init__(self, standin: cuda_standin.StandIn):
+        self.w = cuda_standin.Workload(standin.workload)
+        self.w.load(standin.lib_dir)
+        self.stop, self.launched = threading.Event(), 0
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            (line,) = self.w.run("paced 100000 50000")    # 2 s at 50,000/s
+            self.launched += int(line.split()[1])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        self.w.close()
+
+
+@pytest.fixture(scope="module", params=["quiet", "flood"])
+def background(request, agent, standin):
+    """Nothing else launching, or another process flooding launches outside spans."""
+    if request.param == "quiet":
+        yield None
+        return
+    flood = Flood(standin)
+    try:
+        wait_for(lambda: flood.launched > 0, 30, "the flood to run")
+        yield flood
+    finally:
+        flood.close()
+
+
+@pytest.mark.parametrize("run", range(RUNS))
+@pytest.mark.parametrize("case", CASES)
+def test_every_span_gets_exactly_its_own_launches(agent, background, case, run):
+    processor, commands = CASES[case]
+    with agent.child(processor) as child:
+        for cmd in commands:
+            child.command(cmd)
+        child.command("flush", "flushed")
+    assert len(child.expected) == SPANS_PER_CASE[case]
+    assert len(set(child.expected.values())) > 1      # counts differ from span to span
+    assert_exact(agent, child.expected)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("run", range(RUNS))
+def test_a_span_id_reused_in_another_trace_gets_only_its_own_launches(agent, run):
+    """Pairs of spans with one span id in two traces, both open at once."""
+    with agent.child() as child:
+        child.command("reused 3")
+        child.command("flush", "flushed")
+    assert len(child.expected) == 6 and len({s for _, s in child.expected}) == 3
+    assert_exact(agent, child.expected)
+
+
+@pytest.mark.parametrize("run", range(RUNS))
+def test_a_thread_that_exits_inside_a_span_lends_nothing_to_others(agent, run):
+    """The span keeps what its thread launched before exiting; launches of the
+    threads after it (outside any span) go to no span."""
+    with agent.child() as child:
+        child.command("thread_exit 7")
+        child.command("outside 9")
+        child.command("threads 2 2")
+        child.command("flush", "flushed")
+    assert sorted(child.expected.values()) == [1, 2, 3, 4, 7]
+    assert_exact(agent, child.expected)
+
+
+@pytest.mark.parametrize("processor", ["batch", "simple"])
+@pytest.mark.parametrize("run", range(RUNS))
+def test_a_process_that_exits_right_after_its_last_span(agent, processor, run):
+    """The spans reach the agent after their process is gone (exported at shutdown)."""
+    child = agent.child(processor)
+    try:
+        child.command("threads 2 3")
+        assert child.exit() == 0
+    finally:
+        child.close()
+    assert_exact(agent, child.expected)
