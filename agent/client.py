@@ -12,21 +12,52 @@ Usage, in any OTel-instrumented Python process (no privileges needed)::
     with tracer.start_as_current_span("decode", attributes={"mm.modality": "image"}):
         ...  # kernel events of this thread now carry this span's ids and "image"
 
-On every span start the span is pushed on its thread's stack and the thread's
-context becomes that span; on every end it is removed and the thread's context
-becomes the new top of the ending thread's stack, or none. The context is keyed
-by kernel thread id, so:
+The kernel sees, in every thread, the span that is current there in the OTel
+context (``opentelemetry.trace.get_current_span()``), and the marker is called
+only when that changes. The first active processor hooks the places where a
+thread's OTel context changes, once per process:
 
+- ``opentelemetry.context.attach`` and ``detach`` (``start_as_current_span``,
+  ``use_span``, an explicit ``attach`` in a worker thread): the runtime
+  context is wrapped;
+- asyncio: every callback of the standard event loops, task steps included,
+  runs through ``asyncio.Handle._run``, which marks the span current in the
+  callback's own context first, so coroutines of different spans interleaving
+  on one thread each run with their own span marked; when ``run_forever``
+  returns, the thread's own context is marked again;
+- ``concurrent.futures.ThreadPoolExecutor`` work items that run in a copied
+  context (``submit(ctx.run, fn)``, ``functools.partial(ctx.run, ...)`` as
+  ``asyncio.to_thread`` and ``run_in_executor`` with a copied context make):
+  the item runs with that context's span marked, and the worker's own
+  context is marked again after it.
+
+So:
+
+- A span that is started but never made current (``start_span`` alone) is not
+  marked: it is not the thread's current span, and its children would not
+  be its children either. A span that ends while it is still current is
+  unmarked by its end (what that thread does next belongs to no span until
+  its context changes); an ended or non-recording span (a remote parent, a
+  sampled-out span) is never marked.
 - The modality is read once, from the attributes the span has when it starts:
   pass ``mm.modality`` (text, image, audio, video or other; anything else
   counts as other) to ``start_span(attributes=...)`` or
   ``start_as_current_span(attributes=...)``. Setting it later has no effect.
-- A span ended on another thread than the one that started it is removed from
-  its starting thread's stack, but that thread's kernel context keeps naming
-  the span until that thread's next span start or end (a marker call can only
-  speak for the calling thread).
-- Coroutines sharing a thread share its context: the thread is in the span
-  that started last and has not ended.
+- A marker call speaks for the calling thread only: a span ended on another
+  thread stays marked in the thread where it is current until that thread's
+  context next changes.
+- Not followed: event loops that do not run their callbacks through
+  ``asyncio.Handle`` (uvloop, for example: its coroutines share one mark,
+  that of the last context change seen on the thread); a
+  ``contextvars.Context.run`` outside those hooks (a hand-made executor or
+  thread that runs ``copy_context().run(fn)``; spans started inside are still
+  seen); threads started by C extensions, which run no Python context; a
+  runtime context other than OTel's default (``OTEL_PYTHON_CONTEXT``): only
+  attach and detach are followed then.
+
+Per span this keeps one tuple, on the span object itself; per thread one
+reference to the span last marked there (thread-local, gone with the thread).
+Nothing grows with spans that never end.
 
 The marker is the C extension ``spanlet.libspanlet_marker`` that the package
 build compiles from native/spanlet_marker.c (another build of it can be named
@@ -35,19 +66,29 @@ not an extension of this interpreter, no ``mark``, or another ABI version), one
 warning is logged per process on logger ``spanlet.client`` and the processor
 does nothing. Nothing in here ever raises into the application. This module
 imports nothing of the agent daemon: only the standard library and the
-OpenTelemetry SDK.
+OpenTelemetry API and SDK.
 """
 
 from __future__ import annotations
 
+import asyncio.base_events
+import asyncio.events
+import concurrent.futures.thread
+import contextvars
+import functools
 import importlib
 import importlib.machinery
 import importlib.util
 import logging
 import os
 import threading
+import weakref
 
+import opentelemetry.context as otel_context
+from opentelemetry.context.context import _RuntimeContext
+from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+from opentelemetry.trace.propagation import _SPAN_KEY
 
 logger = logging.getLogger("spanlet.client")
 
@@ -59,11 +100,10 @@ MARKER_MODULE = "spanlet.libspanlet_marker"
 ABI_VERSION = 2
 # name -> number; spanlet.modality is stdlib only, so no agent part comes with it
 from spanlet.modality import NUMBERS as MODALITIES  # noqa: E402
-# Spans started and never ended would otherwise grow a thread's stack forever;
-# past this depth the oldest are forgotten.
-MAX_STACK_DEPTH = 256
 
 _CLEAR = (0, 0, 0)  # mark()'s arguments for "in no span"
+# The attribute of a span object that holds its mark() arguments.
+_ENTRY = "_spanlet_mark"
 
 _warn_lock = threading.Lock()
 _warned = False
@@ -133,9 +173,217 @@ def _modality_attribute(span):
     return attributes.get(MODALITY_ATTRIBUTE) if attributes else None
 
 
-class _Stacks(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[tuple[int, ...]] = []
+def _entry_of(span) -> tuple[int, int, int]:
+    """mark()'s arguments for `span`, from the attributes it has now."""
+    ctx = span.get_span_context()
+    try:  # the SDK span's own dict: 0.1 µs where the public mapping costs 1 µs
+        modality = span._attributes._dict.get(MODALITY_ATTRIBUTE)
+    except AttributeError:  # another SDK version or span class
+        modality = _modality_attribute(span)
+    return (ctx.trace_id, ctx.span_id, MODALITIES.get(modality, 0))
+
+
+# What the marker was last told, per thread. The class attributes are what a
+# thread that never marked starts from: no span.
+class _ThreadMark(threading.local):
+    span = None  # the span object last followed (None: none); held, so `is` is safe
+    entry = _CLEAR  # the arguments of this thread's last mark()
+
+
+_thread = _ThreadMark()
+_mark = None  # the newest active processor's mark(), or None: follow nothing
+_owners: list[weakref.ref] = []  # the active processors, newest last
+_owners_lock = threading.Lock()
+
+
+def _follow(span) -> None:
+    """Tell the marker that `span` (a span object or None) is now this thread's
+    current span, if that changes what it was last told."""
+    mark = _mark
+    if mark is None:
+        return
+    thread = _thread
+    thread.span = span
+    try:
+        if span is None or not span.is_recording():
+            entry = _CLEAR
+        else:
+            try:
+                entry = getattr(span, _ENTRY)
+            except AttributeError:  # a span that no processor of ours started
+                entry = _entry_of(span)
+        if entry is not thread.entry:
+            thread.entry = entry
+            mark(*entry)
+    except Exception:
+        _warn_once("spanlet span processor failed to mark a context change; continuing", exc_info=True)
+
+
+# Set by _install() when the runtime context is OTel's contextvars one: the
+# ContextVar holding each context's OTel Context, and its get().
+_CONTEXT_VAR: contextvars.ContextVar | None = None
+_current_context = None
+
+
+def _follow_current() -> None:
+    """Follow the calling thread's current OTel context."""
+    try:
+        span = _current_context().get(_SPAN_KEY)
+    except Exception:
+        span = None
+    if span is not _thread.span:
+        _follow(span)
+
+
+def _follow_context(ctx: contextvars.Context) -> None:
+    """Follow the OTel context held in `ctx`, a contextvars context about to run here."""
+    otel = ctx.get(_CONTEXT_VAR)
+    span = otel.get(_SPAN_KEY) if otel is not None else None
+    if span is not _thread.span:
+        _follow(span)
+
+
+class _FollowingRuntimeContext(_RuntimeContext):
+    """OTel's runtime context, with every attach and detach followed by a mark
+    when the thread's current span changed."""
+
+    def __init__(self, inner: _RuntimeContext) -> None:
+        self.inner = inner
+        var = inner._current_context if type(inner) is ContextVarsRuntimeContext else None
+        # The ContextVar's own methods where it is OTel's default (one Python
+        # call less than the inner object's), else the inner object's.
+        self.get_current = var.get if var is not None else inner.get_current
+        self._set = var.set if var is not None else inner.attach
+        self._reset = var.reset if var is not None else inner.detach
+
+    def attach(self, context):
+        token = self._set(context)
+        try:
+            span = context.get(_SPAN_KEY)
+        except Exception:
+            span = None
+        if span is not _thread.span:
+            _follow(span)
+        return token
+
+    def get_current(self):  # replaced per instance in __init__; here for the ABC
+        return self.inner.get_current()
+
+    def detach(self, token) -> None:
+        try:
+            self._reset(token)
+        finally:
+            _follow_current()
+
+
+def _wrap_handle_run(run):
+    @functools.wraps(run)
+    def _run(self):
+        try:
+            _follow_context(self._context)
+        except Exception:
+            pass
+        return run(self)
+    _run.__spanlet_wraps__ = run
+    return _run
+
+
+def _wrap_run_forever(run_forever):
+    @functools.wraps(run_forever)
+    def run_forever_then_follow(self, *args, **kwargs):
+        try:
+            return run_forever(self, *args, **kwargs)
+        finally:
+            _follow_current()
+    run_forever_then_follow.__spanlet_wraps__ = run_forever
+    return run_forever_then_follow
+
+
+def _copied_context_of(fn) -> contextvars.Context | None:
+    """The context that a work item `fn` runs itself in: `ctx.run`, bound, or in
+    a functools.partial (what asyncio.to_thread submits); else None."""
+    if type(fn) is functools.partial:
+        fn = fn.func
+    ctx = getattr(fn, "__self__", None)
+    return ctx if type(ctx) is contextvars.Context and fn == ctx.run else None
+
+
+def _wrap_work_item_run(run):
+    @functools.wraps(run)
+    def run_in_its_context(self):
+        try:
+            ctx = _copied_context_of(self.fn)
+            if ctx is not None:
+                _follow_context(ctx)
+        except Exception:
+            ctx = None
+        try:
+            return run(self)
+        finally:
+            if ctx is not None:
+                _follow_current()
+    run_in_its_context.__spanlet_wraps__ = run
+    return run_in_its_context
+
+
+_hooks_lock = threading.Lock()
+_hooked = False
+_forked_hook = False
+# (owner, attribute name, the wrapper factory) of each hook on a class.
+_CLASS_HOOKS = (
+    (asyncio.events.Handle, "_run", _wrap_handle_run),
+    (asyncio.base_events.BaseEventLoop, "run_forever", _wrap_run_forever),
+    (concurrent.futures.thread._WorkItem, "run", _wrap_work_item_run),
+)
+
+
+def _install_hooks() -> None:
+    """Hook, once per process, where a thread's OTel context changes (see the module doc)."""
+    global _hooked, _forked_hook, _CONTEXT_VAR, _current_context
+    with _hooks_lock:
+        if _hooked:
+            return
+        _hooked = True
+        runtime = _FollowingRuntimeContext(otel_context._RUNTIME_CONTEXT)
+        _current_context = runtime.get_current
+        otel_context._RUNTIME_CONTEXT = runtime
+        if not _forked_hook:  # a forked child's thread is new to the kernel: tell it the current span
+            os.register_at_fork(after_in_child=_remark_after_fork)
+            _forked_hook = True
+        if type(runtime.inner) is not ContextVarsRuntimeContext:
+            return  # no contextvar to read another context's span from
+        _CONTEXT_VAR = runtime.inner._current_context
+        for owner, name, wrap in _CLASS_HOOKS:
+            setattr(owner, name, wrap(getattr(owner, name)))
+
+
+def _remove_hooks() -> None:
+    """Undo _install_hooks (for the bench and the tests: the app never needs it)."""
+    global _hooked
+    with _hooks_lock:
+        if not _hooked:
+            return
+        _hooked = False
+        runtime = otel_context._RUNTIME_CONTEXT
+        if isinstance(runtime, _FollowingRuntimeContext):
+            otel_context._RUNTIME_CONTEXT = runtime.inner
+        for owner, name, _ in _CLASS_HOOKS:
+            original = getattr(getattr(owner, name), "__spanlet_wraps__", None)
+            if original is not None:
+                setattr(owner, name, original)
+
+
+def _remark_after_fork() -> None:
+    if _hooked:
+        _thread.span, _thread.entry = object(), None
+        _follow_current()
+
+
+def _use_newest_owner() -> None:
+    """Mark through the newest processor still active; none: follow nothing."""
+    global _mark
+    _owners[:] = [ref for ref in _owners if ref() is not None and ref()._mark is not None]
+    _mark = _owners[-1]()._mark if _owners else None
 
 
 class SpanletSpanProcessor(SpanProcessor):
@@ -143,10 +391,17 @@ class SpanletSpanProcessor(SpanProcessor):
 
     def __init__(self, lib_path: str | os.PathLike | None = None) -> None:
         self._mark = load_marker(lib_path)
-        self._local = _Stacks()
-        # span_id -> (stack of the thread that started it, its entry there), so
-        # that an end on any thread finds it.
-        self._open: dict[int, tuple[list, tuple[int, ...]]] = {}
+        if self._mark is None:
+            return
+        try:
+            _install_hooks()
+            with _owners_lock:
+                _owners.append(weakref.ref(self))
+                _use_newest_owner()
+            _thread.span = object()  # a span current already: tell this marker
+            _follow_current()
+        except Exception:
+            _warn_once("spanlet span processor could not hook the OTel context; continuing", exc_info=True)
 
     @property
     def active(self) -> bool:
@@ -154,65 +409,40 @@ class SpanletSpanProcessor(SpanProcessor):
         return self._mark is not None
 
     def on_start(self, span: Span, parent_context=None) -> None:
-        mark = self._mark
-        if mark is None:
+        """Keeps the span's mark() arguments on it, for when it becomes current."""
+        if self._mark is None:
             return
         try:
-            ctx = span.get_span_context()
-            s = ctx.span_id
-            try:  # the SDK span's own dict: 0.1 µs where the public mapping costs 1 µs
-                modality = span._attributes._dict.get(MODALITY_ATTRIBUTE)
-            except AttributeError:  # another SDK version or span class
-                modality = _modality_attribute(span)
-            entry = (ctx.trace_id, s, MODALITIES.get(modality, 0))  # mark()'s arguments
-            stack = self._local.stack
-            stack.append(entry)
-            self._open[s] = (stack, entry)
-            if len(stack) > MAX_STACK_DEPTH:
-                self._forget_oldest(stack)
-            mark(*entry)
+            setattr(span, _ENTRY, _entry_of(span))
         except Exception:
             _warn_once("spanlet span processor failed in on_start; continuing", exc_info=True)
 
     def on_end(self, span: ReadableSpan) -> None:
-        mark = self._mark
-        if mark is None:
-            return
+        """A span that ends while current in this thread is unmarked at once."""
         try:
-            started = self._open.pop(span.context.span_id, None)
-            if started is not None:
-                stack, entry = started
-                # Only the owning thread appends to or pops the top of its stack,
-                # and list.remove is atomic, so another thread's removal is safe.
-                if stack and stack[-1] is entry:
-                    stack.pop()
-                else:  # ended out of order, or by another thread
-                    try:
-                        stack.remove(entry)  # an equal entry is the same span: either will do
-                    except ValueError:
-                        pass  # already forgotten by _forget_oldest
-            stack = self._local.stack
-            mark(*(stack[-1] if stack else _CLEAR))
+            entry, mark = _thread.entry, _mark
+            if entry is _CLEAR or mark is None:
+                return
+            ctx = span.context
+            if entry[1] == ctx.span_id and entry[0] == ctx.trace_id:
+                _thread.entry = _CLEAR
+                mark(*_CLEAR)
         except Exception:
             _warn_once("spanlet span processor failed in on_end; continuing", exc_info=True)
-
-    def _forget_oldest(self, stack: list) -> None:
-        oldest = stack.pop(0)
-        span_id = oldest[1]
-        if self._open.get(span_id, (None, None))[1] is oldest:
-            del self._open[span_id]
 
     def shutdown(self) -> None:
         """Clears the calling thread's context and stops marking (safe twice)."""
         mark, self._mark = self._mark, None
-        if mark is not None:
-            try:
-                mark(*_CLEAR)
-            except Exception:
-                pass
-        self._open.clear()
+        if mark is None:
+            return
+        try:
+            mark(*_CLEAR)
+            _thread.span, _thread.entry = None, _CLEAR
+            with _owners_lock:
+                _use_newest_owner()
+        except Exception:
+            pass
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Nothing is buffered: every mark is made at once."""
         return True
-

@@ -1,5 +1,9 @@
-"""Cost of SpanletSpanProcessor to an instrumented app: µs per span (start+end)
-with the processor and without it, side by side in one run, and per span edge.
+"""Cost of SpanletSpanProcessor to an instrumented app, with the processor and
+without it side by side in one run: µs per span edge and per asyncio task switch.
+
+"Without" runs with the client's process-wide context hooks removed, so it is
+the SDK as it is without spanlet; "with" has them installed, as any process
+with an active processor has.
 
 No kernel uprobe is attached here (no root needed); the agent's uprobe on
 spanlet_mark adds its own cost per edge, measured separately by the lead.
@@ -11,6 +15,7 @@ Run: .venv/bin/python bench/client_bench.py [--spans N] [--repeat R] [--lib PATH
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
@@ -53,6 +58,28 @@ def ns_per_edge_direct(processor, spans: int, tracer) -> float:
     return elapsed / (2 * spans)
 
 
+def ns_per_task_switch(tracer, steps: int, tasks: int = 4, spans: bool = True) -> float:
+    """`tasks` coroutines on one event loop, each in its own span (or in none),
+    each yielding `steps` times: ns per task step, every step a switch to
+    another task (and, with spans, to another span)."""
+
+    async def worker(i: int) -> None:
+        if spans:
+            with tracer.start_as_current_span(f"task{i}"):
+                for _ in range(steps):
+                    await asyncio.sleep(0)
+        else:
+            for _ in range(steps):
+                await asyncio.sleep(0)
+
+    async def run() -> int:
+        start = time.perf_counter_ns()
+        await asyncio.gather(*(worker(i) for i in range(tasks)))
+        return time.perf_counter_ns() - start
+
+    return asyncio.run(run()) / (tasks * steps)
+
+
 def ns_per_mark(mark, calls: int) -> float:
     """The call into the marker's mark() alone, as the processor makes it."""
     args = (0xDEADBEEFFEEDFACE123456789ABCDEF0, 0xCAFEF00D0BADF00D, 2)
@@ -77,13 +104,20 @@ def main() -> None:
     for tracer in (plain, noop, marked):
         ns_per_span(tracer, 2000)  # warm-up
 
-    runs = {"without": [], "noop": [], "with": [], "edge": [], "mark": []}
+    runs = {k: [] for k in ("without", "noop", "with", "edge", "mark",
+                            "switch_without", "switch_with", "switch_nospan")}
+    switch_steps = max(args.spans // 8, 100)
     for _ in range(args.repeat):  # short runs, interleaved, so drift and noise hit all alike
+        client._remove_hooks()  # the SDK as it is without spanlet
         runs["without"].append(ns_per_span(plain, args.spans))
         runs["noop"].append(ns_per_span(noop, args.spans))
+        runs["switch_without"].append(ns_per_task_switch(plain, switch_steps))
+        client._install_hooks()
         runs["with"].append(ns_per_span(marked, args.spans))
         runs["edge"].append(ns_per_edge_direct(processor, args.spans // 2, plain))
         runs["mark"].append(ns_per_mark(processor._mark, args.spans))
+        runs["switch_with"].append(ns_per_task_switch(marked, switch_steps))
+        runs["switch_nospan"].append(ns_per_task_switch(marked, switch_steps, spans=False))
 
     best = {k: min(v) / 1000 for k, v in runs.items()}
     med = {k: statistics.median(v) / 1000 for k, v in runs.items()}
@@ -104,6 +138,11 @@ def main() -> None:
     row("  of which the SDK calling any processor", lambda r: (r["noop"] - r["without"]) / 2)
     row("processor alone per edge (on_start/on_end direct)", lambda r: r["edge"])
     row("  of which the marker call (mark(), METH_FASTCALL)", lambda r: r["mark"])
+    print(f"  asyncio: 4 tasks on one loop, {switch_steps} steps each (await asyncio.sleep(0))")
+    row("per task switch, no processor (tasks in 4 spans)", lambda r: r["switch_without"])
+    row("per task switch, with processor (4 spans: a mark each)", lambda r: r["switch_with"])
+    row("added per task switch, 4 spans", lambda r: r["switch_with"] - r["switch_without"])
+    row("per task switch, with processor, tasks in no span", lambda r: r["switch_nospan"])
 
 if __name__ == "__main__":
     main()

@@ -17,20 +17,19 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import NamedTuple
-
 import pytest
+from opentelemetry import context, trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import marker_build
+from marker_build import CLEAR, Recorder, forget_client_state
 from spanlet import client
 from spanlet.discovery import library_pattern
 from spanlet.probes.span_ctx import MARKER_LIBRARY, MARKER_SYMBOL
 
 ROOT = Path(__file__).resolve().parents[2]
-CLEAR = (b"\0" * 16, 0, 0)
 RECORD_ONLY = ("record_count", "record_get", "record_reset")
 NO_MARK_SOURCE = """\
 #include <Python.h>
@@ -45,34 +44,6 @@ PyMODINIT_FUNC PyInit_libspanlet_marker(void)
 """ % client.ABI_VERSION
 # What the old ctypes marker was: a plain shared object with the probed symbol, no module.
 NO_INIT_SOURCE = "void spanlet_mark(unsigned long a, unsigned long b, unsigned long c, unsigned d) {}\n"
-
-
-class Record(NamedTuple):
-    """One recorded spanlet_mark call, as record_get() returns it."""
-    trace_hi: int
-    trace_lo: int
-    span_id: int
-    modality: int
-    tid: int
-
-
-class Recorder:
-    """The record build's in-extension log of spanlet_mark calls."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.module = client.load_extension(path)  # same dlopen handle as the processor's
-
-    def reset(self) -> None:
-        self.module.record_reset()
-
-    def records(self) -> list[Record]:
-        return [Record(*self.module.record_get(i)) for i in range(self.module.record_count())]
-
-    def marks(self) -> list[tuple[bytes, int, int]]:
-        """(16-byte trace id, span id, modality) per call, in call order."""
-        return [(r.trace_hi.to_bytes(8, "big") + r.trace_lo.to_bytes(8, "big"), r.span_id, r.modality)
-                for r in self.records()]
 
 
 def build(out: Path, name: str, *defines: str, source: Path | None = None) -> str:
@@ -102,10 +73,10 @@ def libs():
 
 @pytest.fixture
 def fresh_client(monkeypatch):
-    """Forget loaded markers and the once-per-process warning, as a new process would."""
-    monkeypatch.setattr(client, "_libs", {})
-    monkeypatch.setattr(client, "_warned", False)
-    monkeypatch.delenv(client.LIB_ENV, raising=False)
+    """Forget loaded markers, the once-per-process warning and the context hooks, as a new process would."""
+    forget_client_state(monkeypatch)
+    yield
+    client._remove_hooks()
 
 
 @pytest.fixture
@@ -124,9 +95,12 @@ def traced(processor):
     return provider, provider.get_tracer("spanlet.test"), exporter
 
 
-def ids(span, modality: int) -> tuple[bytes, int, int]:
-    ctx = span.get_span_context()
-    return (ctx.trace_id.to_bytes(16, "big"), ctx.span_id, modality)
+ids = marker_build.span_mark
+
+
+def current(span):
+    """Makes `span` current in this thread's OTel context (a context manager)."""
+    return trace.use_span(span, end_on_exit=False)
 
 
 def installed_marker() -> str:
@@ -237,8 +211,8 @@ def test_nested_spans_mark_start_child_parent_again_then_clear(recorder):
 ])
 def test_modality_from_start_attributes(recorder, attributes, modality):
     _, tracer, _ = traced(client.SpanletSpanProcessor(recorder.path))
-    span = tracer.start_span("s", attributes=attributes)
-    span.end()
+    with tracer.start_as_current_span("s", attributes=attributes) as span:
+        pass
     assert recorder.marks() == [ids(span, modality), CLEAR]
 
 
@@ -272,21 +246,72 @@ def test_modality_through_the_public_api_for_other_span_classes(recorder, attrib
         def attributes(self):
             return self._inner.attributes
 
+        def is_recording(self):
+            return self._inner.is_recording()
+
     proc = client.SpanletSpanProcessor(recorder.path)
     span = TracerProvider().get_tracer("plain").start_span("s", attributes=attributes)
-    proc.on_start(OtherSpan(span))
+    other = OtherSpan(span)
+    proc.on_start(other)
+    with current(other):
+        pass
     span.end()
     proc.on_end(span)
     assert recorder.marks() == [ids(span, modality), CLEAR]
 
 
-def test_parent_ending_before_child_leaves_child_marked(recorder):
+def test_a_span_of_another_provider_is_marked_when_current(recorder):
+    """The kernel follows the thread's current span, whoever started it; its
+    modality then comes from the attributes it has when it first becomes current."""
+    client.SpanletSpanProcessor(recorder.path)
+    span = TracerProvider().get_tracer("plain").start_span("s")
+    span.set_attribute("mm.modality", "text")
+    with current(span):
+        pass
+    assert recorder.marks() == [ids(span, 1), CLEAR]
+
+
+def test_a_span_not_made_current_is_not_marked(recorder):
+    """start_span alone does not change the thread's current span (nor the
+    parent of the spans started next), so the kernel is not told about it."""
+    _, tracer, _ = traced(client.SpanletSpanProcessor(recorder.path))
+    with tracer.start_as_current_span("request", attributes={"mm.modality": "image"}) as request:
+        side = tracer.start_span("side", attributes={"mm.modality": "audio"})
+        side.end()
+    assert recorder.marks() == [ids(request, 2), CLEAR]
+    assert side.parent.span_id == request.get_span_context().span_id
+
+
+def test_ended_and_non_recording_spans_are_never_marked(recorder):
+    """A remote parent (extracted from headers) or a span that already ended is
+    current in no kernel sense: its thread is marked as in no span."""
+    _, tracer, _ = traced(client.SpanletSpanProcessor(recorder.path))
+    remote = trace.NonRecordingSpan(trace.SpanContext(0xABC, 0xDEF, is_remote=True,
+                                                      trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED)))
+    ended = tracer.start_span("ended")
+    ended.end()
+    with current(remote):
+        with tracer.start_as_current_span("server") as server:
+            pass
+        with current(ended):
+            pass
+    assert recorder.marks() == [ids(server, 0), CLEAR]
+
+
+def test_a_span_ending_while_current_is_unmarked_at_its_end(recorder):
+    """The parent ends first (not current: nothing to tell); the child ends
+    while current: the thread is in no span from then on, and leaving the
+    ended spans' contexts marks nothing more."""
     _, tracer, _ = traced(client.SpanletSpanProcessor(recorder.path))
     parent = tracer.start_span("parent", attributes={"mm.modality": "video"})
-    child = tracer.start_span("child", attributes={"mm.modality": "audio"})
-    parent.end()
-    child.end()
-    assert recorder.marks() == [ids(parent, 4), ids(child, 3), ids(child, 3), CLEAR]
+    with current(parent):
+        child = tracer.start_span("child", attributes={"mm.modality": "audio"})
+        with current(child):
+            parent.end()
+            assert recorder.marks() == [ids(parent, 4), ids(child, 3)]
+            child.end()
+            assert recorder.current() == CLEAR
+    assert recorder.marks() == [ids(parent, 4), ids(child, 3), CLEAR]
 
 
 def test_span_ended_on_another_thread_is_gone_from_its_starting_thread(recorder):
@@ -296,10 +321,11 @@ def test_span_ended_on_another_thread_is_gone_from_its_starting_thread(recorder)
 
     def worker():
         box["span"] = tracer.start_span("handed-off", attributes={"mm.modality": "text"})
-        started.set()
-        assert ended.wait(30)
-        later = tracer.start_span("later")
-        later.end()
+        with current(box["span"]):
+            started.set()
+            assert ended.wait(30)
+            with tracer.start_as_current_span("later") as later:
+                pass
         box["later"], box["tid"] = later, threading.get_native_id()
 
     t = threading.Thread(target=worker)
@@ -310,12 +336,11 @@ def test_span_ended_on_another_thread_is_gone_from_its_starting_thread(recorder)
     finally:
         ended.set()
         t.join(30)
-    main = threading.get_native_id()
     assert [(r.tid, m) for r, m in zip(recorder.records(), recorder.marks())] == [
         (box["tid"], ids(box["span"], 1)),
-        (main, CLEAR),  # the main thread is in no span
+        # nothing from the main thread, which was and is in no span
         (box["tid"], ids(box["later"], 0)),
-        (box["tid"], CLEAR),  # not the handed-off span: it left the worker's stack
+        (box["tid"], CLEAR),  # not the handed-off span back: it ended
     ]
 
 
@@ -333,13 +358,11 @@ def test_four_threads_interleaved_each_see_only_their_own_spans(recorder):
             mine = expected.setdefault(threading.get_native_id(), [])
             modality = ("text", "image", "audio", "video")[n]
             for _ in range(rounds):
-                outer = tracer.start_span("outer", attributes={"mm.modality": modality})
-                barrier.wait()
-                inner = tracer.start_span("inner")
-                barrier.wait()
-                inner.end()
-                barrier.wait()
-                outer.end()
+                with tracer.start_as_current_span("outer", attributes={"mm.modality": modality}) as outer:
+                    barrier.wait()
+                    with tracer.start_as_current_span("inner") as inner:
+                        barrier.wait()
+                    barrier.wait()
                 barrier.wait()
                 mine += [ids(outer, n + 1), ids(inner, 0), ids(outer, n + 1), CLEAR]
         except BaseException as e:  # noqa: BLE001 - reported below
@@ -364,21 +387,9 @@ def test_four_threads_interleaved_each_see_only_their_own_spans(recorder):
 def test_library_from_environment(recorder, monkeypatch):
     monkeypatch.setenv(client.LIB_ENV, recorder.path)
     _, tracer, _ = traced(client.SpanletSpanProcessor())
-    span = tracer.start_span("s", attributes={"mm.modality": "audio"})
-    span.end()
+    with tracer.start_as_current_span("s", attributes={"mm.modality": "audio"}) as span:
+        pass
     assert recorder.marks() == [ids(span, 3), CLEAR]
-
-
-def test_never_ended_spans_do_not_grow_the_stack_without_bound(recorder):
-    proc = client.SpanletSpanProcessor(recorder.path)
-    _, tracer, _ = traced(proc)
-    spans = [tracer.start_span(f"leak{i}") for i in range(client.MAX_STACK_DEPTH + 10)]
-    assert len(proc._local.stack) == client.MAX_STACK_DEPTH
-    assert len(proc._open) == client.MAX_STACK_DEPTH
-    for s in reversed(spans):
-        s.end()
-    assert proc._local.stack == [] and proc._open == {}
-    assert recorder.marks()[-1] == CLEAR
 
 
 # The app must never break because of spanlet.
@@ -446,7 +457,7 @@ def test_exceptions_in_the_processor_never_reach_the_app(recorder, caplog):
     def broken(*args):
         raise RuntimeError("marker exploded")
 
-    proc._mark = broken
+    client._mark = broken  # what every context hook calls (monkeypatched by fresh_client)
     _, tracer, exporter = traced(proc)
     with tracer.start_as_current_span("a"):
         with tracer.start_as_current_span("b"):
@@ -460,11 +471,13 @@ def test_shutdown_clears_the_thread_and_stops_marking(recorder):
     proc = client.SpanletSpanProcessor(recorder.path)
     provider, tracer, _ = traced(proc)
     span = tracer.start_span("open-at-shutdown")
-    assert proc.force_flush() is True
-    provider.shutdown()
-    proc.shutdown()  # safe twice
-    span.end()
-    tracer.start_span("after").end()
+    with current(span):
+        assert proc.force_flush() is True
+        provider.shutdown()
+        proc.shutdown()  # safe twice
+        span.end()
+        with tracer.start_as_current_span("after"):
+            pass
     assert recorder.marks() == [ids(span, 0), CLEAR]
     assert proc.active is False
 
