@@ -5,6 +5,7 @@ every span must arrive upstream with exactly its own kernel.gpu.launches."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.kernel
 
 RUNS = 20
 LATE_SPAN_NAME = "spanlet.kernel.late_events"
+SETTLE_S = 0.3
 # case → (the child's span processor, its commands); each span of a case makes a known,
 # different number of launches (see span_facts_child.py)
 CASES = {
@@ -44,7 +46,11 @@ class Agent:
         return FactsChild(self.endpoint, self.libcuda, processor)
 
     def settle(self) -> None:
-        """What is late goes out now, and everything queued reaches the upstream."""
+        """What is late goes out now, and everything queued reaches the upstream. The
+        wait first lets the readers (100 ms polls) and the refresh loop (every
+        discovery.interval_s) pass at least once after the spans came: what they
+        would still find late is then found."""
+        time.sleep(SETTLE_S)
         self.daemon.spans.tick()
         assert self.daemon.spans.exporter.force_flush(10_000)
 
