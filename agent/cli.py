@@ -42,8 +42,8 @@ def _dump_bpf(cfg: config_mod.Config) -> None:
     for cls in probe_classes(cfg):
         probe = cls(cfg)
         if owner is None:
-            owner = probe  # the span_ctx probe: the others get the path it will pin at
-        flags = " ".join(probe.compile_flags(span_ctx_pin=owner.pin))
+            owner = probe  # the span_ctx probe: the others get the folder it will pin in
+        flags = " ".join(probe.compile_flags(pin_dir=str(owner.pin_dir)))
         print(f"/* ==== probe {probe.name}: {probe.source_path.name}  flags: {flags} ==== */")
         print(probe.source_text())
 

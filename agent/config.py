@@ -179,9 +179,18 @@ class GpuConfig(_Section):
     # File names (as in /proc/<pid>/maps) that hold the driver and runtime API.
     driver_libraries: list[str] = ["libcuda.so"]
     runtime_libraries: list[str] = ["libcudart.so"]
-    # Which launches go through the ring buffer one by one: those inside a
-    # span (for the join), all of them, or none (counts only).
-    launch_events: Literal["spanned", "all", "none"] = "spanned"
+    # Individual launch and sync records through the ring buffer, a side
+    # stream only (counts and span facts are kept in the kernel in every
+    # mode): none, the first sampled_events_per_span of each span, or all.
+    launch_events: Literal["off", "sampled", "all"] = "off"
+    sampled_events_per_span: int = Field(default=4, ge=1, le=1000)
+    # Time inside launch calls (kernel.gpu.launch_ns): a return probe on
+    # every launch, a second trap per launch. Off: one entry-only uprobe.
+    launch_timing: bool = False
+    # Also hook the runtime's cudaLaunchKernel (the driver sees every launch
+    # the runtime makes: ../shared/CUDA.md); its nested driver call is not
+    # counted again. Runtime sync calls are hooked in every mode.
+    runtime_hooks: bool = False
 
 
 class DiscoveryConfig(_Section):
@@ -217,9 +226,18 @@ class OtlpConfig(_Section):
 
 
 class JoinConfig(_Section):
-    # Kernel events wait here for their span; bounded in count and age.
+    # Sampled kernel events (span events) wait here for their span; bounded
+    # in count and age. Counts never wait here: they are in span_facts.
     buffer_events: int = Field(default=100_000, ge=100, le=10_000_000)
+    # How long a facts row may wait for its span (then it is deleted and
+    # counted as expired), and how long a span passed on is remembered for
+    # facts that come after it (late records).
     ttl_s: float = Field(default=30.0, gt=0, le=3600)
+    # Rows of the kernel's span facts map (LRU: a row past the bound is
+    # evicted and counted).
+    span_facts_max: int = Field(default=65_536, ge=16, le=4_194_304)
+    # How often the daemon sweeps the span facts map for late and expired rows.
+    sweep_interval_s: float = Field(default=2.0, gt=0, le=60)
     # Individual kernel events added to a span as span events, at most.
     max_span_events: int = Field(default=32, ge=0, le=10_000)
 

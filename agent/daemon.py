@@ -156,7 +156,7 @@ class Daemon:
         statuses = [owner.start()]
         self.probes.append(owner)
         for probe in rest:
-            statuses.append(probe.start(span_ctx_pin=owner.shared_pin()))
+            statuses.append(probe.start(pin_dir=owner.shared_pin_dir()))
             self.probes.append(probe)
         log.info("probes compiled and attached in %.2f s", time.monotonic() - t0)
         if self.store is not None:

@@ -86,6 +86,32 @@ class SpanCtx(C.Structure):
     ]
 
 
+class SpanFactsKey(C.Structure):
+    """Key of the span facts map: a span is its trace id and span id."""
+    _fields_ = [
+        ("trace_id", C.c_uint8 * 16),
+        ("span_id", C.c_uint64),
+    ]
+
+
+class SpanFactsVal(C.Structure):
+    """One span's kernel facts row (struct span_facts_val)."""
+    _fields_ = [
+        ("launches_driver", C.c_uint64),
+        ("launches_runtime", C.c_uint64),
+        ("launch_ns", C.c_uint64),
+        ("sync_wait_ns", C.c_uint64),
+        ("syncs", C.c_uint64),
+        ("violations", C.c_uint64),
+        ("graph_launches", C.c_uint64),
+        ("graph_kernels", C.c_uint64),
+        ("cgroup_id", C.c_uint64),
+        ("first_ns", C.c_uint64),
+        ("pid", C.c_uint32),
+        ("sampled_events", C.c_uint32),
+    ]
+
+
 class FlowKey(C.Structure):
     _fields_ = [
         ("saddr", C.c_uint8 * 16),

@@ -1,17 +1,32 @@
-/* gpu_launch.bpf.c: uprobes and uretprobes on the CUDA driver and runtime launch
- * and synchronisation calls. Counts launches and sync wait per (cgroup, modality,
- * api) in per-CPU maps and sends launch/sync records through the ring buffer. */
+/* gpu_launch.bpf.c: uprobes on the CUDA driver (and optionally runtime) launch
+ * calls and entry/return probes on the synchronisation calls. Counts launches
+ * and sync wait per (cgroup, modality, api) in per-CPU maps, adds them to the
+ * span facts row of the calling thread's span, and sends a sampled side
+ * stream of launch/sync records through the ring buffer. */
 #include <uapi/linux/ptrace.h>  /* struct pt_regs, as every BCC uprobe tool uses it */
 #include "spanlet.h"
 
 /* Which calls become ring-buffer records (GpuConfig.launch_events):
- *   -DSPANLET_GPU_EVENTS_ALL   every outermost launch and sync call;
- *   -DSPANLET_GPU_EVENTS_NONE  none (counts only);
- *   neither                    only calls of threads that have a span context
- *                              (the ones the span join needs).
- * The per-CPU counts below are kept in every mode. */
-#if defined(SPANLET_GPU_EVENTS_ALL) && defined(SPANLET_GPU_EVENTS_NONE)
-#error "SPANLET_GPU_EVENTS_ALL and SPANLET_GPU_EVENTS_NONE are exclusive"
+ *   -DSPANLET_GPU_EVENTS_ALL      every outermost launch and sync call;
+ *   -DSPANLET_GPU_EVENTS_SAMPLED  the first SPANLET_GPU_SAMPLED_PER_SPAN calls of
+ *                                 each span (counted in its facts row);
+ *   neither                       none: counts and span facts only.
+ * -DSPANLET_GPU_LAUNCH_TIMING: driver launches get a return probe and their
+ * call time is measured (launch_ns); without it a driver launch is one
+ * entry-only uprobe. -DSPANLET_GPU_RUNTIME_HOOKS: cudaLaunchKernel is hooked
+ * too (the driver call it makes is then nested and not counted again).
+ * The per-CPU counts and the span facts are kept in every mode. */
+#if defined(SPANLET_GPU_EVENTS_ALL) && defined(SPANLET_GPU_EVENTS_SAMPLED)
+#error "SPANLET_GPU_EVENTS_ALL and SPANLET_GPU_EVENTS_SAMPLED are exclusive"
+#endif
+#ifndef SPANLET_GPU_SAMPLED_PER_SPAN
+#define SPANLET_GPU_SAMPLED_PER_SPAN 4
+#endif
+/* Launch calls are tracked between entry and return only when something
+ * needs the return: the time of the call, or a runtime call whose nested
+ * driver call must not count again. */
+#if defined(SPANLET_GPU_LAUNCH_TIMING) || defined(SPANLET_GPU_RUNTIME_HOOKS)
+#define SPANLET_GPU_TRACK_LAUNCHES 1
 #endif
 
 /* The argument map below is the x86-64 System V one. arm64 (AAPCS64) needs
@@ -94,25 +109,34 @@ static __always_inline int gpu_is_nested(struct gpu_call *outer, __u64 pid_tgid,
     return outer && outer->pid_tgid == pid_tgid && sp <= outer->entry_sp;
 }
 
-/* Start a new outermost call in *c: ids, time, span modality, whether it
- * will be sent as a record. */
+/* Start a new outermost call in *c: ids, time, span modality. */
 static __always_inline void gpu_call_init(struct gpu_call *c, struct pt_regs *ctx, __u64 pid_tgid,
-                                          __u8 api, __u8 entry)
+                                          struct span_ctx_val *span, __u8 api, __u8 entry)
 {
-    __u32 tid = (__u32)pid_tgid;
-    struct span_ctx_val *span = span_ctx.lookup(&tid);
     c->pid_tgid = pid_tgid;
     c->entry_sp = PT_REGS_SP(ctx);
     c->start_ns = bpf_ktime_get_ns();
     c->api = api;
     c->entry = entry;
     c->modality = span ? span->modality : SPANLET_MOD_OTHER;
+}
+
+/* Whether this call becomes a ring-buffer record (see the modes above). In
+ * sampled mode the row counts the records sent. Check and add are two steps
+ * (the fetch-and-add's result needs BPF v3 atomics, which BCC 0.26 does not
+ * emit): threads of one span racing on the same instant may each send one
+ * more than SPANLET_GPU_SAMPLED_PER_SPAN; one thread never does. */
+static __always_inline __u8 gpu_should_emit(struct span_facts_val *row)
+{
 #if defined(SPANLET_GPU_EVENTS_ALL)
-    c->emit = 1;
-#elif defined(SPANLET_GPU_EVENTS_NONE)
-    c->emit = 0;
+    return 1;
+#elif defined(SPANLET_GPU_EVENTS_SAMPLED)
+    if (!row || row->sampled_events >= SPANLET_GPU_SAMPLED_PER_SPAN)
+        return 0;
+    __sync_fetch_and_add(&row->sampled_events, 1);
+    return 1;
 #else
-    c->emit = span != 0;
+    return 0;
 #endif
 }
 
@@ -124,19 +148,21 @@ static __always_inline void gpu_count_key_of(struct gpu_count_key *k, struct gpu
     k->api = c->api;
 }
 
-/* Entry of a launch call: counts it unless nested, and returns whether the
- * caller should fill in its arguments and record it for the return probe.
- * With SPANLET_GPU_EVENTS_NONE a driver call is not recorded: nothing is
- * timed, so the agent attaches no return probe to driver launches (the most
- * expensive part of a uprobe pair) and only runtime calls, which the driver
- * calls they make must see, are tracked. */
+/* Entry of a launch call: counts it unless nested (in the per-CPU map and
+ * in the span's facts row), and returns whether the caller should fill in
+ * its arguments: for the return probe (a tracked call) or for a record sent
+ * now. By default a driver launch is neither: one entry-only uprobe that
+ * counts. */
 static __always_inline int gpu_launch_begin(struct pt_regs *ctx, struct gpu_call *c, __u8 api, __u8 entry)
 {
     __u64 pid_tgid = bpf_get_current_pid_tgid();
     __u32 tid = (__u32)pid_tgid;
+#ifdef SPANLET_GPU_TRACK_LAUNCHES
     if (gpu_is_nested(gpu_launch_calls.lookup(&tid), pid_tgid, PT_REGS_SP(ctx)))
         return 0;
-    gpu_call_init(c, ctx, pid_tgid, api, entry);
+#endif
+    struct span_ctx_val *span = span_ctx.lookup(&tid);
+    gpu_call_init(c, ctx, pid_tgid, span, api, entry);
     struct gpu_count_key k;
     gpu_count_key_of(&k, c);
     /* Atomic even per CPU: a uprobe program can be preempted by another
@@ -147,17 +173,81 @@ static __always_inline int gpu_launch_begin(struct pt_regs *ctx, struct gpu_call
         __sync_fetch_and_add(n, 1);
     else
         spanlet_gpu_kernel_launches_total.update(&k, &one);
-#if defined(SPANLET_GPU_EVENTS_NONE)
-    return api != SPANLET_API_DRIVER;
-#else
+    struct span_facts_val *row = span ? spanlet_span_row(span) : 0;
+    if (row) {
+        if (api == SPANLET_API_DRIVER)
+            __sync_fetch_and_add(&row->launches_driver, 1);
+        else
+            __sync_fetch_and_add(&row->launches_runtime, 1);
+    }
+    c->emit = gpu_should_emit(row);
+#ifdef SPANLET_GPU_LAUNCH_TIMING
     return 1;
+#else
+    return api != SPANLET_API_DRIVER || c->emit;
 #endif
 }
 
+/* Records submitted since start; one in SPANLET_GPU_WAKEUP_EVERY wakes the reader. */
+BPF_ARRAY(gpu_records_submitted, __u64, 1);
+
+/* Wake the reader once per batch of records, not per record: a wake-up costs
+ * the traced thread an interrupt (an IPI; a VM exit on virtual machines) and
+ * the reader a context switch. GpuProbe.poll() also consumes when its wait
+ * times out, so a record waits at most one poll period. (bpf_ringbuf_query
+ * would size batches by bytes, but BCC 0.26 cannot pass it the map.) */
+static __always_inline __u64 gpu_wakeup_flags(void)
+{
+    int zero = 0;
+    __u64 *n = gpu_records_submitted.lookup(&zero);
+    if (!n)
+        return 0;
+    /* Not atomic across CPUs: a lost increment only moves a wake-up by a record. */
+    __u64 v = *n + 1;
+    *n = v;
+    return v % SPANLET_GPU_WAKEUP_EVERY == 0 ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
+}
+
+/* One launch record: the call's start as its time stamp, the thread's span
+ * context as stamped by spanlet_fill_task_hdr, duration_ns 0 when untimed. */
+static __always_inline void gpu_emit_launch(struct gpu_call *c, __u64 duration_ns)
+{
+    struct gpu_launch_event *e = events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        spanlet_count_drop();
+        return;
+    }
+    spanlet_fill_task_hdr(&e->hdr, SPANLET_KIND_GPU_LAUNCH);
+    e->duration_ns = duration_ns;
+    e->hdr.ts_ns = c->start_ns;
+    e->func = c->func;
+    e->stream = c->stream;
+    __builtin_memcpy(e->grid, c->grid, sizeof(e->grid));
+    __builtin_memcpy(e->block, c->block, sizeof(e->block));
+    e->shared_mem = c->shared_mem;
+    e->api = c->api;
+    e->entry = c->entry;
+    e->_pad[0] = 0;
+    e->_pad[1] = 0;
+    events.ringbuf_submit(e, gpu_wakeup_flags());
+}
+
+/* After the arguments are in *c: a tracked call waits for its return probe;
+ * an untracked (entry-only) driver launch is sent now if sampled. */
 static __always_inline void gpu_launch_commit(struct gpu_call *c)
 {
+#ifdef SPANLET_GPU_TRACK_LAUNCHES
+#ifndef SPANLET_GPU_LAUNCH_TIMING
+    if (c->api == SPANLET_API_DRIVER) {
+        gpu_emit_launch(c, 0);   /* only reached when c->emit */
+        return;
+    }
+#endif
     __u32 tid = (__u32)c->pid_tgid;
     gpu_launch_calls.update(&tid, c);
+#else
+    gpu_emit_launch(c, 0);
+#endif
 }
 
 /* x86-64: a 32-bit argument passed on the stack takes an 8-byte slot; at the
@@ -258,58 +348,25 @@ static __always_inline struct gpu_call *gpu_outermost_return(struct gpu_call *c,
     return c;
 }
 
-/* Records submitted since start; one in SPANLET_GPU_WAKEUP_EVERY wakes the reader. */
-BPF_ARRAY(gpu_records_submitted, __u64, 1);
-
-/* Wake the reader once per batch of records, not per record: a wake-up costs
- * the traced thread an interrupt (an IPI; a VM exit on virtual machines) and
- * the reader a context switch. GpuProbe.poll() also consumes when its wait
- * times out, so a record waits at most one poll period. (bpf_ringbuf_query
- * would size batches by bytes, but BCC 0.26 cannot pass it the map.) */
-static __always_inline __u64 gpu_wakeup_flags(void)
-{
-    int zero = 0;
-    __u64 *n = gpu_records_submitted.lookup(&zero);
-    if (!n)
-        return 0;
-    /* Not atomic across CPUs: a lost increment only moves a wake-up by a record. */
-    __u64 v = *n + 1;
-    *n = v;
-    return v % SPANLET_GPU_WAKEUP_EVERY == 0 ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
-}
-
-/* Records keep the call's start as their time stamp and the thread's span
- * context as stamped by spanlet_fill_task_hdr. */
 int gpu_launch_return(struct pt_regs *ctx)
 {
+#ifdef SPANLET_GPU_TRACK_LAUNCHES
     __u64 pid_tgid = bpf_get_current_pid_tgid();
     __u32 tid = (__u32)pid_tgid;
     struct gpu_call *c = gpu_outermost_return(gpu_launch_calls.lookup(&tid), ctx, pid_tgid);
     if (!c)
         return 0;
-#if !defined(SPANLET_GPU_EVENTS_NONE)
-    if (c->emit) {
-        struct gpu_launch_event *e = events.ringbuf_reserve(sizeof(*e));
-        if (!e) {
-            spanlet_count_drop();
-        } else {
-            spanlet_fill_task_hdr(&e->hdr, SPANLET_KIND_GPU_LAUNCH);
-            e->duration_ns = e->hdr.ts_ns - c->start_ns;
-            e->hdr.ts_ns = c->start_ns;
-            e->func = c->func;
-            e->stream = c->stream;
-            __builtin_memcpy(e->grid, c->grid, sizeof(e->grid));
-            __builtin_memcpy(e->block, c->block, sizeof(e->block));
-            e->shared_mem = c->shared_mem;
-            e->api = c->api;
-            e->entry = c->entry;
-            e->_pad[0] = 0;
-            e->_pad[1] = 0;
-            events.ringbuf_submit(e, gpu_wakeup_flags());
-        }
-    }
+    __u64 ns = bpf_ktime_get_ns() - c->start_ns;
+#ifdef SPANLET_GPU_LAUNCH_TIMING
+    struct span_ctx_val *span = span_ctx.lookup(&tid);
+    struct span_facts_val *row = span ? spanlet_span_row(span) : 0;
+    if (row)
+        __sync_fetch_and_add(&row->launch_ns, ns);
 #endif
+    if (c->emit)
+        gpu_emit_launch(c, ns);
     gpu_launch_calls.delete(&tid);
+#endif
     return 0;
 }
 
@@ -320,7 +377,7 @@ static __always_inline int gpu_sync_begin(struct pt_regs *ctx, __u8 api, __u8 en
     if (gpu_is_nested(gpu_sync_calls.lookup(&tid), pid_tgid, PT_REGS_SP(ctx)))
         return 0;
     struct gpu_call c = {};
-    gpu_call_init(&c, ctx, pid_tgid, api, entry);
+    gpu_call_init(&c, ctx, pid_tgid, span_ctx.lookup(&tid), api, entry);
     c.stream = stream;
     gpu_sync_calls.update(&tid, &c);
     return 0;
@@ -390,8 +447,13 @@ int gpu_sync_return(struct pt_regs *ctx)
     __u64 now = bpf_ktime_get_ns();
     __u64 ns = now - c->start_ns;
     gpu_wait_add(c, ns);
-#if !defined(SPANLET_GPU_EVENTS_NONE)
-    if (c->emit) {
+    struct span_ctx_val *span = span_ctx.lookup(&tid);
+    struct span_facts_val *row = span ? spanlet_span_row(span) : 0;
+    if (row) {
+        __sync_fetch_and_add(&row->sync_wait_ns, ns);
+        __sync_fetch_and_add(&row->syncs, 1);
+    }
+    if (gpu_should_emit(row)) {
         struct gpu_sync_event *e = events.ringbuf_reserve(sizeof(*e));
         if (!e) {
             spanlet_count_drop();
@@ -406,7 +468,6 @@ int gpu_sync_return(struct pt_regs *ctx)
             events.ringbuf_submit(e, gpu_wakeup_flags());
         }
     }
-#endif
     gpu_sync_calls.delete(&tid);
     return 0;
 }

@@ -296,7 +296,11 @@ int sbx_mmap(struct tracepoint__syscalls__sys_enter_mmap *args)
     __u64 zero = 0;
     __u64 *count = spanlet_sandbox_violations_total.lookup_or_try_init(&vk, &zero);
     if (count)
-        *count += 1;
+        __sync_fetch_and_add(count, 1);
+    struct span_ctx_val *span = spanlet_current_span();
+    struct span_facts_val *row = span ? spanlet_span_row(span) : 0;
+    if (row)
+        __sync_fetch_and_add(&row->violations, 1);
 
     struct sandbox_event *ev = events.ringbuf_reserve(sizeof(*ev));
     if (!ev) {

@@ -1,7 +1,8 @@
 /* span_ctx.bpf.c: owner of the per-thread span context map (tid → trace id,
- * span id, modality). A uprobe on the client's spanlet_mark() fills it on
- * every span start and end; the other process-context programs open the
- * same map where this one pinned it. Loaded first. */
+ * span id, modality) and of the span facts map the other programs write
+ * (spanlet.h). A uprobe on the client's spanlet_mark() fills the context on
+ * every span start and end; the other process-context programs open both
+ * maps where this one pinned them. Loaded first. */
 #include "spanlet.h"
 
 #include <uapi/linux/ptrace.h>

@@ -25,6 +25,9 @@
 #ifndef SPANLET_SPAN_CTX_MAX
 #define SPANLET_SPAN_CTX_MAX 65536
 #endif
+#ifndef SPANLET_SPAN_FACTS_MAX
+#define SPANLET_SPAN_FACTS_MAX 65536
+#endif
 #ifndef SPANLET_RINGBUF_PAGES
 #define SPANLET_RINGBUF_PAGES 256
 #endif
@@ -49,6 +52,29 @@ struct span_ctx_val {
     __u64 span_id;
     __u8 modality;
     __u8 _pad[7];
+};
+
+/* One span's kernel facts (agent/probes/span_facts.py), written by the
+ * process-context programs at the moment of each event. The trace id is part
+ * of the key: a span id reused by another trace gets a row of its own. */
+struct span_facts_key {
+    __u8 trace_id[16];
+    __u64 span_id;
+};
+
+struct span_facts_val {
+    __u64 launches_driver;    /* outermost launch calls, by API */
+    __u64 launches_runtime;
+    __u64 launch_ns;          /* time inside launch calls (gpu.launch_timing only) */
+    __u64 sync_wait_ns;       /* time inside outermost sync calls */
+    __u64 syncs;
+    __u64 violations;         /* mmap sandbox */
+    __u64 graph_launches;     /* reserved for graph replays: 0 for now */
+    __u64 graph_kernels;
+    __u64 cgroup_id;          /* of the first event */
+    __u64 first_ns;           /* CLOCK_MONOTONIC of the first event */
+    __u32 pid;                /* of the first event */
+    __u32 sampled_events;     /* GPU records sent in the sampled side stream */
 };
 
 /* GPU APIs and entry points. */
@@ -165,18 +191,59 @@ struct flow_event {
     __u8 _pad[2];
 };
 
-/* The per-thread span context map is created by span_ctx.bpf.c and pinned
- * at SPANLET_SPAN_CTX_PIN (a path unique to one agent, removed at its stop);
- * every other program of that agent opens the same map there. A program
- * compiled without the flag gets a private, empty copy. (BCC's own shared
+/* The per-thread span context map, the span facts map and the count of
+ * facts rows created are made by span_ctx.bpf.c and pinned in
+ * SPANLET_PIN_DIR (a folder unique to one agent, removed at its stop);
+ * every other program of that agent opens the same maps there. A program
+ * compiled without the flag gets private, empty copies. (BCC's own shared
  * tables are not used: its process-wide registry keeps a table's fd after
  * the table is gone, and a reused fd number then names another map.) */
-#ifdef SPANLET_SPAN_CTX_PIN
+#ifdef SPANLET_PIN_DIR
 BPF_TABLE_PINNED("lru_hash", __u32, struct span_ctx_val, span_ctx, SPANLET_SPAN_CTX_MAX,
-                 SPANLET_SPAN_CTX_PIN);
+                 SPANLET_PIN_DIR "/span_ctx");
+BPF_TABLE_PINNED("lru_hash", struct span_facts_key, struct span_facts_val, span_facts,
+                 SPANLET_SPAN_FACTS_MAX, SPANLET_PIN_DIR "/span_facts");
+BPF_TABLE_PINNED("percpu_array", int, __u64, span_facts_created, 1,
+                 SPANLET_PIN_DIR "/span_facts_created");
 #else
 BPF_TABLE("lru_hash", __u32, struct span_ctx_val, span_ctx, 1);
+BPF_TABLE("lru_hash", struct span_facts_key, struct span_facts_val, span_facts, 1);
+BPF_PERCPU_ARRAY(span_facts_created, __u64, 1);
 #endif
+
+/* The calling thread's span context, NULL outside spans. */
+static __always_inline struct span_ctx_val *spanlet_current_span(void)
+{
+    __u32 tid = (__u32)bpf_get_current_pid_tgid();
+    return span_ctx.lookup(&tid);
+}
+
+/* The facts row of span `c`, created (cgroup, pid and time of this first
+ * event) when absent. Another CPU may create it between our lookup and our
+ * insert: BPF_NOEXIST then fails and the row it made is looked up again.
+ * Rows created are counted so that the agent can tell LRU evictions (created
+ * - taken - swept - present). NULL only when the map refuses the row. */
+static __always_inline struct span_facts_val *spanlet_span_row(struct span_ctx_val *c)
+{
+    struct span_facts_key k = {};
+    __builtin_memcpy(k.trace_id, c->trace_id, 16);
+    k.span_id = c->span_id;
+    struct span_facts_val *row = span_facts.lookup(&k);
+    if (row)
+        return row;
+    struct span_facts_val init = {};
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    init.cgroup_id = bpf_get_current_cgroup_id();
+    init.first_ns = bpf_ktime_get_ns();
+    init.pid = pid_tgid >> 32;
+    if (span_facts.insert(&k, &init) == 0) {
+        int zero = 0;
+        __u64 *created = span_facts_created.lookup(&zero);
+        if (created)
+            __sync_fetch_and_add(created, 1);
+    }
+    return span_facts.lookup(&k);
+}
 
 /* Each program has its own ring buffer and a count of records it could not
  * reserve there (read by the agent as events dropped). */

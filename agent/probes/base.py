@@ -103,30 +103,31 @@ class Probe:
     def source_text(self) -> str:
         return expand_source(self.source_path)
 
-    def compile_flags(self, span_ctx_pin: str | None = None) -> list[str]:
-        """Everything passed to the compiler besides the text; with
-        span_ctx_pin, the program reads the span context map pinned there."""
+    def compile_flags(self, pin_dir: str | None = None) -> list[str]:
+        """Everything passed to the compiler besides the text; with pin_dir,
+        the program uses the span context and span facts maps pinned there."""
         flags = self.cflags()
-        if span_ctx_pin is not None:
-            flags.append(f'-DSPANLET_SPAN_CTX_PIN="{span_ctx_pin}"')
+        if pin_dir is not None:
+            flags.append(f'-DSPANLET_PIN_DIR="{pin_dir}"')
+            flags.append(f"-DSPANLET_SPAN_FACTS_MAX={self.cfg.join.span_facts_max}")
         return flags
 
-    def compile(self, span_ctx_pin: str | None = None) -> None:
+    def compile(self, pin_dir: str | None = None) -> None:
         from bcc import BPF  # imported late: unit tiers run without BCC
 
-        flags = self.compile_flags(span_ctx_pin)
+        flags = self.compile_flags(pin_dir)
         try:
             self.bpf = BPF(text=self.source_text(), cflags=flags)
         except Exception as e:  # BCC raises bare Exception with the reason
             raise ProbeError(f"compile/load of {self.source_path.name} failed: {e}") from None
 
-    def start(self, span_ctx_pin: str | None = None) -> ProbeStatus:
+    def start(self, pin_dir: str | None = None) -> ProbeStatus:
         """Compile, attach and open the ring buffer; never raises. With
-        span_ctx_pin (SpanCtxProbe.shared_pin() of the span_ctx probe started
-        before it) the program reads that probe's span context map, else a
-        private, empty one."""
+        pin_dir (SpanCtxProbe.shared_pin_dir() of the span_ctx probe started
+        before it) the program shares that probe's span context and span
+        facts maps, else it has private, empty ones."""
         try:
-            self.compile(span_ctx_pin)
+            self.compile(pin_dir)
             self._attach()
             ring = self.bpf["events"]
             self._ring = RingBufferReader(ring.map_fd, self.ringbuf_pages() * mmap.PAGESIZE)

@@ -1,6 +1,7 @@
 """Loader of bpf/gpu_launch.bpf.c: finds the CUDA driver and runtime libraries
 in every process (agent/discovery.py), attaches the launch and sync uprobes to
-each library file once, and reads the launch counts and sync wait maps."""
+each library file once (by default one entry-only uprobe per driver launch),
+and reads the launch counts and sync wait maps."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ WAIT_BUCKETS = 32
 class Hook:
     """One hooked function: its BPF entry program and the return program of
     its family (launch or sync); `driver_launch` marks the hooks that need no
-    return program when nothing is timed (launch_events=none)."""
+    return program unless launches are timed (gpu.launch_timing)."""
 
     symbol: str
     entry_fn: str
@@ -51,11 +52,17 @@ DRIVER_HOOKS = _hooks(
     ("cuLaunchKernelEx", "gpu_cu_launch_kernel_ex", "gpu_launch_return"),
     ("cuStreamSynchronize", "gpu_cu_stream_sync", "gpu_sync_return"),
 )
-RUNTIME_HOOKS = _hooks(
+RUNTIME_LAUNCH_HOOKS = _hooks(
     ("cudaLaunchKernel", "gpu_cuda_launch_kernel", "gpu_launch_return"),
+)
+# Sync calls are hooked on both layers in every mode: a sync is a wait, and
+# its entry and return are the fact (cudaDeviceSynchronize, for one, reaches
+# no hooked driver call).
+RUNTIME_SYNC_HOOKS = _hooks(
     ("cudaStreamSynchronize", "gpu_cuda_stream_sync", "gpu_sync_return"),
     ("cudaDeviceSynchronize", "gpu_cuda_device_sync", "gpu_sync_return"),
 )
+RUNTIME_HOOKS = RUNTIME_LAUNCH_HOOKS + RUNTIME_SYNC_HOOKS
 
 CountKey = tuple[int, events.Modality, events.Api]
 
@@ -122,15 +129,21 @@ class GpuProbe(Probe):
         self.finder = LibraryFinder(self._api_of, proc=proc,
                                     full_rescan_s=cfg.discovery.full_rescan_s)
         self._libraries: dict[tuple[int, int], AttachedLibrary] = {}
+        self._runtime_hooks = RUNTIME_HOOKS if gpu.runtime_hooks else RUNTIME_SYNC_HOOKS
 
     def cflags(self) -> list[str]:
+        gpu = self.cfg.gpu
         flags = super().cflags()
-        mode = self.cfg.gpu.launch_events
-        if mode == "all":
+        if gpu.launch_events == "all":
             flags.append("-DSPANLET_GPU_EVENTS_ALL")
-        elif mode == "none":
-            flags.append("-DSPANLET_GPU_EVENTS_NONE")
-        return flags  # "spanned" is the program's default
+        elif gpu.launch_events == "sampled":
+            flags += ["-DSPANLET_GPU_EVENTS_SAMPLED",
+                      f"-DSPANLET_GPU_SAMPLED_PER_SPAN={gpu.sampled_events_per_span}"]
+        if gpu.launch_timing:
+            flags.append("-DSPANLET_GPU_LAUNCH_TIMING")
+        if gpu.runtime_hooks:
+            flags.append("-DSPANLET_GPU_RUNTIME_HOOKS")
+        return flags  # "off": counts and span facts only
 
     # -- attaching ---------------------------------------------------------------
     def _attach(self) -> None:
@@ -166,7 +179,7 @@ class GpuProbe(Probe):
 
     def _attach_library(self, lib: MappedLibrary) -> None:
         api = self._api_of[lib.name]
-        hooks = DRIVER_HOOKS if api == events.Api.driver else RUNTIME_HOOKS
+        hooks = DRIVER_HOOKS if api == events.Api.driver else self._runtime_hooks
         att = AttachedLibrary(lib, api)
         self._libraries[lib.key] = att
         try:
@@ -211,9 +224,9 @@ class GpuProbe(Probe):
         log.warning("%s: %s", self.name, att.report)
 
     def _needs_return(self, hook: Hook) -> bool:
-        # Mirrors gpu_launch_begin() in the C: without records to time, a
-        # driver launch is counted at entry and leaves nothing to clear.
-        return not (hook.driver_launch and self.cfg.gpu.launch_events == "none")
+        # Mirrors SPANLET_GPU_TRACK_LAUNCHES in the C: an untimed driver
+        # launch is counted at entry and leaves nothing to clear.
+        return not (hook.driver_launch and not self.cfg.gpu.launch_timing)
 
     def _attach_hook(self, path: str, hook: Hook) -> tuple[list[bytes], str | None]:
         """Attach one function's return then entry probe. Returns BCC's names

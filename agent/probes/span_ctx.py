@@ -1,6 +1,7 @@
-"""Loader of bpf/span_ctx.bpf.c: owns the span_ctx map that the other
-process-context probes read, and attaches the marker uprobe to every copy of
-the client's libspanlet_marker.so that discovery finds (containers included)."""
+"""Loader of bpf/span_ctx.bpf.c: owns the span_ctx and span_facts maps that the
+other process-context probes share (pinned in one folder) and their reader
+(`facts`), and attaches the marker uprobe to every copy of the client's
+libspanlet_marker.so that discovery finds (containers included)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from spanlet import events
 from spanlet.discovery import LibraryFinder, MappedLibrary
 from spanlet.probes.base import EventSink, Probe
 from spanlet.probes.maps import percpu_sum
+from spanlet.probes.span_facts import SpanFacts
 
 log = logging.getLogger(__name__)
 
@@ -48,24 +50,28 @@ class SpanCtxProbe(Probe):
                                     full_rescan_s=cfg.discovery.full_rescan_s)
         self.libraries: list[MappedLibrary] = []
         self.pin_dir = SPAN_CTX_PIN_ROOT / f"{os.getpid()}-{next(_instances)}"
-        self.pin = str(self.pin_dir / "span_ctx")
+        self.facts: SpanFacts | None = None   # the span facts reader, while compiled
 
-    def shared_pin(self) -> str | None:
-        """Where the span context map is pinned while this probe is attached
-        (what the other probes are started with), else None."""
-        return self.pin if self.status.attached else None
+    def shared_pin_dir(self) -> str | None:
+        """The folder the span context and span facts maps are pinned in while
+        this probe is attached (what the other probes are started with), else None."""
+        return str(self.pin_dir) if self.status.attached else None
 
-    def compile_flags(self, span_ctx_pin: str | None = None) -> list[str]:
-        # This probe creates the map (and pins it at self.pin) for the others.
-        return super().compile_flags(self.pin)
+    def compile_flags(self, pin_dir: str | None = None) -> list[str]:
+        # This probe creates the maps (and pins them in self.pin_dir) for the others.
+        return super().compile_flags(str(self.pin_dir))
 
-    def compile(self, span_ctx_pin: str | None = None) -> None:
+    def compile(self, pin_dir: str | None = None) -> None:
         for path in remove_stale_pins():
             log.info("span_ctx: removed the pins of a dead agent: %s", path)
         self.pin_dir.mkdir(parents=True, exist_ok=True)
         super().compile()
+        created = self.bpf["span_facts_created"]
+        self.facts = SpanFacts(self.bpf["span_facts"], lambda: percpu_sum(created, 0), self.clock)
 
     def _detach(self) -> None:
+        if self.facts is not None:
+            self.facts.close()
         shutil.rmtree(self.pin_dir, ignore_errors=True)
         try:
             self.pin_dir.parent.rmdir()  # only when no other agent uses it

@@ -46,7 +46,7 @@ def test_dump_bpf_prints_each_probe_with_its_flags():
     for name in ("span_ctx", "tc_classify", "mmap_sandbox", "gpu_launch"):
         assert f"/* ==== probe {name}: {name}.bpf.c" in r.stdout
     assert "struct spanlet_hdr {" in r.stdout          # the shared header, inlined
-    assert "-DSPANLET_SPAN_CTX_PIN=" in r.stdout
+    assert "-DSPANLET_PIN_DIR=" in r.stdout
 
 
 @pytest.mark.kernel

@@ -34,16 +34,20 @@ def probes():
 
     started = []
 
-    def gpu(launch_events: str = "all", span_ctx_pin: str | None = None,
-            unmapped_grace_s: float = 600.0, **kw) -> GpuProbe:
+    def gpu(launch_events: str = "all", pin_dir: str | None = None,
+            unmapped_grace_s: float = 600.0, timing: bool = True, runtime_hooks: bool = True,
+            **kw) -> GpuProbe:
+        # timing and runtime hooks on: both layers, both probes per launch
+        # (the defaults, one entry-only driver probe, are tested below)
         cfg = config.load(env={})
         cfg.gpu.launch_events = launch_events
+        cfg.gpu.launch_timing, cfg.gpu.runtime_hooks = timing, runtime_hooks
         cfg.discovery.unmapped_grace_s = unmapped_grace_s
         seen: list[events._Event] = []
         p = GpuProbe(cfg, sink=seen.append, **kw)
         p.seen = seen
         started.append(p)
-        st = p.start(span_ctx_pin=span_ctx_pin)
+        st = p.start(pin_dir=pin_dir)
         assert st.attached, st.reason
         return p
 
@@ -160,9 +164,9 @@ def test_exact_counts_arguments_and_sync_waits(standin, spawn, probes):
 def test_processes_and_libraries_that_appear_after_attach(standin, spawn, probes, tmp_path):
     before = spawn(standin.workload)
     before.load(standin.lib_dir)
-    # Counts only: driver launches then have no return probe at all, and the
-    # runtime's nested driver call must still count once.
-    gpu = probes("none")
+    # Counts only, untimed: driver launches then have no return probe at all,
+    # and the runtime's nested driver call must still count once.
+    gpu = probes("off", timing=False)
     first = {lib.library.key for lib in mine(gpu.libraries(), standin.lib_dir)}
     assert len(first) == 2
 
@@ -200,7 +204,7 @@ def test_processes_and_libraries_that_appear_after_attach(standin, spawn, probes
     assert not any(str(gone_dir) in lib.path for lib in gpu.libraries())
     assert not any(str(tmp_path) in f for f in gpu.status.failed_attachments)
     assert gpu.status.attached
-    assert gpu.events_read == 0  # launch_events=none: counts only
+    assert gpu.events_read == 0  # launch_events=off: counts only
 
 
 def test_library_only_in_another_mount_namespace(standin, spawn, probes, tmp_path):
@@ -230,7 +234,7 @@ def test_library_only_in_another_mount_namespace(standin, spawn, probes, tmp_pat
 # -- span context ---------------------------------------------------------------
 def test_span_context_stamps_and_filters_records(standin, spawn, probes):
     span = probes.span_ctx()
-    gpu = probes("spanned", span_ctx_pin=span.shared_pin())
+    gpu = probes("sampled", pin_dir=span.shared_pin_dir())
     inside, outside = spawn(standin.workload), spawn(standin.workload)
     for w in (inside, outside):
         w.load(standin.lib_dir)
@@ -246,15 +250,23 @@ def test_span_context_stamps_and_filters_records(standin, spawn, probes):
     assert {k: n for k, (n, _) in counts(gpu.sync_wait(), cg).items()} == {
         (cg, Modality.audio, RUNTIME): 1, (cg, OTHER, RUNTIME): 1}
 
-    got = read_events(gpu, inside.pid, 6)
-    assert sorted((e.kind, e.entry) for e in got) == sorted(
+    # Sampled: the span's first 4 calls (of 6) as records; the counts above
+    # and the span's row below hold all of them.
+    got = read_events(gpu, inside.pid, 4)
+    got.sort(key=lambda e: e.hdr.ts_ns)
+    assert [(e.kind, e.entry) for e in got] == (
         [(events.Kind.GPU_LAUNCH, Entry.cuLaunchKernel)] * 2
-        + [(events.Kind.GPU_LAUNCH, Entry.cudaLaunchKernel)] * 3
-        + [(events.Kind.GPU_SYNC, Entry.cudaStreamSynchronize)])
+        + [(events.Kind.GPU_LAUNCH, Entry.cudaLaunchKernel)] * 2)
     for e in got:
         assert bytes(e.hdr.trace_id) == trace_id and e.hdr.span_id == span_id
         assert e.hdr.modality == Modality.audio and e.hdr.tid == inside.tid
+        assert e.duration_ns > 0   # timed: a return probe per launch
     assert [e for e in gpu.seen if e.hdr.pid == outside.pid] == []
+    row = span.facts.take(trace_id, span_id)
+    assert row.launches_by_api == {"driver": 2, "runtime": 3} and row.launches == 5
+    assert (row.syncs, row.sampled_events, row.pid, row.cgroup_id) == (1, 4, inside.pid, cg)
+    assert row.sync_wait_ns >= 1_000_000 and row.launch_ns >= sum(e.duration_ns for e in got)
+    assert span.facts.take(trace_id, span_id) is None   # taken: gone
 
 
 # -- failures are reported, not fatal ---------------------------------------------
@@ -319,16 +331,23 @@ def _prog_ids(bpf) -> set[int]:
 
 
 @pytest.mark.skipif(shutil.which("bpftool") is None, reason="bpftool missing")
-def test_stop_removes_programs_and_uprobes(standin, spawn, probes):
+@pytest.mark.parametrize("timed, programs, uprobes, uretprobes", [
+    # default: one entry-only uprobe per driver launch call, no runtime launch
+    # hook; the three sync calls keep entry and return
+    (False, 6, 5, 3),
+    # timing and runtime hooks: six entry programs, two return programs
+    (True, 8, 6, 6)], ids=["default", "timed-runtime"])
+def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, programs, uprobes,
+                                           uretprobes):
     w = spawn(standin.workload)
     w.load(standin.lib_dir)
-    gpu = probes("all")
+    gpu = probes("all", timing=timed, runtime_hooks=timed)
     ids = _prog_ids(gpu.bpf)
-    assert len(ids) == 8  # six entry programs, two return programs
+    assert len(ids) == programs
     libs = mine(gpu.libraries(), standin.lib_dir)
     paths = {lib.library.open_path for lib in libs}
     ours = [p for p in _bpftool("perf") if p.get("prog_id") in ids and p.get("filename") in paths]
-    assert sorted(p["fd_type"] for p in ours) == ["uprobe"] * 6 + ["uretprobe"] * 6
+    assert sorted(p["fd_type"] for p in ours) == ["uprobe"] * uprobes + ["uretprobe"] * uretprobes
 
     gpu.stop()
     gpu.stop()  # safe twice

@@ -14,6 +14,8 @@ pytestmark = pytest.mark.kernel
 STRUCTS = {
     "spanlet_hdr": events.Header,
     "span_ctx_val": events.SpanCtx,
+    "span_facts_key": events.SpanFactsKey,
+    "span_facts_val": events.SpanFactsVal,
     "flow_key": events.FlowKey,
     "gpu_launch_event": events.GpuLaunch,
     "gpu_sync_event": events.GpuSync,

@@ -324,7 +324,7 @@ def test_enforce_kills_offender_and_spares_bystander(pools, spawn, own_cgroup_id
         h.stop()
 
 
-def test_violation_carries_the_threads_span(pools, spawn):
+def test_violation_carries_the_threads_span_and_lands_in_its_row(pools, spawn):
     from spanlet.probes.span_ctx import SpanCtxProbe
 
     cfg = config.load(env={})
@@ -332,7 +332,7 @@ def test_violation_carries_the_threads_span(pools, spawn):
     assert span_ctx.start().attached, span_ctx.status.reason
     h = None
     try:
-        h = Harness(pools.config(), span_ctx_pin=span_ctx.shared_pin())
+        h = Harness(pools.config(), pin_dir=span_ctx.shared_pin_dir())
         child = spawn([{"op": "go"}, {"op": "open", "path": pools.path("ro")},
                        {"op": "map", "len": 4 * KIB}])
         bare = spawn([{"op": "go"}, {"op": "open", "path": pools.path("ro")},
@@ -347,6 +347,12 @@ def test_violation_carries_the_threads_span(pools, spawn):
         assert ev.hdr.modality == events.Modality.image
         (ev_bare,) = h.events_of(bare)
         assert (bytes(ev_bare.hdr.trace_id), ev_bare.hdr.span_id) == (bytes(16), 0)
+        # the violation is counted in its span's facts row, and only there
+        row = span_ctx.facts.take(trace_id, span_id)
+        assert row is not None and row.violations == 1 and row.pid == child.pid
+        assert (row.launches, row.syncs, row.sync_wait_ns) == (0, 0, 0)
+        assert row.cgroup_id == ev.hdr.cgroup_id
+        assert [r for r in span_ctx.facts.rows() if r.pid in (child.pid, bare.pid)] == []
     finally:
         if h is not None:
             h.stop()

@@ -199,12 +199,12 @@ def _own_cgroup() -> str:
 class Harness:
     """A started sandbox probe and the events its sink received."""
 
-    def __init__(self, sb: SandboxConfig, span_ctx_pin: str | None = None):
+    def __init__(self, sb: SandboxConfig, pin_dir: str | None = None):
         cfg = config.load(env={})
         cfg.sandbox = sb
         self.got: list[events._Event] = []
         self.probe = SandboxProbe(cfg, sink=self.got.append)
-        st = self.probe.start(span_ctx_pin=span_ctx_pin)
+        st = self.probe.start(pin_dir=pin_dir)
         assert st.attached, st.reason
 
     def events_of(self, child: Child) -> list[events.SandboxViolation]:

@@ -18,7 +18,9 @@ def test_defaults_are_the_documented_ones():
     assert cfg.sandbox.prefixes == ["/dev/shm/tensor_pool/"]
     assert cfg.tc.interfaces == []          # every non-loopback interface
     assert cfg.tc.tau_plc_ms + cfg.tc.delta_buffer_ms == 40.0
-    assert cfg.gpu.launch_events == "spanned"
+    assert cfg.gpu.launch_events == "off"
+    assert not cfg.gpu.launch_timing and not cfg.gpu.runtime_hooks
+    assert cfg.gpu.sampled_events_per_span == 4 and cfg.join.span_facts_max == 65_536
 
 
 def test_every_key_has_an_environment_variable():

@@ -130,10 +130,10 @@ class SandboxProbe(Probe):
     def compile_policy(self, sb: SandboxConfig | None = None, strict: bool = True) -> Policy:
         return compile_policy(sb or self.cfg.sandbox, self.ids, self.cgroups.id, strict)
 
-    def compile(self, span_ctx_pin: str | None = None) -> None:
+    def compile(self, pin_dir: str | None = None) -> None:
         # Configuration problems first: they must not wait for a compile.
         self.policy = self.compile_policy()
-        super().compile(span_ctx_pin)
+        super().compile(pin_dir)
 
     def _push(self, policy: Policy) -> None:
         """Grants and pools before prefixes, so that a path recognised as a

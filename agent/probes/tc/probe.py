@@ -169,7 +169,7 @@ class TcProbe(Probe):
             leaf.modality = mod
             pts[pts.Key(pt)] = leaf
 
-    def start(self, span_ctx_pin: str | None = None):
+    def start(self, pin_dir: str | None = None):
         """Probe.start, except that a configured interface list naming nothing
         usable fails at once, without a compile."""
         tc = self.cfg.tc
@@ -185,7 +185,7 @@ class TcProbe(Probe):
                 self.status.reason = ("none of the configured interfaces could be attached: "
                                       + "; ".join(problems))
                 return self.status
-        return super().start(span_ctx_pin)
+        return super().start(pin_dir)
 
     def _attach(self) -> None:
         from bcc import BPF

@@ -10,6 +10,8 @@ the workload program over its stdin/stdout protocol:
     cusync|cudasync|devsync US                       (script line) one sync -> "sync API NS"
     bench|benchrt N        (script line) N back-to-back launches -> "bench N NS"
     paced N RATE           (script line) N launches at RATE/s -> "paced N NS"
+    thread N               start a thread -> "thread TID"; it makes N launches on "release"
+    release                let that thread launch and exit -> "joined"
     go                     run the script collected so far -> its output, then "done"
     exit
 """
@@ -50,7 +52,7 @@ def build(out: Path) -> StandIn:
     nocuda.parent.mkdir(exist_ok=True)
     gcc("-shared", "-fPIC", "-o", nocuda, HERE / "nocuda.c")
     workload = out / "workload"
-    gcc("-O2", "-o", workload, HERE / "workload.c", "-ldl")
+    gcc("-O2", "-pthread", "-o", workload, HERE / "workload.c", "-ldl")
     return StandIn(lib, nocuda, workload)
 
 
@@ -117,6 +119,16 @@ class Workload:
     def dlopen(self, path: Path | str) -> None:
         self.send(f"dlopen {path}")
         self.expect("opened")
+
+    def thread(self, launches: int) -> int:
+        """Start the second thread (it launches on release()); its tid."""
+        self.send(f"thread {launches}")
+        return int(self.expect("thread").split()[1])
+
+    def release(self) -> None:
+        """Let the second thread make its launches and exit; returns once it has."""
+        self.send("release")
+        self.expect("joined")
 
     def run(self, *script: str) -> list[str]:
         """Run script lines; their output lines (without the final "done")."""

@@ -1,9 +1,12 @@
 /* workload.c: a test process that launches "kernels" through the stand-in
  * CUDA libraries, driven line by line on stdin (see cuda_standin/__init__.py):
  * it loads the libraries with dlopen when told, collects a script of launches
- * and syncs, and runs it on "go", printing its results and then "done". */
+ * and syncs, and runs it on "go", printing its results and then "done"; it can
+ * also start a second thread that launches, then exits, when released. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
+#include <semaphore.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -166,6 +169,22 @@ static void run(const char *line)
         printf("error unknown command %s\n", cmd);
 }
 
+/* thread N: a thread that prints "thread TID", waits for "release", makes N
+ * cuLaunchKernel calls and exits (inside whatever span it was given). */
+static pthread_t worker;
+static sem_t worker_go;
+static unsigned long worker_launches;
+
+static void *worker_main(void *arg)
+{
+    (void)arg;
+    printf("thread %ld\n", (long)syscall(SYS_gettid));
+    sem_wait(&worker_go);
+    for (unsigned long i = 0; i < worker_launches; i++)
+        cu_launch(FUNC, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+    return NULL;
+}
+
 int main(void)
 {
     char line[1024];
@@ -185,6 +204,15 @@ int main(void)
                 run(script[i]);
             nscript = 0;
             printf("done\n");
+        } else if (!strncmp(line, "thread ", 7)) {
+            worker_launches = strtoul(line + 7, NULL, 0);
+            sem_init(&worker_go, 0, 0);
+            if (pthread_create(&worker, NULL, worker_main, NULL))
+                printf("error pthread_create\n");
+        } else if (!strcmp(line, "release")) {
+            sem_post(&worker_go);
+            pthread_join(worker, NULL);
+            printf("joined\n");
         } else if (!strcmp(line, "exit")) {
             break;
         } else if (line[0] && nscript < MAX_SCRIPT) {
