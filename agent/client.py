@@ -270,10 +270,8 @@ class _FollowingRuntimeContext(_RuntimeContext):
         return self.inner.get_current()
 
     def detach(self, token) -> None:
-        try:
-            self._reset(token)
-        finally:
-            _follow_current()
+        self._reset(token)  # when it raises (OTel logs it), the context did not change
+        _follow_current()
 
 
 def _wrap_handle_run(run):
