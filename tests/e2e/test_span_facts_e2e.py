@@ -20,6 +20,7 @@ pytestmark = pytest.mark.kernel
 RUNS = 20
 LATE_SPAN_NAME = "spanlet.kernel.late_events"
 SETTLE_S = 0.3
+SPAN_FACTS_MAX = 4096   # the agent's span facts map, small enough to flood in a second
 # case → (the child's span processor, its commands); each span of a case makes a known,
 # different number of launches (see span_facts_child.py)
 CASES = {
@@ -41,6 +42,11 @@ class Agent:
     def __init__(self, daemon: Daemon, upstream: Upstream, libcuda: Path):
         self.daemon, self.upstream, self.libcuda = daemon, upstream, libcuda
         self.endpoint = f"127.0.0.1:{daemon.spans.receiver.grpc_port}"
+
+    @property
+    def facts(self):
+        """The reader of the kernel's span facts map."""
+        return self.daemon.probes.span_ctx.facts
 
     def child(self, processor: str = "batch") -> FactsChild:
         return FactsChild(self.endpoint, self.libcuda, processor)
@@ -76,13 +82,16 @@ def assert_exact(agent: Agent, expected: dict) -> None:
         f"{len(expected) - len(wrong)} of {len(expected)} spans exact; (expected, got on the span) "
         f"of the others: {sorted(wrong.values())}; {len(late)} late records of these spans "
         f"({late_launches} launches)")
+    left = {(r.trace_id.hex(), f"{r.span_id:016x}") for r in agent.facts.rows()} & expected.keys()
+    assert not left, f"{len(left)} rows of spans already joined are still in span_facts"
 
 
 @pytest.fixture(scope="module")
 def agent(standin):
     up = Upstream()
     up.rx.start()
-    d = Daemon(agent_config(up, "otlp.batch_interval_s=0.05", "http_port=0", "http_address=127.0.0.1"))
+    d = Daemon(agent_config(up, "otlp.batch_interval_s=0.05", "http_port=0", "http_address=127.0.0.1",
+                            f"join.span_facts_max={SPAN_FACTS_MAX}"))
     d.check_node()
     d.start()
     a = Agent(d, up, standin.lib_dir / cuda_standin.DRIVER)
@@ -182,4 +191,53 @@ def test_a_process_that_exits_right_after_its_last_span(agent, processor, run):
         assert child.exit() == 0
     finally:
         child.close()
+    assert_exact(agent, child.expected)
+
+
+def rss_kb() -> int:
+    """This process's resident set (the agent runs in it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def evictions_counted(registry) -> float:
+    """The agent's self-metric of span facts rows lost to the LRU bound, whatever its
+    exact name: samples naming span_facts with "evict" in the name or a label."""
+    found = None
+    for fam in registry.collect():
+        for s in fam.samples:
+            if "span_facts" in s.name and ("evict" in s.name or any("evict" in v for v in s.labels.values())):
+                found = (found or 0.0) + s.value
+    assert found is not None, "no self-metric counts span_facts rows evicted by the LRU"
+    return found
+
+
+def test_a_flood_of_marks_for_spans_that_never_arrive_stays_bounded(agent):
+    """Spans that each launch once and are never exported, 3 x 2 x the map's bound:
+    the map holds at most its bound, every row pushed out is counted, the agent's
+    memory does not follow the flood, and the next spans are still exact."""
+    facts = agent.facts
+    before = facts.stats()
+    metric0 = evictions_counted(agent.daemon.registry)
+    rss = []
+    with agent.child("none") as child:
+        for _ in range(3):
+            child.command(f"marks {2 * SPAN_FACTS_MAX}")
+            rows = facts.rows()
+            rss.append(rss_kb())
+            assert len(rows) <= SPAN_FACTS_MAX
+    flooded = 3 * 2 * SPAN_FACTS_MAX
+    after = facts.stats()
+    assert after.created - before.created == flooded
+    lost = (after.evicted - before.evicted) + (after.swept - before.swept)
+    assert lost >= flooded - SPAN_FACTS_MAX
+    assert evictions_counted(agent.daemon.registry) - metric0 >= flooded - SPAN_FACTS_MAX - (
+        after.swept - before.swept)
+    # the first round may warm caches; after it the agent's memory stays where it was
+    assert rss[-1] - rss[0] < 8 * 1024, f"RSS grew {rss[-1] - rss[0]} kB over the flood: {rss}"
+    with agent.child() as child:
+        child.command("threads 4 5")
+        child.command("flush", "flushed")
     assert_exact(agent, child.expected)
