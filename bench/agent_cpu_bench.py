@@ -29,16 +29,17 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 import cuda_standin  # noqa: E402
 from facts_child import FactsChild  # noqa: E402
 from otlp_upstream import Upstream, kernel_attrs  # noqa: E402
-from soak import SOAK_DRIVER, SOAK_RUNTIME, cpu_s, free_port, keep_tail, rss_mb, soak_libraries  # noqa: E402
+from soak import SOAK_DRIVER, SOAK_RUNTIME, cpu_s, free_port, keep_tail, rss_mb, scrape, soak_libraries  # noqa: E402
 from spanlet import config  # noqa: E402
 
 
-def start_agent(tmp: Path, grpc_port: int, upstream: Upstream, extra: list[str]) -> subprocess.Popen:
+def start_agent(tmp: Path, grpc_port: int, http_port: int, upstream: Upstream,
+                extra: list[str]) -> subprocess.Popen:
     sets = ["tc.enabled=false", "sandbox.enabled=false", "store.enabled=true", f"data_dir={tmp / 'data'}",
             f"gpu.driver_libraries={SOAK_DRIVER}", f"gpu.runtime_libraries={SOAK_RUNTIME}",
             f"admin_socket={tmp / 'admin.sock'}", f"otlp.grpc_port={grpc_port}",
             f"otlp.http_port={free_port()}", f"otlp.upstream_endpoint={upstream.endpoint()}",
-            "otlp.upstream_protocol=grpc", f"http_port={free_port()}", "http_address=127.0.0.1", *extra]
+            "otlp.upstream_protocol=grpc", f"http_port={http_port}", "http_address=127.0.0.1", *extra]
     agent = subprocess.Popen([sys.executable, "-m", "spanlet.cli", "run",
                               *(arg for kv in sets for arg in ("--set", kv))],
                              cwd=REPO, stderr=subprocess.PIPE, text=True)
@@ -52,25 +53,17 @@ def start_agent(tmp: Path, grpc_port: int, upstream: Upstream, extra: list[str])
     raise SystemExit("the agent did not start:\n" + "".join(tail))
 
 
-def wait_traced(child: FactsChild, upstream: Upstream, limit_s: float = 30) -> None:
-    """One-launch spans until one arrives upstream with its launch: both probes are attached."""
+def wait_traced(child: FactsChild, http_port: int, limit_s: float = 30) -> None:
+    """One-launch spans until the agent counts image launches and marks: both probes are attached."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        child.expected.clear()
         child.command("threads 1 1")
-        child.command("flush", "flushed")
-        (key,) = child.expected
-        end = time.monotonic() + 2
-        while time.monotonic() < end:
-            with upstream.lock:
-                spans = upstream.by_ids.get(key)
-            if spans:
-                if kernel_attrs(spans[0]).get("kernel.gpu.launches") == 1:
-                    return
-                break
-            time.sleep(0.05)
+        m = scrape(http_port)
+        if m.get("spanlet_gpu_kernel_launches_total", 0) > 0 and m.get("spanlet_span_marks_total", 0) > 0:
+            child.expected.clear()
+            return
         time.sleep(0.3)
-    raise SystemExit("the agent never put a launch on the child's spans: is it attached?")
+    raise SystemExit("the agent never counted the child's launches and marks: is it attached?")
 
 
 def measure(pid: int, seconds: float) -> dict:
@@ -125,15 +118,15 @@ def main() -> int:
     shutdown_timeout_s = config.load(env={}, overrides=a.agent_set).shutdown_timeout_s
     upstream = Upstream()
     upstream.rx.start()
-    grpc_port = free_port()
+    grpc_port, http_port = free_port(), free_port()
     with tempfile.TemporaryDirectory(prefix="spanlet-cpu-bench-") as tmp:
         tmp_path = Path(tmp)
         standin = cuda_standin.build(tmp_path / "standin")
         libs = soak_libraries(standin.lib_dir, tmp_path / "benchlib")
-        agent = start_agent(tmp_path, grpc_port, upstream, a.agent_set)
+        agent = start_agent(tmp_path, grpc_port, http_port, upstream, a.agent_set)
         try:
             with FactsChild(f"127.0.0.1:{grpc_port}", libs / (SOAK_DRIVER + ".1")) as child:
-                wait_traced(child, upstream)
+                wait_traced(child, http_port)
                 time.sleep(1)
                 idle = measure(agent.pid, a.seconds)
                 load = threading.Thread(target=child.command,
