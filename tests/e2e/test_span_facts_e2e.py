@@ -156,6 +156,33 @@ def test_every_span_gets_exactly_its_own_launches(agent, background, case, run):
     assert_exact(agent, child.expected)
 
 
+@pytest.mark.parametrize("run", range(5))
+@pytest.mark.parametrize("case", CASES)
+def test_the_kernel_rows_are_exact_before_any_span_is_exported(agent, case, run):
+    """The same cases with no exporter: the span_facts rows themselves (the client's
+    marks and the kernel's counting, without the join) hold each span's launches."""
+    _, commands = CASES[case]
+    with agent.child("none") as child:
+        for cmd in commands:
+            child.command(cmd)
+    got = {}
+    for trace, span in child.expected:          # read and deleted, as the join does
+        row = agent.facts.take(bytes.fromhex(trace), int(span, 16))
+        got[(trace, span)] = row.launches if row else 0
+    assert got == child.expected, sorted((child.expected[k], v) for k, v in got.items())
+
+
+def test_a_row_whose_span_never_comes_is_deleted_unread_and_counted(agent):
+    """What the sweep does with an expired row: delete it, count it as swept."""
+    with agent.child("none") as child:
+        child.command("threads 1 1")
+    ((trace, span),) = child.expected
+    swept = agent.facts.stats().swept
+    assert agent.facts.delete(bytes.fromhex(trace), int(span, 16))
+    assert agent.facts.stats().swept == swept + 1
+    assert agent.facts.take(bytes.fromhex(trace), int(span, 16)) is None
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("run", range(RUNS))
