@@ -392,10 +392,15 @@ class AdminServer:
             "nvml": {"available": nv.available, "reason": nv.reason, "gpus": nv.gpus},
             "join": {"span_coverage": span_cov, "event_coverage": event_cov,
                      "pending_events": self.join.pending_events(),
-                     **self.join.stats.as_dict()},
+                     **self.join.stats.as_dict(), "span_facts": self._span_facts()},
             "exporters": exporters,
             "metrics": metric_rows(self.families()),
         }
+
+    def _span_facts(self) -> dict | None:
+        """The kernel's span facts map: rows created, taken, swept, evicted, present."""
+        st = self.join.facts_stats()
+        return dict(st.__dict__) if st is not None else None
 
     def spans(self, args: dict) -> dict:
         pod, slowest = args.get("pod") or None, args.get("slowest")

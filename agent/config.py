@@ -192,6 +192,12 @@ class GpuConfig(_Section):
     # counted again. Runtime sync calls are hooked in every mode.
     runtime_hooks: bool = False
 
+    @field_validator("launch_events", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false: `launch_events: off` means "off".
+        return "off" if v is False else v
+
 
 class DiscoveryConfig(_Section):
     # How often the agent looks for new processes and libraries.

@@ -171,6 +171,8 @@ class Daemon:
                 log.error("probe %s NOT attached: %s", st.name, st.reason)
         if self.probes.tc is not None:
             self.spans.join.http_bytes_reader = self.probes.tc.request_bytes
+        if self.probes.span_ctx is not None:
+            self.spans.join.facts = self.probes.span_ctx.facts
         for probe in self.probes:
             if probe.status.attached:
                 t = threading.Thread(target=self._read_loop, args=(probe,),
@@ -280,6 +282,8 @@ class Daemon:
         if self.metrics_exporter is not None:   # its last export reads the maps: before detach
             phases.append(("metrics export", lambda: self.metrics_exporter.shutdown(
                 timeout_millis=int(left(1.0) * 1000))))
+        # Facts that came late are read before their map goes.
+        phases.append(("span facts sweep", lambda: self.spans.join.sweep(force=True)))
         # Detaching waits on the kernel (RCU grace periods per tracepoint and
         # uprobe): the probes detach side by side, the span-context owner last.
         owner, rest = self.probes[:1], self.probes[1:]

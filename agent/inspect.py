@@ -160,7 +160,10 @@ def _summary(d: dict) -> list:
     out.append(Text.assemble(
         "Join: span coverage ", Text(_pct(cov), style=_alarm("spanlet_span_kernel_coverage_ratio", cov)),
         f", event coverage {_pct(j['event_coverage'])}, pending {j['pending_events']} events, "
-        f"{j['spans_in']} spans in, {j['events_evicted']} events evicted"))
+        f"{j['spans_in']} spans in, {j['events_evicted']} events evicted"
+        + (f"; span facts: {sf['present']} rows waiting, {sf['evicted']} evicted, "
+           f"{j.get('rows_expired', 0)} expired, {j.get('rows_late', 0)} late"
+           if (sf := j.get("span_facts")) else "")))
     e = _table("Exporters", "exporter", "state", "queue", "sent", "dropped")
     for x in d["exporters"]:
         st = x.get("stats", {})

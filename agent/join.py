@@ -1,8 +1,10 @@
-"""The span join: kernel events that carry a span id wait in a bounded buffer
-until the OTLP span with that id arrives; the span then gets `kernel.*`
-attributes and span events. Events that come after their span was passed on
-(within join.ttl_s of it) are emitted later as their own record (a child span
-with the same trace id)."""
+"""The span join: when an OTLP span arrives, its kernel facts are taken from the
+kernel's span facts map (one row per trace id + span id, aggregated there at
+the moment of each event) and put on the span as `kernel.*` attributes; the
+sampled individual events that came for it become span events. A periodic
+sweep sends facts that came after their span was passed on (within join.ttl_s
+of it) as their own record (a child span with the same trace id), and deletes
+rows whose span never came."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 from opentelemetry.proto.trace.v1 import trace_pb2
 
@@ -22,20 +24,48 @@ log = logging.getLogger(__name__)
 
 LATE_SPAN_NAME = "spanlet.kernel.late_events"
 
-# The kernel facts a span gets, as (attribute, Facts field).
+# The kernel facts a span gets, as (attribute, Facts field); only non-zero ones.
+# (Graph launches are kept in the rows, always 0 until their probes exist.)
 FACT_ATTRIBUTES = (
     ("kernel.gpu.launches", "launches"),
     ("kernel.gpu.launch_ns", "launch_ns"),
     ("kernel.gpu.sync_wait_ns", "sync_wait_ns"),
+    ("kernel.gpu.syncs", "syncs"),
     ("kernel.net.rx_bytes", "rx_bytes"),
     ("kernel.net.tx_bytes", "tx_bytes"),
     ("kernel.sandbox.violations", "violations"),
 )
+_KERNEL_FIELDS = ("launches", "launch_ns", "sync_wait_ns", "syncs", "graph_launches",
+                  "graph_kernels", "violations")
+
+
+class KernelRow(Protocol):
+    """One row of the kernel's span facts map (spanlet.probes.span_facts.KernelFacts)."""
+    trace_id: bytes
+    span_id: int
+    cgroup_id: int
+    first_ns: int           # epoch ns
+    launches: int
+    launch_ns: int
+    sync_wait_ns: int
+    syncs: int
+    violations: int
+    graph_launches: int
+    graph_kernels: int
+
+
+class FactsReader(Protocol):
+    """The kernel's span facts map (spanlet.probes.span_facts.SpanFacts)."""
+
+    def take(self, trace_id: bytes, span_id: int) -> KernelRow | None: ...
+    def rows(self) -> list[KernelRow]: ...
+    def delete(self, trace_id: bytes, span_id: int) -> bool: ...
+    def stats(self): ...
 
 
 @dataclass
 class Facts:
-    """What the kernel did for one span."""
+    """What the kernel did for one span, as it is put on the span."""
 
     trace_id: bytes
     first_ns: int
@@ -43,45 +73,40 @@ class Facts:
     launches: int = 0
     launch_ns: int = 0
     sync_wait_ns: int = 0
+    syncs: int = 0
+    graph_launches: int = 0
+    graph_kernels: int = 0
     rx_bytes: int = 0
     tx_bytes: int = 0
     violations: int = 0
-    count: int = 0                                   # events folded in
-    samples: list = field(default_factory=list)      # individual events kept, capped
+    samples: list = field(default_factory=list)      # sampled individual events, capped
     samples_capped: int = 0
 
-    def add(self, ev: events._Event, cap: int) -> None:
-        kind = ev.hdr.kind
-        if kind == events.Kind.GPU_LAUNCH:
-            self.launches += 1
-            self.launch_ns += ev.duration_ns
-        elif kind == events.Kind.GPU_SYNC:
-            self.sync_wait_ns += ev.duration_ns
-        elif kind == events.Kind.SANDBOX:
-            self.violations += 1
-        self.count += 1
+    def add_row(self, row: KernelRow) -> None:
+        """Fold in a span facts row (counts summed; cgroup of the first row)."""
+        for name in _KERNEL_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(row, name))
+        if not self.cgroup_id:
+            self.cgroup_id = row.cgroup_id
+
+    def add_sample(self, ev: events._Event, cap: int) -> None:
         if len(self.samples) < cap:
             self.samples.append(ev)
         else:
             self.samples_capped += 1
 
-    def merge(self, other: "Facts", cap: int) -> None:
-        for _, name in FACT_ATTRIBUTES:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.count += other.count
-        room = max(0, cap - len(self.samples))
-        self.samples.extend(other.samples[:room])
-        self.samples_capped += other.samples_capped + max(0, len(other.samples) - room)
-
 
 @dataclass
 class JoinStats:
-    events_in: int = 0            # events that carried a span id
-    events_joined: int = 0        # found their span (on time or late)
-    events_evicted: int = 0       # their span never came (TTL or size bound)
     spans_in: int = 0
-    spans_joined: int = 0         # got at least one kernel event
-    late_records: int = 0
+    spans_joined: int = 0         # got kernel facts, sampled events or wire bytes
+    rows_taken: int = 0           # span facts rows taken by their span
+    rows_late: int = 0            # rows made for a span already passed on (late records)
+    rows_expired: int = 0         # rows whose span never came within ttl_s, deleted
+    late_records: int = 0         # late records sent (one per span and sweep)
+    events_in: int = 0            # sampled events that carried a span id
+    events_joined: int = 0        # put on their span
+    events_evicted: int = 0       # not: their span never came, came first, or the buffer was full
     span_events_capped: int = 0
 
     def as_dict(self) -> dict:
@@ -141,37 +166,47 @@ def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
 
 
 HttpBytesReader = Callable[[events.FlowKey], "tuple[bytes, int, tuple[int, int]] | None"]
+SpanKey = tuple[bytes, int]   # (trace id, span id)
 
 
 class SpanJoin:
-    """Thread-safe: reader threads add events, receiver threads join spans.
+    """Thread-safe: reader threads add sampled events, receiver threads join
+    spans, the daemon's refresh loop sweeps.
 
-    Network bytes join through the W3C traceparent the TC program parsed: the
-    span whose parent is the traceparent's span id (the server span of that
-    request) gets the request's wire bytes, rx in the request's direction."""
+    `facts` is the kernel's span facts map (None: no kernel facts, as in
+    unit tests and with the span_ctx probe not attached); the daemon sets it
+    once the probe is attached. Network bytes join through the W3C
+    traceparent the TC program parsed: the span whose parent is the
+    traceparent's span id (the server span of that request) gets the
+    request's wire bytes, rx in the request's direction."""
 
-    def __init__(self, cfg: JoinConfig,
+    def __init__(self, cfg: JoinConfig, facts: FactsReader | None = None,
                  on_late: Callable[[list[tuple[int, trace_pb2.ResourceSpans]]], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
+        self.facts = facts
         self.on_late = on_late
         self.clock = clock
         self.stats = JoinStats()
         self._lock = threading.Lock()
-        self._pending: OrderedDict[int, tuple[float, Facts]] = OrderedDict()
+        # sampled events waiting for their span: key → (first seen, events)
+        self._samples: OrderedDict[SpanKey, tuple[float, list]] = OrderedDict()
         self._buffered = 0
-        # span id → (when passed on, trace id) of spans already passed on, for
-        # late events: bounded like _pending, in count and age (ttl_s), so that
-        # it holds ttl_s of spans, not buffer_events whatever the span rate.
-        self._done: OrderedDict[int, tuple[float, bytes]] = OrderedDict()
-        self._late: dict[int, Facts] = {}
+        # spans already passed on → when, for late facts: bounded in count
+        # (buffer_events) and age (ttl_s), so it holds ttl_s of spans.
+        self._done: OrderedDict[SpanKey, float] = OrderedDict()
+        self._late: dict[SpanKey, Facts] = {}
+        self._last_sweep = float("-inf")
         # (trace id, traceparent span id) → the request's connection / its bytes
         self._http_flows: OrderedDict[tuple[bytes, int], events.FlowKey] = OrderedDict()
         self._http_done: OrderedDict[tuple[bytes, int], tuple[int, int]] = OrderedDict()
         self.http_bytes_reader: HttpBytesReader | None = None
 
-    # -- kernel side -------------------------------------------------------------
+    # -- kernel side: the sampled event stream -----------------------------------
     def add_event(self, ev: events._Event) -> None:
+        """A ring-buffer record. Counts never come this way (they are in the
+        span facts map): a GPU or sandbox record is kept as a span event of
+        its span, at most join.max_span_events per span."""
         span_id = ev.hdr.span_id
         if not span_id:
             return
@@ -180,22 +215,16 @@ class SpanJoin:
             return
         if ev.hdr.kind not in _EVENT_NAMES:
             return
-        trace_id = bytes(ev.hdr.trace_id)
+        key = (bytes(ev.hdr.trace_id), span_id)
         with self._lock:
             self.stats.events_in += 1
-            done = self._done.get(span_id)
-            if done is not None and done[1] == trace_id and done[0] >= self.clock() - self.cfg.ttl_s:
-                late = self._late.get(span_id)
-                if late is None:
-                    late = self._late[span_id] = Facts(trace_id, ev.epoch_ns, ev.hdr.cgroup_id)
-                late.add(ev, self.cfg.max_span_events)
-                self.stats.events_joined += 1
+            if key in self._done:
+                self.stats.events_evicted += 1   # its span went out first; its counts did not
                 return
-            entry = self._pending.get(span_id)
-            if entry is None or entry[1].trace_id != trace_id:
-                entry = (self.clock(), Facts(trace_id, ev.epoch_ns, ev.hdr.cgroup_id))
-                self._pending[span_id] = entry
-            entry[1].add(ev, self.cfg.max_span_events)
+            entry = self._samples.get(key)
+            if entry is None:
+                entry = self._samples[key] = (self.clock(), [])
+            entry[1].append(ev)
             self._buffered += 1
             self._evict_locked()
 
@@ -228,63 +257,104 @@ class SpanJoin:
     def _evict_locked(self) -> None:
         deadline = self.clock() - self.cfg.ttl_s
         done = self._done
-        while done and next(iter(done.values()))[0] < deadline:
+        while done and next(iter(done.values())) < deadline:
             done.popitem(last=False)
-        while self._pending:
-            span_id, (born, facts) = next(iter(self._pending.items()))
+        while self._samples:
+            key, (born, evs) = next(iter(self._samples.items()))
             if self._buffered <= self.cfg.buffer_events and born >= deadline:
                 break
-            del self._pending[span_id]
-            self._buffered -= facts.count
-            self.stats.events_evicted += facts.count
+            del self._samples[key]
+            self._buffered -= len(evs)
+            self.stats.events_evicted += len(evs)
 
     def pending_events(self) -> int:
+        """Sampled events waiting for their span."""
         with self._lock:
             return self._buffered
 
     # -- span side ---------------------------------------------------------------
     def join(self, resource_spans: Iterable[trace_pb2.ResourceSpans]) -> list[int]:
         """Enrich the spans in place. Returns, per ResourceSpans, the cgroup id
-        its kernel events came from (0 when none joined), for the resource."""
+        its kernel facts came from (0 when none joined), for the resource."""
         cgroups = []
         with self._lock:
             for rs in resource_spans:
                 cgroup = 0
                 for ss in rs.scope_spans:
                     for span in ss.spans:
-                        cgroup = self._join_span_locked(span) or cgroup
+                        got = self._join_span_locked(span)
+                        if got > 1 or not cgroup:    # a real cgroup wins over "joined" (1)
+                            cgroup = got or cgroup
                 cgroups.append(cgroup)
             self._evict_locked()
         return cgroups
 
     def _join_span_locked(self, span: trace_pb2.Span) -> int:
-        """Enrich one span; the cgroup id of its events, 0 if none joined."""
-        span_id = int.from_bytes(span.span_id, "big")
+        """Enrich one span; the cgroup id of its facts, 1 if they have none,
+        0 if nothing joined."""
+        trace_id = bytes(span.trace_id)
+        key = (trace_id, int.from_bytes(span.span_id, "big"))
         self.stats.spans_in += 1
-        self._done.pop(span_id, None)            # re-inserted at the end: age order
-        self._done[span_id] = (self.clock(), bytes(span.trace_id))
+        self._done.pop(key, None)            # re-inserted at the end: age order
+        self._done[key] = self.clock()
         if len(self._done) > self.cfg.buffer_events:
             self._done.popitem(last=False)
-        entry = self._pending.get(span_id)
+        row = self.facts.take(*key) if self.facts is not None else None
+        sampled = self._samples.pop(key, None)
         net = self._http_bytes_locked(span) if self._http_flows or self._http_done else None
-        if entry is None or entry[1].trace_id != bytes(span.trace_id):
-            if net is None:
-                return 0
-            entry = (0.0, Facts(bytes(span.trace_id), span.start_time_unix_nano))
-        else:
-            del self._pending[span_id]
-            self._buffered -= entry[1].count
-        facts = entry[1]
+        if row is None and sampled is None and net is None:
+            return 0
+        facts = Facts(trace_id, span.start_time_unix_nano)
+        if row is not None:
+            facts.add_row(row)
+            self.stats.rows_taken += 1
+        if sampled is not None:
+            self._buffered -= len(sampled[1])
+            for ev in sampled[1]:
+                facts.add_sample(ev, self.cfg.max_span_events)
+            self.stats.events_joined += len(sampled[1])
         if net is not None:
-            facts.rx_bytes, facts.tx_bytes = facts.rx_bytes + net[0], facts.tx_bytes + net[1]
+            facts.rx_bytes, facts.tx_bytes = net
         apply_facts(span, facts)
-        self.stats.events_joined += facts.count
         self.stats.spans_joined += 1
         self.stats.span_events_capped += facts.samples_capped
         return facts.cgroup_id or 1
 
+    # -- the sweep: late and expired rows -------------------------------------------
+    def sweep(self, force: bool = False) -> int:
+        """At most every join.sweep_interval_s (unless forced): read the span
+        facts map once; a row of a span passed on within ttl_s is taken as a
+        late fact, a row older than ttl_s whose span never came is deleted and
+        counted. Returns rows handled; late ones are sent by flush_late()."""
+        now = self.clock()
+        if self.facts is None or (not force and now - self._last_sweep < self.cfg.sweep_interval_s):
+            return 0
+        self._last_sweep = now
+        rows = self.facts.rows()
+        too_old = time.time_ns() - int(self.cfg.ttl_s * 1e9)
+        handled = 0
+        with self._lock:
+            self._evict_locked()
+            for r in rows:
+                key = (r.trace_id, r.span_id)
+                if key in self._done:
+                    late = self.facts.take(*key)
+                    if late is None:
+                        continue
+                    facts = self._late.get(key)
+                    if facts is None:
+                        facts = self._late[key] = Facts(r.trace_id, late.first_ns)
+                    facts.add_row(late)
+                    self.stats.rows_late += 1
+                elif r.first_ns < too_old and self.facts.delete(*key):
+                    self.stats.rows_expired += 1
+                else:
+                    continue
+                handled += 1
+        return handled
+
     def flush_late(self) -> int:
-        """Emit the events that arrived after their span as child spans, one
+        """Emit the facts that arrived after their span as child spans, one
         ResourceSpans per cgroup (resource attributes are the caller's)."""
         with self._lock:
             late, self._late = self._late, {}
@@ -292,13 +362,13 @@ class SpanJoin:
         if not late:
             return 0
         by_cgroup: dict[int, list[trace_pb2.Span]] = {}
-        for span_id, facts in late.items():
+        for (trace_id, span_id), facts in late.items():
             span = trace_pb2.Span(
-                trace_id=facts.trace_id, parent_span_id=span_id.to_bytes(8, "big"),
+                trace_id=trace_id, parent_span_id=span_id.to_bytes(8, "big"),
                 span_id=_late_span_id(span_id, facts.first_ns), name=LATE_SPAN_NAME,
                 kind=trace_pb2.Span.SPAN_KIND_INTERNAL,
-                start_time_unix_nano=facts.first_ns,
-                end_time_unix_nano=max([facts.first_ns] + [e.epoch_ns for e in facts.samples]))
+                start_time_unix_nano=facts.first_ns, end_time_unix_nano=max(facts.first_ns,
+                                                                           time.time_ns()))
             apply_facts(span, facts)
             by_cgroup.setdefault(facts.cgroup_id, []).append(span)
         records = []
@@ -312,8 +382,13 @@ class SpanJoin:
             self.on_late(records)
         return len(late)
 
+    def facts_stats(self):
+        """The span facts map's counts (SpanFactsStats), None without one."""
+        return self.facts.stats() if self.facts is not None else None
+
     def coverage(self) -> tuple[float | None, float | None]:
-        """(share of spans joined to a kernel event, share of events that found their span)."""
+        """(share of spans joined to kernel facts, share of sampled events
+        that found their span)."""
         s = self.stats
         spans = s.spans_joined / s.spans_in if s.spans_in else None
         settled = s.events_joined + s.events_evicted

@@ -58,8 +58,20 @@ def self_metrics(src: MetricEngine) -> list[Family]:
             _single("spanlet_join_buffer_events", join.pending_events()),
             _single("spanlet_join_evicted_events_total", join.stats.events_evicted),
             _single("spanlet_join_late_records_total", join.stats.late_records),
+            *span_facts_metrics(join),
             _single("spanlet_export_queue_spans", exp.get("queue_spans", 0)),
             _single("spanlet_nvml_available", 1 if src.nvml.status.available else 0)]
+
+
+def span_facts_metrics(join) -> list[Family]:
+    """The kernel's span facts map: rows waiting, rows the LRU pushed out,
+    rows the sweep expired; nothing without the map (span_ctx not attached)."""
+    st = join.facts_stats()
+    if st is None:
+        return []
+    return [_single("spanlet_span_facts_rows", st.present),
+            _single("spanlet_span_facts_evicted_total", st.evicted),
+            _single("spanlet_span_facts_expired_total", join.stats.rows_expired)]
 
 
 STORE_TABLES = ("otel_traces", "kernel_events", "metric_samples")
@@ -181,10 +193,11 @@ class CgroupNames(Protocol):
 
 
 class JoinStats(Protocol):
-    stats: object             # events_evicted, late_records
+    stats: object             # events_evicted, late_records, rows_expired
 
     def coverage(self) -> tuple[float | None, float | None]: ...
     def pending_events(self) -> int: ...
+    def facts_stats(self) -> object | None: ...   # SpanFactsStats: present, evicted
 
 
 class Stats(Protocol):

@@ -1,4 +1,4 @@
-"""The span path: OTLP spans received, joined to the kernel events of their
+"""The span path: OTLP spans received, joined to the kernel facts of their
 threads, named after their Kubernetes workload, and exported upstream."""
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ class SpanPath:
         self.exporter.export([rs for _, rs in records])
 
     def tick(self) -> None:
+        """Periodic: sweep the span facts map (rate-limited by the join) and
+        send what came late."""
+        self.join.sweep()
         self.join.flush_late()
 
     def stop(self, deadline: float) -> None:

@@ -74,7 +74,7 @@ def test_flood_drops_are_counted_exactly_and_the_agent_stays_up(tmp_path, standi
         "tc.enabled=false", "sandbox.enabled=false", "store.enabled=false",
         "otlp.grpc_port=0", "otlp.http_port=0", "http_address=127.0.0.1", f"http_port={port}",
         f"admin_socket={admin}", f"data_dir={tmp_path / 'data'}", "ringbuf_pages=1",
-        "gpu.launch_events=spanned", "discovery.interval_s=0.2"])
+        "gpu.launch_events=all", "discovery.interval_s=0.2"])
     got = Received()
     w = spawn(standin.workload)
     w.timeout_s = 300          # the flood prints its line only at the end

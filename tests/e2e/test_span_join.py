@@ -1,6 +1,7 @@
-"""Kernel events joined to the OTel spans of a real, unprivileged-style serving
-process: the agent (in this process) receives its spans over OTLP, adds the
-exact kernel facts of each span, and exports them to a stand-in upstream."""
+"""Kernel facts joined to the OTel spans of a real, unprivileged-style serving
+process: the kernel aggregates each span's facts in its span facts row, the
+agent (in this process) receives the spans over OTLP, takes each span's row,
+and exports the spans with exactly their facts to a stand-in upstream."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def agent(tmp_path):
+def agent(tmp_path, request):
     up = Upstream()
     up.rx.start()
-    d = Daemon(agent_config(up))
+    d = Daemon(agent_config(up, f"gpu.launch_events={getattr(request, 'param', 'off')}"))
     d.check_node()
     d.start()
     d.upstream = up
@@ -70,7 +71,11 @@ def run(proc, cmd: str, done: str) -> list[str]:
     raise AssertionError(f"child exited before {done!r}")
 
 
-@pytest.mark.parametrize("threads, spans", [(1, 3), (8, 4)])
+SAMPLED = 4   # gpu.sampled_events_per_span, default
+
+
+@pytest.mark.parametrize("threads, spans, agent", [(1, 3, "off"), (8, 4, "off"), (8, 4, "sampled")],
+                         indirect=["agent"], ids=["1x3", "8x4", "8x4-sampled"])
 def test_each_span_gets_exactly_its_own_kernel_facts(agent, child, threads, spans):
     proc, pid = child
     expected = {sid: (int(n), int(us), int(took))
@@ -78,25 +83,37 @@ def test_each_span_gets_exactly_its_own_kernel_facts(agent, child, threads, span
     assert len(expected) == threads * spans
     total = sum(n for n, _, _ in expected.values())
     join = agent.spans.join
-    # every launch and sync event is buffered before the spans are let go
-    wait_for(lambda: join.pending_events() >= total + len(expected), 10, "the kernel events")
+    sampled = agent.cfg.gpu.launch_events == "sampled"
+    # the facts are complete in the kernel the moment the spans end: nothing to wait for
+    rows = {f"{r.span_id:016x}": r for r in agent.probes.span_ctx.facts.rows() if r.pid == pid}
+    assert {sid: (r.launches, r.syncs) for sid, r in rows.items()} == \
+        {sid: (n, 1) for sid, (n, _, _) in expected.items()}
+    if sampled:   # the side stream: the first SAMPLED calls of each span, before the spans leave
+        wait_for(lambda: join.pending_events() >= sum(min(SAMPLED, n + 1) for n, _, _ in
+                                                      expected.values()), 10, "the sampled events")
     run(proc, "flush", "flushed")
     up = agent.upstream
     wait_for(lambda: len(up.spans) >= len(expected), 10, "the spans upstream")
     for sid, (n, sync_us, took_ns) in expected.items():
         span, resource = up.spans[sid]
         a = kernel_attrs(span)
-        assert a["kernel.gpu.launches"] == n, span.name
+        assert a["kernel.gpu.launches"] == n and a["kernel.gpu.syncs"] == 1, span.name
         # at least the requested sleep, at most what the caller timed around the call
         # (a loaded machine stretches the sleep, never shrinks it)
         assert sync_us * 1000 <= a["kernel.gpu.sync_wait_ns"] <= took_ns
-        names = {e.name for e in span.events}
-        assert names <= {"kernel.gpu.launch", "kernel.gpu.sync_wait"}
+        assert "kernel.gpu.launch_ns" not in a          # launches are not timed by default
+        if sampled:
+            assert [e.name for e in span.events] == ["kernel.gpu.launch"] * min(SAMPLED, n) + \
+                ["kernel.gpu.sync_wait"] * (n < SAMPLED)
+        else:
+            assert list(span.events) == []               # no per-launch records at all
         res = {kv.key: kv.value.string_value for kv in resource.attributes}
         assert res["service.name"] == "span-child"
         assert res["k8s.node.name"] == agent.cfg.node_name
     assert join.stats.events_evicted == 0 and join.stats.late_records == 0
-    assert join.coverage() == (1.0, 1.0)
+    assert join.stats.rows_taken == len(expected)
+    assert [r for r in agent.probes.span_ctx.facts.rows() if r.pid == pid] == []   # taken: gone
+    assert join.coverage() == (1.0, 1.0 if sampled else None)
     # the kernel-side counts agree, under the spans' modality
     gpu = next(p for p in agent.probes if p.name == "gpu_launch")
     image = sum(c for (cg, mod, api), c in gpu.launches().items() if mod == events.Modality.image)

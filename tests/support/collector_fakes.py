@@ -17,6 +17,7 @@ from spanlet.config import ServingSettings
 from spanlet.daemon import StartedProbes
 from spanlet.exporters.prometheus import SpanletCollector
 from spanlet.join import SpanJoin
+from facts_fakes import FakeFacts
 from spanlet.metrics.engine import MetricEngine
 from spanlet.metrics.serving import ServingMetrics
 from spanlet.nvml import GpuSample
@@ -60,7 +61,7 @@ def sources(probes, nvml_available=False):
         "spans_rejected": {"bad_span_id": 2}, "spans_accepted": 9})
     nvml = SimpleNamespace(status=SimpleNamespace(available=nvml_available),
                            snapshot=lambda: {}, errors={})
-    return SimpleNamespace(cfg=cfg, probes=StartedProbes(probes), names=names, join=SpanJoin(cfg.join),
+    return SimpleNamespace(cfg=cfg, probes=StartedProbes(probes), names=names, join=SpanJoin(cfg.join, facts=FakeFacts()),
                            span_export=span_export, receiver=receiver, nvml=nvml, memory_peaks={},
                            store=None, serving=None, scheduler=None)
 
@@ -144,9 +145,12 @@ def serving_with_every_metric() -> ServingMetrics:
 
 
 def join_one_span(join: SpanJoin) -> None:
+    """One span joined to its kernel row and one sampled sync event."""
+    trace_id = bytes(range(16))
+    join.facts.add(trace_id, 7, driver=3, syncs=1, sync_wait_ns=500)
     ev = events.GpuSync()
     ev.hdr.kind, ev.hdr.span_id = events.Kind.GPU_SYNC, 7
-    ev.hdr.trace_id[:] = list(range(16))
+    ev.hdr.trace_id[:] = list(trace_id)
     join.add_event(ev)
     join.join([trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=[
-        trace_pb2.Span(trace_id=bytes(range(16)), span_id=(7).to_bytes(8, "big"))])])])
+        trace_pb2.Span(trace_id=trace_id, span_id=(7).to_bytes(8, "big"))])])])

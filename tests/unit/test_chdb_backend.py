@@ -111,14 +111,16 @@ def _enriched_spans(n=3, pod="web-0", stalls=(5000, 0, 777), t0=NOW):
         arr = span.attributes.add(key="list").value.array_value
         arr.values.add().int_value = 1
         arr.values.add().string_value = "x"
-        facts = join.Facts(trace_id=span.trace_id, first_ns=span.start_time_unix_nano)
+        facts = join.Facts(trace_id=span.trace_id, first_ns=span.start_time_unix_nano,
+                           launches=1, launch_ns=300)
         if stalls[i % len(stalls)]:
-            facts.add(_event(events.GpuSync, events.Kind.GPU_SYNC, span.start_time_unix_nano + 10,
-                             trace=span.trace_id, span=int.from_bytes(span.span_id, "big"),
-                             duration_ns=stalls[i % len(stalls)]), cap=4)
-        facts.add(_event(events.GpuLaunch, events.Kind.GPU_LAUNCH, span.start_time_unix_nano + 20, duration_ns=300,
-                         grid=(C.c_uint32 * 3)(1, 1, 1), block=(C.c_uint32 * 3)(64, 1, 1)),
-                  cap=4)
+            facts.sync_wait_ns, facts.syncs = stalls[i % len(stalls)], 1
+            facts.add_sample(_event(events.GpuSync, events.Kind.GPU_SYNC, span.start_time_unix_nano + 10,
+                                    trace=span.trace_id, span=int.from_bytes(span.span_id, "big"),
+                                    duration_ns=stalls[i % len(stalls)]), cap=4)
+        facts.add_sample(_event(events.GpuLaunch, events.Kind.GPU_LAUNCH, span.start_time_unix_nano + 20,
+                                duration_ns=300, grid=(C.c_uint32 * 3)(1, 1, 1),
+                                block=(C.c_uint32 * 3)(64, 1, 1)), cap=4)
         join.apply_facts(span, facts)
         link = span.links.add()
         link.trace_id, link.span_id, link.trace_state = TRACE, SPAN.to_bytes(8, "big"), "l=1"
@@ -161,7 +163,7 @@ def test_enriched_spans_read_back_exactly(backend):
     assert first["SpanAttributes"] == {
         "http.method": "GET", "ratio": "0.25", "cached": "true", "list": '[1,"x"]',
         "kernel.gpu.launches": "1", "kernel.gpu.launch_ns": "300",
-        "kernel.gpu.sync_wait_ns": "5000"}
+        "kernel.gpu.sync_wait_ns": "5000", "kernel.gpu.syncs": "1"}
     assert first["Events.Name"] == ["kernel.gpu.sync_wait", "kernel.gpu.launch"]
     assert first["Events.Timestamp"] == [span.start_time_unix_nano + 10,
                                          span.start_time_unix_nano + 20]
@@ -311,7 +313,7 @@ def test_recent_pod_spans(populated):
     assert [(r["span_id"], r["name"]) for r in got] == [
         ("0000000000001002", "GET /item/2"), ("0000000000001001", "GET /item/1")]
     assert got[0]["kernel"] == {"kernel.gpu.launches": "1", "kernel.gpu.launch_ns": "300",
-                                "kernel.gpu.sync_wait_ns": "777"}
+                                "kernel.gpu.sync_wait_ns": "777", "kernel.gpu.syncs": "1"}
     assert got[0]["ts_ns"] == NOW + 2_000_000 + 123_456_789
     assert got[0]["duration_ns"] == 2_000_002 and got[1]["status"] == "STATUS_CODE_ERROR"
     assert queries.recent_pod_spans(populated, DB, "web-0", "other-ns") == []

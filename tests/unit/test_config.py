@@ -19,6 +19,8 @@ def test_defaults_are_the_documented_ones():
     assert cfg.tc.interfaces == []          # every non-loopback interface
     assert cfg.tc.tau_plc_ms + cfg.tc.delta_buffer_ms == 40.0
     assert cfg.gpu.launch_events == "off"
+    # a bare YAML `off` is a boolean: still the mode "off", from the file and from --set
+    assert config.load(env={}, overrides=["gpu.launch_events=off"]).gpu.launch_events == "off"
     assert not cfg.gpu.launch_timing and not cfg.gpu.runtime_hooks
     assert cfg.gpu.sampled_events_per_span == 4 and cfg.join.span_facts_max == 65_536
 

@@ -39,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import grafana_queries as gq
 from spanlet import admin, events
 from spanlet.join import SpanJoin
+from facts_fakes import FakeFacts
 from spanlet.metrics import catalogue
 from spanlet.exporters.clickhouse import rows, schema
 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
@@ -601,6 +602,15 @@ def kernel_events() -> list:
     ]
 
 
+def kernel_rows() -> FakeFacts:
+    """The span facts rows the kernel made for the events above (their counts)."""
+    facts = FakeFacts()
+    facts.add(TRACE_A, 1, driver=2, launch_ns=12000, sync_wait_ns=3_000_000, syncs=1, violations=1,
+              cgroup_id=7, pid=100, first_ns=T0 + 1000)
+    facts.add(TRACE_B, 2, sync_wait_ns=9_000_000, syncs=1, cgroup_id=7, pid=100, first_ns=T0 + 5000)
+    return facts
+
+
 def spans() -> list[trace_pb2.ResourceSpans]:
     rs = trace_pb2.ResourceSpans()
     for k, v in (("service.name", "demo-serving"), ("k8s.namespace.name", POD[0]),
@@ -624,7 +634,7 @@ def store(tmp_path_factory):
     backend = ChdbBackend(str(tmp_path_factory.mktemp("chdb") / "store"), database="spanlet")
     sink = ClickHouseSink(backend, batch_interval_s=0.05)
     try:
-        join = SpanJoin(JoinConfig())
+        join = SpanJoin(JoinConfig(), facts=kernel_rows())
         evs = kernel_events()
         for ev in evs:
             join.add_event(ev)

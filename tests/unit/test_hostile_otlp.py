@@ -29,6 +29,7 @@ from spanlet import config, events
 from spanlet import inspect as inspect_mod
 from spanlet.daemon import Daemon
 from spanlet.join import FACT_ATTRIBUTES
+from facts_fakes import FakeFacts
 from spanlet.exporters.otlp.receiver import GRPC_METHOD, OtlpReceiver
 
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
@@ -93,6 +94,7 @@ def agent(tmp_path):
         "otlp.upstream_protocol=http/protobuf", "otlp.batch_interval_s=0.05",
         "otlp.queue_size=1000000", "join.ttl_s=3600", f"admin_socket={tmp_path}/admin.sock"])
     d = Daemon(cfg)
+    d.spans.join.facts = FakeFacts()       # the kernel's span facts map, played by the test
     d.spans.start()
     d.admin.start()
     try:
@@ -114,11 +116,12 @@ class Legit:
     launches: int
     launch_ns: int
     sync_wait_ns: int
+    syncs: int = 0
     events: list = field(default_factory=list)
 
     def expected_kernel(self) -> dict[str, int]:
         facts = {"launches": self.launches, "launch_ns": self.launch_ns,
-                 "sync_wait_ns": self.sync_wait_ns}
+                 "sync_wait_ns": self.sync_wait_ns, "syncs": self.syncs}
         return {attr: facts[name] for attr, name in FACT_ATTRIBUTES if facts.get(name)}
 
 
@@ -160,9 +163,19 @@ def make_legit(rnd: random.Random, i: int, clock) -> Legit:
     for k in range(i % 3):
         d = 7_000 + i * 10 + k
         lg.sync_wait_ns += d
+        lg.syncs += 1
         lg.events.append(kernel_event(events.GpuSync, events.Kind.GPU_SYNC, trace_id, span_id,
                                       d, clock))
     return lg
+
+
+def kernel_saw(d: Daemon, lg: Legit) -> None:
+    """What the kernel does before the span ends: its facts row, and its
+    records on the sampled side stream."""
+    d.spans.join.facts.add(lg.trace_id, int.from_bytes(lg.span_id, "big"), driver=lg.launches,
+                           launch_ns=lg.launch_ns, sync_wait_ns=lg.sync_wait_ns, syncs=lg.syncs)
+    for ev in lg.events:
+        d.sink(ev)
 
 
 def request_of(spans: list[trace_pb2.Span], service: str = "legit-svc") -> ExportTraceServiceRequest:
@@ -461,8 +474,7 @@ def one_legit_export_per_transport(d: Daemon, rnd: random.Random, clock,
     each answer checked (a plain success)."""
     legit = [make_legit(rnd, first_index + k, clock) for k in range(2)]
     for lg in legit:
-        for ev in lg.events:
-            d.sink(ev)
+        kernel_saw(d, lg)
     sender = Sender(d.spans.receiver.grpc_port, d.spans.receiver.http_port)
     try:
         for transport, lg in zip(("grpc", "http"), legit):
@@ -495,8 +507,7 @@ def test_ten_thousand_hostile_payloads_crash_nothing_count_everything_attribute_
     clock = events.MonotonicClock()
     legit = [make_legit(rnd, i, clock) for i in range(N_LEGIT)]
     for lg in legit:                       # the kernel saw them before their spans end
-        for ev in lg.events:
-            d.sink(ev)
+        kernel_saw(d, lg)
     assert d.spans.join.pending_events() == sum(len(lg.events) for lg in legit)
 
     hostile = hostile_items(rnd, legit)

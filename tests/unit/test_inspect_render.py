@@ -98,7 +98,8 @@ SUMMARY = {
     "nvml": {"available": False, "reason": "libnvidia-ml.so.1 not found", "gpus": 0},
     "join": {"span_coverage": 0.5, "event_coverage": None, "pending_events": 3, "spans_in": 4,
              "spans_joined": 2, "events_in": 9, "events_joined": 6, "events_evicted": 0,
-             "late_records": 0, "span_events_capped": 0},
+             "late_records": 0, "span_events_capped": 0, "rows_expired": 2, "rows_late": 1,
+             "span_facts": {"created": 9, "taken": 3, "swept": 2, "evicted": 1, "present": 3}},
     "exporters": [
         {"name": "otlp_receiver", "enabled": True,
          "stats": {"spans_accepted": 4, "spans_rejected": {"too_big": 1}}},
@@ -154,6 +155,7 @@ def test_every_view_fits_80_columns(op):
     if op == "summary":
         assert "NOT attached" in text and "slo_compliance_ratio" in text
         assert "< 0.75 (slo_class=bronze)" in text       # the breaching class is the one shown
+        assert "span facts: 3 rows waiting, 1 evicted, 2 expired, 1 late" in " ".join(text.split())
     if op == "hints":
         assert "text.kv_cache_" in text
 

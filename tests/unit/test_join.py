@@ -1,10 +1,14 @@
-"""The span join: facts per span, bounded buffer, late events, coverage."""
+"""The span join: kernel facts rows taken per span (a fake facts map), sampled
+events as span events in a bounded buffer, late and expired rows, coverage."""
+
+import time
 
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from spanlet import events
 from spanlet.config import JoinConfig
 from spanlet.join import LATE_SPAN_NAME, SpanJoin
+from facts_fakes import FakeFacts
 
 TRACE = bytes(range(1, 17))
 
@@ -42,29 +46,56 @@ def attrs(span):
 
 
 def test_each_span_gets_exactly_its_own_facts():
-    j = SpanJoin(JoinConfig(max_span_events=2))
+    facts = FakeFacts()
+    facts.add(TRACE, 7, driver=2, runtime=1, launch_ns=300, sync_wait_ns=5000, syncs=1, cgroup_id=5)
+    facts.add(TRACE, 8, driver=1)
+    j = SpanJoin(JoinConfig(max_span_events=2), facts=facts)
     for _ in range(3):
-        j.add_event(launch(7, 100))
+        j.add_event(launch(7, 100))           # sampled records: span events, never counts
     j.add_event(sync(7, 5000))
-    j.add_event(launch(8, 10))
     rs = request(7, 8, 9)
-    assert j.join(rs) == [1]      # joined (events without a cgroup id)
+    assert j.join(rs) == [5]                  # the cgroup of span 7's row
     s7, s8, s9 = rs[0].scope_spans[0].spans
-    assert attrs(s7)["kernel.gpu.launches"] == 3
-    assert attrs(s7)["kernel.gpu.launch_ns"] == 300
-    assert attrs(s7)["kernel.gpu.sync_wait_ns"] == 5000
+    assert attrs(s7) == {"kernel.gpu.launches": 3, "kernel.gpu.launch_ns": 300,
+                         "kernel.gpu.sync_wait_ns": 5000, "kernel.gpu.syncs": 1}
     assert len(s7.events) == 2 and s7.dropped_events_count == 2   # capped at 2
     assert s7.events[0].name == "kernel.gpu.launch"
-    assert attrs(s8)["kernel.gpu.launches"] == 1
+    assert attrs(s8) == {"kernel.gpu.launches": 1}
     assert attrs(s9) == {}
     assert j.coverage() == (2 / 3, 1.0)
     assert j.pending_events() == 0
+    assert facts.map == {} and facts.takes == 3     # one take per span, rows gone
+    assert j.stats.rows_taken == 2
+
+
+def test_counts_come_from_the_kernel_row_only():
+    # sampled events of a span without a row: span events, no counts made of them
+    j = SpanJoin(JoinConfig(), facts=FakeFacts())
+    for _ in range(5):
+        j.add_event(launch(7, 100))
+    rs = request(7)
+    assert j.join(rs) == [1]
+    span = rs[0].scope_spans[0].spans[0]
+    assert attrs(span) == {} and len(span.events) == 5
 
 
 def test_other_trace_with_same_span_id_does_not_join():
-    j = SpanJoin(JoinConfig())
+    facts = FakeFacts()
+    facts.add(b"\x09" * 16, 7, driver=4)
+    j = SpanJoin(JoinConfig(), facts=facts)
     j.add_event(launch(7, trace=b"\x09" * 16))
     assert j.join(request(7)) == [0]
+    assert list(facts.map) == [(b"\x09" * 16, 7)]    # still waiting for its own span
+    rs = request(7, trace=b"\x09" * 16)
+    assert j.join(rs) == [1] and attrs(rs[0].scope_spans[0].spans[0])["kernel.gpu.launches"] == 4
+
+
+def test_no_facts_reader_means_no_kernel_facts():
+    j = SpanJoin(JoinConfig())
+    j.add_event(sync(7, 10))
+    rs = request(7)
+    assert j.join(rs) == [1] and attrs(rs[0].scope_spans[0].spans[0]) == {}
+    assert j.sweep(force=True) == 0 and j.facts_stats() is None
 
 
 def test_buffer_is_bounded_and_evictions_counted():
@@ -87,22 +118,54 @@ def test_ttl_evicts_old_events():
     assert j.join(request(1)) == [0] and j.join(request(2)) == [1]
 
 
-def test_late_events_become_their_own_record():
-    out = []
-    j = SpanJoin(JoinConfig(), on_late=out.extend)
+def test_sampled_event_after_its_span_is_counted_not_kept():
+    j = SpanJoin(JoinConfig())
     j.join(request(7))
-    ev = launch(7, 40, ts=123)
-    ev.hdr.cgroup_id = 99
-    j.add_event(ev)
-    j.add_event(launch(7, 2, ts=130))
+    j.add_event(launch(7))
+    assert j.pending_events() == 0 and j.stats.events_evicted == 1
+
+
+def test_late_facts_become_their_own_record():
+    out = []
+    facts = FakeFacts()
+    j = SpanJoin(JoinConfig(), facts=facts, on_late=out.extend)
+    j.join(request(7))
+    # a thread still working for span 7 after it was passed on: a new row
+    facts.add(TRACE, 7, driver=2, launch_ns=42, cgroup_id=99, first_ns=123)
+    facts.add(TRACE, 8, driver=1, first_ns=time.time_ns())   # span 8 has not come yet
+    assert j.sweep(force=True) == 1
     assert j.flush_late() == 1
     ((cgroup, rs),) = out
     assert cgroup == 99
     (late,) = rs.scope_spans[0].spans
-    assert late.name == LATE_SPAN_NAME
+    assert late.name == LATE_SPAN_NAME and late.start_time_unix_nano == 123
     assert late.trace_id == TRACE and late.parent_span_id == (7).to_bytes(8, "big")
-    assert attrs(late)["kernel.gpu.launches"] == 2 and attrs(late)["kernel.gpu.launch_ns"] == 42
-    assert j.flush_late() == 0
+    assert attrs(late) == {"kernel.gpu.launches": 2, "kernel.gpu.launch_ns": 42}
+    assert j.flush_late() == 0 and j.stats.late_records == 1 and j.stats.rows_late == 1
+    assert list(facts.map) == [(TRACE, 8)]
+
+
+def test_rows_whose_span_never_comes_expire_after_ttl():
+    facts = FakeFacts()
+    j = SpanJoin(JoinConfig(ttl_s=30), facts=facts)
+    facts.add(TRACE, 1, driver=1, first_ns=time.time_ns() - 31 * 10**9)
+    facts.add(TRACE, 2, driver=1, first_ns=time.time_ns() - 29 * 10**9)
+    assert j.sweep(force=True) == 1
+    assert list(facts.map) == [(TRACE, 2)] and j.stats.rows_expired == 1
+    assert facts.stats().swept == 1
+
+
+def test_sweep_reads_the_map_at_most_every_interval():
+    now = [100.0]
+    facts = FakeFacts()
+    reads = []
+    rows = facts.rows
+    facts.rows = lambda: reads.append(now[0]) or rows()
+    j = SpanJoin(JoinConfig(sweep_interval_s=2), facts=facts, clock=lambda: now[0])
+    for t in range(20):
+        now[0] = 100.0 + t * 0.5
+        j.sweep()
+    assert reads == [100.0, 102.0, 104.0, 106.0, 108.0]
 
 
 def test_events_without_span_are_not_buffered():
@@ -192,31 +255,36 @@ def test_request_still_in_progress_is_read_live_and_checked():
 
 # -- the memory of spans already passed on is bounded by ttl_s ----------------
 
-def test_late_event_within_ttl_is_late_and_after_ttl_waits_for_its_span():
+def test_late_row_within_ttl_is_late_and_after_ttl_waits_for_its_span():
     now = [0.0]
     out = []
-    j = SpanJoin(JoinConfig(ttl_s=5), on_late=out.extend, clock=lambda: now[0])
+    facts = FakeFacts()
+    j = SpanJoin(JoinConfig(ttl_s=5), facts=facts, on_late=out.extend, clock=lambda: now[0])
     j.join(request(7, 8))
     now[0] = 4.0
-    j.add_event(launch(7))                        # within ttl_s of its span: a late record
+    facts.add(TRACE, 7, driver=1, first_ns=time.time_ns())   # within ttl_s of its span: late
+    j.sweep(force=True)
     now[0] = 6.0
-    j.add_event(launch(8))                        # span 8 passed on 6 s ago: forgotten, the event waits
+    facts.add(TRACE, 8, driver=1, first_ns=time.time_ns())   # span 8 passed on 6 s ago: forgotten
+    j.sweep(force=True)
     assert j.flush_late() == 1 and len(out) == 1
-    assert j.pending_events() == 1 and j.stats.late_records == 1
-    assert j.join(request(8)) == [1] and j.pending_events() == 0
+    assert list(facts.map) == [(TRACE, 8)] and j.stats.late_records == 1
+    assert j.join(request(8)) == [1] and facts.map == {}
 
 
 def test_rejoined_span_is_remembered_from_its_last_pass():
     now = [0.0]
-    j = SpanJoin(JoinConfig(ttl_s=5), clock=lambda: now[0])
+    facts = FakeFacts()
+    j = SpanJoin(JoinConfig(ttl_s=5), facts=facts, clock=lambda: now[0])
     j.join(request(1, 2))
     now[0] = 4.0
     j.join(request(1))                            # span 1 again: its age restarts
     now[0] = 7.0
     j.join(request(3))                            # evicts what is older than 2.0: span 2 only
-    j.add_event(launch(1))
-    j.add_event(launch(2))
-    assert j.flush_late() == 1 and j.pending_events() == 1
+    facts.add(TRACE, 1, driver=1, first_ns=time.time_ns())
+    facts.add(TRACE, 2, driver=1, first_ns=time.time_ns())
+    assert j.sweep(force=True) == 1
+    assert j.flush_late() == 1 and list(facts.map) == [(TRACE, 2)]
 
 
 def test_steady_span_stream_keeps_memory_of_passed_spans_flat():
