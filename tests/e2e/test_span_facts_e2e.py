@@ -4,6 +4,8 @@ every span must arrive upstream with exactly its own kernel.gpu.launches."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -51,6 +53,23 @@ class Agent:
     def child(self, processor: str = "batch") -> FactsChild:
         return FactsChild(self.endpoint, self.libcuda, processor)
 
+    def wait_attached(self) -> None:
+        """The probes attach once per library file: after this child every other one is traced."""
+        span_ctx, gpu = self.daemon.probes.span_ctx, self.daemon.probes.gpu
+        with self.child() as first:
+            wait_for(lambda: any(l.pid == first.pid for l in span_ctx.libraries)
+                     and any(l.pid == first.pid for l in gpu.libraries()), 10,
+                     "the agent to attach to a child")
+
+    def metric(self, pred) -> float | None:
+        """The sum of the agent's self-metric samples that pred(name, labels) picks, None if none."""
+        found = None
+        for fam in self.daemon.registry.collect():
+            for sample in fam.samples:
+                if pred(sample.name, sample.labels):
+                    found = (found or 0.0) + sample.value
+        return found
+
     def settle(self) -> None:
         """What is late goes out now, and everything queued reaches the upstream. The
         wait first lets the readers (100 ms polls) and the refresh loop (every
@@ -86,26 +105,32 @@ def assert_exact(agent: Agent, expected: dict) -> None:
     assert not left, f"{len(left)} rows of spans already joined are still in span_facts"
 
 
-@pytest.fixture(scope="module")
-def agent(standin):
+@contextlib.contextmanager
+def running_agent(libcuda: Path, *overrides: str):
+    """An agent in this process exporting to a fresh upstream, attached to `libcuda`;
+    stopped at the end, and its pin folder removed whatever its stop did."""
     up = Upstream()
     up.rx.start()
     d = Daemon(agent_config(up, "otlp.batch_interval_s=0.05", "http_port=0", "http_address=127.0.0.1",
-                            f"join.span_facts_max={SPAN_FACTS_MAX}"))
+                            *overrides))
     d.check_node()
     d.start()
-    a = Agent(d, up, standin.lib_dir / cuda_standin.DRIVER)
+    a = Agent(d, up, libcuda)
     try:
-        # the probes attach once per library file: after this child every other one is traced
-        with a.child() as first:
-            span_ctx, gpu = d.probes.span_ctx, d.probes.gpu
-            wait_for(lambda: any(l.pid == first.pid for l in span_ctx.libraries)
-                     and any(l.pid == first.pid for l in gpu.libraries()), 10,
-                     "the agent to attach to the first child")
+        a.wait_attached()
         yield a
     finally:
-        d.stop()
-        up.rx.stop()
+        try:
+            d.stop()
+        finally:
+            shutil.rmtree(d.probes.span_ctx.pin_dir, ignore_errors=True)
+            up.rx.stop()
+
+
+@pytest.fixture(scope="module")
+def agent(standin):
+    with running_agent(standin.lib_dir / cuda_standin.DRIVER, f"join.span_facts_max={SPAN_FACTS_MAX}") as a:
+        yield a
 
 
 class Flood:
@@ -229,14 +254,11 @@ def rss_kb() -> int:
     raise AssertionError("no VmRSS")
 
 
-def evictions_counted(registry) -> float:
+def evictions_counted(agent: Agent) -> float:
     """The agent's self-metric of span facts rows lost to the LRU bound, whatever its
     exact name: samples naming span_facts with "evict" in the name or a label."""
-    found = None
-    for fam in registry.collect():
-        for s in fam.samples:
-            if "span_facts" in s.name and ("evict" in s.name or any("evict" in v for v in s.labels.values())):
-                found = (found or 0.0) + s.value
+    found = agent.metric(lambda name, labels: "span_facts" in name and (
+        "evict" in name or any("evict" in v for v in labels.values())))
     assert found is not None, "no self-metric counts span_facts rows evicted by the LRU"
     return found
 
@@ -247,7 +269,7 @@ def test_a_flood_of_marks_for_spans_that_never_arrive_stays_bounded(agent):
     memory does not follow the flood, and the next spans are still exact."""
     facts = agent.facts
     before = facts.stats()
-    metric0 = evictions_counted(agent.daemon.registry)
+    metric0 = evictions_counted(agent)
     rss = []
     with agent.child("none") as child:
         for _ in range(3):
@@ -260,7 +282,7 @@ def test_a_flood_of_marks_for_spans_that_never_arrive_stays_bounded(agent):
     assert after.created - before.created == flooded
     lost = (after.evicted - before.evicted) + (after.swept - before.swept)
     assert lost >= flooded - SPAN_FACTS_MAX
-    assert evictions_counted(agent.daemon.registry) - metric0 >= flooded - SPAN_FACTS_MAX - (
+    assert evictions_counted(agent) - metric0 >= flooded - SPAN_FACTS_MAX - (
         after.swept - before.swept)
     # the first round may warm caches; after it the agent's memory stays where it was
     assert rss[-1] - rss[0] < 8 * 1024, f"RSS grew {rss[-1] - rss[0]} kB over the flood: {rss}"
@@ -268,3 +290,27 @@ def test_a_flood_of_marks_for_spans_that_never_arrive_stays_bounded(agent):
         child.command("threads 4 5")
         child.command("flush", "flushed")
     assert_exact(agent, child.expected)
+
+
+def test_a_row_whose_span_never_comes_expires_counted_and_the_agent_goes_on(standin, tmp_path):
+    """join.ttl_s after its first event, the sweep deletes a row nobody took and
+    counts it; the agent then still finds new libraries and joins new spans, and
+    stops leaving no pin behind."""
+    with running_agent(standin.lib_dir / cuda_standin.DRIVER, "join.ttl_s=1",
+                       "join.sweep_interval_s=0.2") as a:
+        with a.child("none") as child:
+            child.command("threads 1 1")
+        ((trace, span),) = child.expected
+        wait_for(lambda: (a.metric(lambda name, _: name == "spanlet_span_facts_expired_total") or 0) >= 1,
+                 15, "the row to expire")
+        assert a.facts.take(bytes.fromhex(trace), int(span, 16)) is None
+        # a library file the agent has not seen (new inodes): found by the refresh loop
+        a.libcuda = standin.copy_libs(tmp_path / "copy") / cuda_standin.DRIVER
+        a.wait_attached()
+        with a.child() as child:
+            child.command("threads 2 2")
+            child.command("flush", "flushed")
+        assert_exact(a, child.expected)
+        pin_dir = a.daemon.probes.span_ctx.pin_dir
+        a.daemon.stop()
+        assert not pin_dir.exists()
