@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -58,7 +59,7 @@ class Agent:
         span_ctx, gpu = self.daemon.probes.span_ctx, self.daemon.probes.gpu
         with self.child() as first:
             wait_for(lambda: any(l.pid == first.pid for l in span_ctx.libraries)
-                     and any(l.pid == first.pid for l in gpu.libraries()), 10,
+                     and any(l.pid == first.pid for l in gpu.libraries()), 30,
                      "the agent to attach to a child")
 
     def metric(self, pred) -> float | None:
@@ -73,34 +74,48 @@ class Agent:
     def settle(self) -> None:
         """What is late goes out now, and everything queued reaches the upstream. The
         wait first lets the readers (100 ms polls) and the refresh loop (every
-        discovery.interval_s) pass at least once after the spans came: what they
-        would still find late is then found."""
+        discovery.interval_s) pass at least once after the spans came; then one
+        sweep of the span facts map, forced, finds every row that came late."""
         time.sleep(SETTLE_S)
+        self.daemon.spans.join.sweep(force=True)
         self.daemon.spans.tick()
         assert self.daemon.spans.exporter.force_flush(10_000)
 
-    def received(self, expected: dict) -> dict:
+    def arrived(self, expected: dict) -> dict:
         """(trace, span) → the kernel.gpu.launches of each span received with those ids,
-        once every expected span arrived; and the late records of any of them."""
+        once every expected span arrived."""
         up = self.upstream
         wait_for(lambda: all(k in up.by_ids for k in expected), 30, "the spans upstream")
-        self.settle()
         with up.lock:
-            got = {k: [kernel_attrs(s).get("kernel.gpu.launches", 0) for s in up.by_ids[k]]
-                   for k in expected}
-            late = [(k, kernel_attrs(s)) for k, spans in up.by_ids.items() for s in spans
+            return {k: [kernel_attrs(s).get("kernel.gpu.launches", 0) for s in up.by_ids[k]]
+                    for k in expected}
+
+    def late_records(self, expected: dict) -> list:
+        """(ids, kernel attributes) of the late records received for any of these spans."""
+        with self.upstream.lock:
+            return [(k, kernel_attrs(s)) for k, spans in self.upstream.by_ids.items() for s in spans
                     if s.name == LATE_SPAN_NAME and (k[0], s.parent_span_id.hex()) in expected]
-        return got, late
 
 
 def assert_exact(agent: Agent, expected: dict) -> None:
-    got, late = agent.received(expected)
+    """Each span arrived once, with exactly its launches; no late record for any of them
+    (after a settle); none of their rows left in the map."""
+    got = agent.arrived(expected)
     wrong = {k: (expected[k], v) for k, v in got.items() if v != [expected[k]]}
+    try:
+        agent.settle()
+        settle_error = None
+    except Exception as e:   # the agent's own sweep failing: said after the counts
+        settle_error = e
+    late = agent.late_records(expected)
     late_launches = sum(a.get("kernel.gpu.launches", 0) for _, a in late)
     assert not wrong and not late, (
         f"{len(expected) - len(wrong)} of {len(expected)} spans exact; (expected, got on the span) "
         f"of the others: {sorted(wrong.values())}; {len(late)} late records of these spans "
         f"({late_launches} launches)")
+    if settle_error is not None:
+        raise AssertionError(f"the spans were exact, then the agent's sweep failed: {settle_error!r}") \
+            from settle_error
     left = {(r.trace_id.hex(), f"{r.span_id:016x}") for r in agent.facts.rows()} & expected.keys()
     assert not left, f"{len(left)} rows of spans already joined are still in span_facts"
 
@@ -111,11 +126,13 @@ def running_agent(libcuda: Path, *overrides: str):
     stopped at the end, and its pin folder removed whatever its stop did."""
     up = Upstream()
     up.rx.start()
+    private = Path(tempfile.mkdtemp(prefix="spanlet-facts-e2e-"))   # its admin socket: not the node's
     d = Daemon(agent_config(up, "otlp.batch_interval_s=0.05", "http_port=0", "http_address=127.0.0.1",
-                            *overrides))
+                            f"admin_socket={private / 'admin.sock'}", *overrides))
     d.check_node()
     d.start()
     a = Agent(d, up, libcuda)
+    pin_dir = d.probes[0].pin_dir            # the span context owner starts first
     try:
         a.wait_attached()
         yield a
@@ -123,7 +140,8 @@ def running_agent(libcuda: Path, *overrides: str):
         try:
             d.stop()
         finally:
-            shutil.rmtree(d.probes.span_ctx.pin_dir, ignore_errors=True)
+            shutil.rmtree(pin_dir, ignore_errors=True)
+            shutil.rmtree(private, ignore_errors=True)
             up.rx.stop()
 
 
@@ -311,6 +329,6 @@ def test_a_row_whose_span_never_comes_expires_counted_and_the_agent_goes_on(stan
             child.command("threads 2 2")
             child.command("flush", "flushed")
         assert_exact(a, child.expected)
-        pin_dir = a.daemon.probes.span_ctx.pin_dir
+        pin_dir = a.daemon.probes[0].pin_dir
         a.daemon.stop()
         assert not pin_dir.exists()
