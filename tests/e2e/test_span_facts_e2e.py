@@ -139,6 +139,7 @@ def running_agent(libcuda: Path, *overrides: str):
     finally:
         try:
             d.stop()
+            a.pins_left = pin_dir.exists()
         finally:
             shutil.rmtree(pin_dir, ignore_errors=True)
             shutil.rmtree(private, ignore_errors=True)
@@ -149,6 +150,7 @@ def running_agent(libcuda: Path, *overrides: str):
 def agent(standin):
     with running_agent(standin.lib_dir / cuda_standin.DRIVER, f"join.span_facts_max={SPAN_FACTS_MAX}") as a:
         yield a
+    assert not a.pins_left, "the agent's stop left its pinned maps behind"
 
 
 class Flood:
@@ -220,10 +222,14 @@ def test_a_row_whose_span_never_comes_is_deleted_unread_and_counted(agent):
     with agent.child("none") as child:
         child.command("threads 1 1")
     ((trace, span),) = child.expected
+    key = (bytes.fromhex(trace), int(span, 16))
     swept = agent.facts.stats().swept
-    assert agent.facts.delete(bytes.fromhex(trace), int(span, 16))
-    assert agent.facts.stats().swept == swept + 1
-    assert agent.facts.take(bytes.fromhex(trace), int(span, 16)) is None
+    try:
+        assert agent.facts.delete(*key)
+        assert agent.facts.stats().swept == swept + 1
+        assert agent.facts.take(*key) is None
+    finally:
+        agent.facts.take(*key)     # no row of this test left to expire under the next ones
 
 
 # ---- bad input ----------------------------------------------------------------------------------
@@ -289,12 +295,16 @@ def test_a_flood_of_marks_for_spans_that_never_arrive_stays_bounded(agent):
     before = facts.stats()
     metric0 = evictions_counted(agent)
     rss = []
-    with agent.child("none") as child:
-        for _ in range(3):
-            child.command(f"marks {2 * SPAN_FACTS_MAX}")
-            rows = facts.rows()
-            rss.append(rss_kb())
-            assert len(rows) <= SPAN_FACTS_MAX
+    try:
+        with agent.child("none") as child:
+            for _ in range(3):
+                child.command(f"marks {2 * SPAN_FACTS_MAX}")
+                rows = facts.rows()
+                rss.append(rss_kb())
+                assert len(rows) <= SPAN_FACTS_MAX
+    finally:
+        for r in facts.rows():     # no row of the flood left to expire under the next tests
+            facts.take(r.trace_id, r.span_id)
     flooded = 3 * 2 * SPAN_FACTS_MAX
     after = facts.stats()
     assert after.created - before.created == flooded
@@ -310,25 +320,35 @@ def test_a_flood_of_marks_for_spans_that_never_arrive_stays_bounded(agent):
     assert_exact(agent, child.expected)
 
 
-def test_a_row_whose_span_never_comes_expires_counted_and_the_agent_goes_on(standin, tmp_path):
+def test_a_row_whose_span_never_comes_expires_counted_and_the_agent_goes_on(agent, standin, tmp_path):
     """join.ttl_s after its first event, the sweep deletes a row nobody took and
-    counts it; the agent then still finds new libraries and joins new spans, and
-    stops leaving no pin behind."""
-    with running_agent(standin.lib_dir / cuda_standin.DRIVER, "join.ttl_s=1",
-                       "join.sweep_interval_s=0.2") as a:
-        with a.child("none") as child:
-            child.command("threads 1 1")
-        ((trace, span),) = child.expected
-        wait_for(lambda: (a.metric(lambda name, _: name == "spanlet_span_facts_expired_total") or 0) >= 1,
-                 15, "the row to expire")
-        assert a.facts.take(bytes.fromhex(trace), int(span, 16)) is None
-        # a library file the agent has not seen (new inodes): found by the refresh loop
-        a.libcuda = standin.copy_libs(tmp_path / "copy") / cuda_standin.DRIVER
-        a.wait_attached()
-        with a.child() as child:
+    counts it; the agent then still finds new libraries (its refresh loop runs on)
+    and joins new spans. (The module's agent with a 1 s TTL for the time of the
+    test: a second agent in this process could not attach BCC's uprobes of the
+    same names.)"""
+    join_cfg = agent.daemon.spans.join.cfg
+    ttl = join_cfg.ttl_s
+    expired = lambda: agent.metric(lambda name, _: name == "spanlet_span_facts_expired_total") or 0  # noqa: E731
+    before = expired()
+    with agent.child("none") as child:
+        child.command("threads 1 1")
+    ((trace, span),) = child.expected
+    key = (bytes.fromhex(trace), int(span, 16))
+    join_cfg.ttl_s = 1.0
+    try:
+        wait_for(lambda: expired() >= before + 1, 15, "the row to expire")
+        assert agent.facts.take(*key) is None
+    finally:
+        join_cfg.ttl_s = ttl
+        agent.facts.take(*key)
+    # a library file the agent has not seen (new inodes): found by the refresh loop
+    libcuda = agent.libcuda
+    agent.libcuda = standin.copy_libs(tmp_path / "copy") / cuda_standin.DRIVER
+    try:
+        agent.wait_attached()
+        with agent.child() as child:
             child.command("threads 2 2")
             child.command("flush", "flushed")
-        assert_exact(a, child.expected)
-        pin_dir = a.daemon.probes[0].pin_dir
-        a.daemon.stop()
-        assert not pin_dir.exists()
+        assert_exact(agent, child.expected)
+    finally:
+        agent.libcuda = libcuda
