@@ -1,19 +1,22 @@
-"""Agent CPU at 1,000 spans/s and 50,000 kernel events/s, as a share of one
-core, side by side with the same agent idle: `spanlet run` in its own process,
-a stand-in CUDA workload launching at a paced rate, and an OTLP client sending
-spans in batches of 100. Three agent settings: launch_events=off (the
-default: launches are counted in the kernel, per span in the span facts
-map), sampled (a few records per span) and all (every launch is a
-ring-buffer record decoded in Python).
-CPU is read from /proc/<agent>/stat.
+"""Agent CPU and RSS at 1,000 spans/s with 50 GPU launches inside each span (50,000 launches/s
+in spans), store and span export on, side by side with the same agent idle; then how long it takes to stop.
 
-    sudo .venv/bin/python bench/agent_cpu_bench.py [--seconds 10]
+`spanlet run` in its own process (embedded store in a temporary data directory, export to an
+upstream OTLP receiver in this process); an OTel SDK app (tests/support/span_facts_child.py,
+SpanletSpanProcessor + BatchSpanProcessor over OTLP/gRPC) makes the spans and launches through
+stand-in libraries that only this bench maps. CPU from /proc/<agent>/stat, RSS from
+/proc/<agent>/status once a second. Also prints how many spans arrived upstream with exactly
+their launches, and the agent's stop time on SIGTERM against its shutdown_timeout_s.
+
+    sudo .venv/bin/python bench/agent_cpu_bench.py [--seconds 10] [--set KEY=VALUE]
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import os
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -23,80 +26,135 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 
-import grpc  # noqa: E402
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noqa: E402
-
 import cuda_standin  # noqa: E402
-from common import Agent, cpu_s, spans_request  # noqa: E402
-from processes import free_port, stop_process  # noqa: E402
+from facts_child import FactsChild  # noqa: E402
+from otlp_upstream import Upstream, kernel_attrs  # noqa: E402
+from common import Agent, cpu_s  # noqa: E402
+from processes import free_port  # noqa: E402
+from soak import SOAK_DRIVER, SOAK_RUNTIME, rss_mb, scrape, soak_libraries  # noqa: E402
+from spanlet import config  # noqa: E402
 
 
-def send_spans(port: int, per_s: int, seconds: float, stop: threading.Event) -> int:
-    stub = trace_service_pb2_grpc.TraceServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-    rnd, sent, t0 = random.Random(1), 0, time.monotonic()
-    batch = 100
-    while not stop.is_set() and time.monotonic() - t0 < seconds:
-        stub.Export(spans_request(batch, rnd, "bench", "text"))
-        sent += batch
-        ahead = sent / per_s - (time.monotonic() - t0)
-        if ahead > 0:
-            time.sleep(ahead)
-    return sent
+def start_agent(tmp: Path, grpc_port: int, http_port: int, upstream: Upstream,
+                extra: list[str]) -> subprocess.Popen:
+    sets = ["tc.enabled=false", "sandbox.enabled=false", "store.enabled=true", f"data_dir={tmp / 'data'}",
+            f"gpu.driver_libraries={SOAK_DRIVER}", f"gpu.runtime_libraries={SOAK_RUNTIME}",
+            f"admin_socket={tmp / 'admin.sock'}", f"otlp.grpc_port={grpc_port}",
+            f"otlp.http_port={free_port()}", f"otlp.upstream_endpoint={upstream.endpoint()}",
+            "otlp.upstream_protocol=grpc", f"http_port={http_port}", "http_address=127.0.0.1", *extra]
+    agent = Agent(sets)
+    if not agent.wait_running():
+        raise SystemExit("the agent did not start:\n" + "".join(agent.tail))
+    agent.proc.log_tail = agent.tail
+    return agent.proc
 
 
-def measure(pid: int, seconds: float) -> float:
+def wait_traced(child: FactsChild, http_port: int, limit_s: float = 30) -> None:
+    """One-launch spans until the agent counts image launches and marks: both probes are attached."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        child.command("threads 1 1")
+        m = scrape(http_port)
+        if m.get("spanlet_gpu_kernel_launches_total", 0) > 0 and m.get("spanlet_span_marks_total", 0) > 0:
+            child.expected.clear()
+            return
+        time.sleep(0.3)
+    raise SystemExit("the agent never counted the child's launches and marks: is it attached?")
+
+
+def measure(pid: int, seconds: float) -> dict:
+    """CPU share of one core over `seconds`, and RSS samples (MB) once a second."""
+    rss = [rss_mb(pid)["rss"]]
     c0, t0 = cpu_s(pid), time.monotonic()
-    time.sleep(seconds)
-    return (cpu_s(pid) - c0) / (time.monotonic() - t0)
+    while time.monotonic() - t0 < seconds:
+        time.sleep(min(1.0, max(0.0, seconds - (time.monotonic() - t0))))
+        rss.append(rss_mb(pid)["rss"])
+    return {"cpu": (cpu_s(pid) - c0) / (time.monotonic() - t0), "rss": rss}
 
 
-def run_once(a, mode: str, standin) -> tuple[float, float, int]:
-    grpc_port, http_port = free_port(), free_port()
-    with cuda_standin.Workload(standin.workload) as w:
-        w.load(standin.lib_dir)
-        agent = Agent(["tc.enabled=false", "sandbox.enabled=false", "store.enabled=false",
-                       f"gpu.launch_events={mode}",
-                       f"otlp.grpc_port={grpc_port}", f"otlp.http_port={free_port()}",
-                       f"http_port={http_port}", "http_address=127.0.0.1"])
-        try:
-            if not agent.wait_running():
-                raise SystemExit("the agent did not start:\n" + "".join(agent.tail))
-            time.sleep(1)
-            idle = measure(agent.proc.pid, a.seconds)
-            stop = threading.Event()
-            sent = [0]
-            t = threading.Thread(target=lambda: sent.__setitem__(
-                0, send_spans(grpc_port, a.spans, a.seconds + 1, stop)))
-            t.start()
-            n = int(a.events * (a.seconds + 1))
-            w.send(f"paced {n} {a.events}", "go")
-            time.sleep(0.5)
-            loaded = measure(agent.proc.pid, a.seconds)
-            w.until("done")
-            stop.set()
-            t.join()
-        finally:
-            stop_process(agent.proc, 15)
-    return idle, loaded, sent[0]
+def stop_time(agent: subprocess.Popen, limit_s: float) -> float | None:
+    """Seconds from SIGTERM to exit; None if it was still running after limit_s (then killed)."""
+    t0 = time.monotonic()
+    agent.send_signal(signal.SIGTERM)
+    try:
+        agent.wait(limit_s)
+        return time.monotonic() - t0
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        agent.wait(10)
+        return None
+
+
+def exact_spans(upstream: Upstream, expected_launches: int, sent: int, limit_s: float = 30) -> tuple[int, int, int]:
+    """(spans of the load upstream, of them with exactly their launches, late records), once all came."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        with upstream.lock:
+            load = [s for spans in upstream.by_ids.values() for s in spans if s.name == "paced"]
+        if len(load) >= sent:
+            break
+        time.sleep(0.2)
+    with upstream.lock:
+        late = sum(1 for spans in upstream.by_ids.values() for s in spans if s.name == "spanlet.kernel.late_events")
+    exact = sum(1 for s in load if kernel_attrs(s).get("kernel.gpu.launches") == expected_launches)
+    return len(load), exact, late
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=10)
-    ap.add_argument("--spans", type=int, default=1000)
-    ap.add_argument("--events", type=int, default=50_000)
+    ap.add_argument("--spans", type=float, default=1000, help="spans per second")
+    ap.add_argument("--launches", type=int, default=50, help="GPU launches inside each span")
+    ap.add_argument("--set", dest="agent_set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more agent setting (repeatable)")
     a = ap.parse_args()
-    rows = []
+    if os.geteuid() != 0:
+        print("the bench runs the whole agent: run it as root", file=sys.stderr)
+        return 2
+    shutdown_timeout_s = config.load(env={}, overrides=a.agent_set).shutdown_timeout_s
+    upstream = Upstream()
+    upstream.rx.start()
+    grpc_port, http_port = free_port(), free_port()
     with tempfile.TemporaryDirectory(prefix="spanlet-cpu-bench-") as tmp:
-        standin = cuda_standin.build(Path(tmp))
-        for mode in ("off", "sampled", "all"):
-            rows.append((mode, *run_once(a, mode, standin)))
-    print(f"agent CPU as a share of one core, {a.seconds:.0f} s each, "
-          f"{a.spans:,} spans/s + {a.events:,} GPU launches/s:")
-    for mode, idle, loaded, sent in rows:
-        print(f"  launch_events={mode:8s} idle {idle:6.1%}  loaded {loaded:6.1%}  "
-              f"(+{loaded - idle:.1%}; spans sent {sent:,})")
-    print("goal: <= 3% of one core")
+        tmp_path = Path(tmp)
+        standin = cuda_standin.build(tmp_path / "standin")
+        libs = soak_libraries(standin.lib_dir, tmp_path / "benchlib")
+        agent = start_agent(tmp_path, grpc_port, http_port, upstream, a.agent_set)
+        try:
+            with FactsChild(f"127.0.0.1:{grpc_port}", libs / (SOAK_DRIVER + ".1")) as child:
+                wait_traced(child, http_port)
+                time.sleep(1)
+                idle = measure(agent.pid, a.seconds)
+                load = threading.Thread(target=child.command,
+                                        args=(f"paced {a.spans} {a.launches} {a.seconds + 1}",))
+                load.start()
+                time.sleep(0.5)
+                loaded = measure(agent.pid, a.seconds)
+                load.join()
+                child.command("flush", "flushed")
+            sent = int(a.spans * (a.seconds + 1))
+            got, exact, late = exact_spans(upstream, a.launches, sent)
+        finally:
+            stopped = stop_time(agent, shutdown_timeout_s + 10)
+    upstream.rx.stop()
+
+    r = loaded["rss"]
+    print(f"agent at {a.spans:,.0f} spans/s x {a.launches} launches in each "
+          f"({a.spans * a.launches:,.0f} launches/s inside spans), store and export on, {a.seconds:.0f} s each"
+          + (f"; settings {' '.join(a.agent_set)}" if a.agent_set else ""))
+    print(f"  {'':34}{'figure':>16}   goal")
+    print(f"  {'CPU idle (share of one core)':34}{idle['cpu']:>16.1%}")
+    print(f"  {'CPU loaded':34}{loaded['cpu']:>16.1%}   <= 3%")
+    print(f"  {'RSS at start / end of load (MB)':34}{r[0]:>8.0f} /{r[-1]:>6.0f}   flat")
+    print(f"  {'RSS growth over the load (MB)':34}{r[-1] - r[0]:>+16.1f}   ~0 (max {max(r):.0f} MB)")
+    print(f"  {'spans upstream / exact launches':34}{got:>8,} /{exact:>6,}   all of {sent:,} exact")
+    print(f"  {'late records':34}{late:>16,}   0")
+    print(f"  {'stop on SIGTERM (s)':34}"
+          f"{(f'{stopped:.2f}' if stopped is not None else 'killed'):>16}   <= shutdown_timeout_s "
+          f"= {shutdown_timeout_s:g}")
+    print(f"agent exit status {agent.returncode}")
+    if stopped is None or agent.returncode:
+        print("".join(agent.log_tail), file=sys.stderr)
     return 0
 
 

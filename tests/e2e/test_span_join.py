@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import cuda_standin
-from spanlet import config, events
+from spanlet import events
 from spanlet.daemon import Daemon
-from otlp_upstream import Upstream, kernel_attrs, wait_for
+from otlp_upstream import Upstream, agent_config, kernel_attrs, wait_for
 
 pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,12 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def agent(tmp_path, request):
     up = Upstream()
     up.rx.start()
-    cfg = config.load(env={}, overrides=[
-        f"gpu.launch_events={getattr(request, 'param', 'off')}",
-        "tc.enabled=false", "sandbox.enabled=false", "discovery.interval_s=0.2",
-        "store.enabled=false", "otlp.grpc_port=0", "otlp.http_port=0", "otlp.upstream_protocol=grpc",
-        f"otlp.upstream_endpoint={up.endpoint()}", "otlp.batch_interval_s=0.1"])
-    d = Daemon(cfg)
+    d = Daemon(agent_config(up, f"gpu.launch_events={getattr(request, 'param', 'off')}"))
     d.check_node()
     d.start()
     d.upstream = up

@@ -15,6 +15,8 @@ class Upstream:
 
     def __init__(self):
         self.spans: dict[str, tuple] = {}     # span id hex → (span, resource)
+        # (trace id hex, span id hex) → every span received with those ids, in order
+        self.by_ids: dict[tuple[str, str], list] = {}
         self.lock = threading.Lock()
         self.rx = OtlpReceiver(config.OtlpConfig(grpc_port=0, http_port=0), self.on_request)
 
@@ -25,11 +27,21 @@ class Upstream:
                 for ss in rs.scope_spans:
                     for sp in ss.spans:
                         self.spans[sp.span_id.hex()] = (sp, rs.resource)
+                        self.by_ids.setdefault((sp.trace_id.hex(), sp.span_id.hex()), []).append(sp)
                         n += 1
         return n
 
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.rx.grpc_port}"
+
+
+def agent_config(up: Upstream, *extra: str) -> config.Config:
+    """An agent config for the span tests: GPU and span context probes only, no
+    store, ports picked by the OS, spans exported to `up` in short batches."""
+    return config.load(env={}, overrides=[
+        "tc.enabled=false", "sandbox.enabled=false", "discovery.interval_s=0.2",
+        "store.enabled=false", "otlp.grpc_port=0", "otlp.http_port=0", "otlp.upstream_protocol=grpc",
+        f"otlp.upstream_endpoint={up.endpoint()}", "otlp.batch_interval_s=0.1", *extra])
 
 
 def kernel_attrs(span) -> dict:
