@@ -73,6 +73,13 @@ class StartedProbes(list):
     span_ctx = _Attached("span_ctx")
 
 
+def _guarded(what: str, fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception:
+        log.exception("%s failed", what)
+
+
 def _in_parallel(fns: list[Callable[[], None]], timeout_s: float) -> None:
     threads = [threading.Thread(target=fn, name="stop", daemon=True) for fn in fns]
     for t in threads:
@@ -214,18 +221,16 @@ class Daemon:
         interval = self.cfg.discovery.interval_s
         last_stats = last_window = time.monotonic()
         while not self.stopping.wait(interval):
-            self.spans.tick()
+            # One step that fails is logged; the loop (discovery, windows, late records) goes on.
+            _guarded("span path tick", self.spans.tick)
             if self.store is not None:
-                self.store.tick()
+                _guarded("store tick", self.store.tick)
             if time.monotonic() - last_window >= self.cfg.window_s:
                 last_window = time.monotonic()
                 self._close_window()
             for probe in self.probes:
                 if probe.status.attached:
-                    try:
-                        probe.refresh()
-                    except Exception:
-                        log.exception("probe %s: refresh failed", probe.name)
+                    _guarded(f"probe {probe.name}: refresh", probe.refresh)
             if time.monotonic() - last_stats >= 60:
                 last_stats = time.monotonic()
                 self.log_stats()
@@ -292,9 +297,9 @@ class Daemon:
         phases.append(("span path", lambda: self.spans.stop(deadline)))
         if self.store is not None:
             phases.append(("store", lambda: self.store.stop(deadline)))
-        for name, fn in phases:
+        for name, fn in phases:   # a phase that fails never keeps the next ones from running
             t0 = time.monotonic()
-            fn()
+            _guarded(f"stopping {name}", fn)
             log.debug("stopped %s in %.0f ms", name, (time.monotonic() - t0) * 1000)
         log.info("stopped: all probes detached, exporters flushed")
         log.debug("threads left: %s", [t.name for t in threading.enumerate()

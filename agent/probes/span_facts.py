@@ -103,6 +103,9 @@ class SpanFacts:
                                value=_address(self._val))
         self._attr_p = C.addressof(self._attr)
         self._attr_size = C.sizeof(self._attr)
+        # BPF_MAP_DELETE_ELEM refuses (EINVAL) any attribute after the key that is not zero
+        self._del_attr = _ElemAttr(map_fd=table.map_fd, key=_address(self._key))
+        self._del_attr_p = C.addressof(self._del_attr)
         self._lock = threading.Lock()
         self._stats = SpanFactsStats()
         self._closed = False
@@ -116,10 +119,10 @@ class SpanFacts:
     def _set_key(self, trace_id: bytes, span_id: int) -> None:
         _KEY.pack_into(self._key, 0, trace_id, span_id)   # "16s" pads a short id with NULs
 
-    def _call(self, cmd: int) -> bool:
+    def _call(self, cmd: int, attr_p: int | None = None) -> bool:
         if self._closed:
             return False
-        if _syscall(self._sys_bpf, cmd, self._attr_p, self._attr_size) == 0:
+        if _syscall(self._sys_bpf, cmd, attr_p or self._attr_p, self._attr_size) == 0:
             return True
         err = C.get_errno()
         if err == errno.ENOENT:
@@ -140,7 +143,7 @@ class SpanFacts:
         """Drop a row unread (the sweep's expired rows); counted as swept."""
         with self._lock:
             self._set_key(trace_id, span_id)
-            gone = self._call(BPF_MAP_DELETE_ELEM)
+            gone = self._call(BPF_MAP_DELETE_ELEM, self._del_attr_p)
             self._stats.swept += gone
             return gone
 
