@@ -55,11 +55,12 @@ class Agent:
         return FactsChild(self.endpoint, self.libcuda, processor)
 
     def wait_attached(self) -> None:
-        """The probes attach once per library file: after this child every other one is traced."""
+        """The probes attach once per library file (a uprobe is on the inode, for
+        every process): once the marker is attached and the GPU probe has seen
+        this child's libcuda (self.libcuda, maybe a new copy), every child is traced."""
         span_ctx, gpu = self.daemon.probes.span_ctx, self.daemon.probes.gpu
         with self.child() as first:
-            wait_for(lambda: any(l.pid == first.pid for l in span_ctx.libraries)
-                     and any(l.pid == first.pid for l in gpu.libraries()), 30,
+            wait_for(lambda: span_ctx.libraries and any(l.pid == first.pid for l in gpu.libraries()), 30,
                      "the agent to attach to a child")
 
     def metric(self, pred) -> float | None:
