@@ -116,7 +116,9 @@ class Worker:
         }))
         self.provider.add_span_processor(SpanletSpanProcessor())
         self.provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=args.otlp_endpoint, insecure=True),
+            # a short export timeout: a worker whose agent is gone (a killed demo)
+            # stops in seconds, not after the SDK's 10 s of retries per batch
+            OTLPSpanExporter(endpoint=args.otlp_endpoint, insecure=True, timeout=2),
             schedule_delay_millis=500))
         self.tracer = self.provider.get_tracer("spanlet.demo")
         self.gpu = Gpu(Path(args.lib_dir), "runtime" if self.modality in ("text", "audio") else "driver")
