@@ -14,7 +14,6 @@ their launches, and the agent's stop time on SIGTERM against its shutdown_timeou
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 import cuda_standin  # noqa: E402
 from facts_child import FactsChild  # noqa: E402
 from otlp_upstream import Upstream, kernel_attrs  # noqa: E402
-from common import Agent, cpu_s  # noqa: E402
+from common import Agent, agent_bench_args, cpu_s  # noqa: E402
 from processes import free_port  # noqa: E402
 from soak import SOAK_DRIVER, SOAK_RUNTIME, rss_mb, scrape, soak_libraries  # noqa: E402
 from spanlet import config  # noqa: E402
@@ -105,12 +104,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--spans", type=float, default=1000, help="spans per second")
     ap.add_argument("--launches", type=int, default=50, help="GPU launches inside each span")
-    ap.add_argument("--set", dest="agent_set", action="append", default=[], metavar="KEY=VALUE",
-                    help="one more agent setting (repeatable)")
-    a = ap.parse_args()
-    if os.geteuid() != 0:
-        print("the bench runs the whole agent: run it as root", file=sys.stderr)
-        return 2
+    a = agent_bench_args(ap, "the bench")
     shutdown_timeout_s = config.load(env={}, overrides=a.agent_set).shutdown_timeout_s
     upstream = Upstream()
     upstream.rx.start()

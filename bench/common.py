@@ -63,3 +63,14 @@ class Agent:
             return False
         threading.Thread(target=self._read, args=(None,), daemon=True).start()
         return True
+
+
+def agent_bench_args(ap, what: str, more_set_help: str = ""):
+    """The options every whole-agent bench shares (--set, repeatable), parsed;
+    exits 2 with one line unless run as root (the bench loads the agent's programs)."""
+    ap.add_argument("--set", dest="agent_set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more agent setting (repeatable)" + more_set_help)
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit(f"{what} runs the whole agent: run it as root")
+    return a

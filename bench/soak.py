@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import shutil
 import sys
@@ -40,7 +39,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noq
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import cuda_standin  # noqa: E402
-from common import Agent, cpu_s, spans_request  # noqa: E402
+from common import Agent, agent_bench_args, cpu_s, spans_request  # noqa: E402
 from processes import free_port, stop_process  # noqa: E402
 from spanlet.config import OtlpConfig  # noqa: E402
 from spanlet.demo.standin import DRIVER, RUNTIME  # noqa: E402
@@ -227,12 +226,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=120.0, help="seconds left out of the fit")
     ap.add_argument("--spans", type=float, default=200.0, help="spans per second over OTLP/gRPC")
     ap.add_argument("--launches", type=int, default=1000, help="GPU launches per second (each one stored)")
-    ap.add_argument("--set", dest="agent_set", action="append", default=[], metavar="KEY=VALUE",
-                    help="one more agent setting (repeatable), after the soak's own, e.g. store.enabled=false")
-    a = ap.parse_args()
-    if os.geteuid() != 0:
-        print("the soak runs the whole agent: run it as root", file=sys.stderr)
-        return 2
+    a = agent_bench_args(ap, "the soak", ", after the soak's own, e.g. store.enabled=false")
     seconds = a.minutes * 60
     grpc_port, http_port = free_port(), free_port()
     upstream = Upstream()

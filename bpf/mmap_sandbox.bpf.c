@@ -176,28 +176,24 @@ int sbx_openat_out(struct tracepoint__syscalls__sys_exit_openat *args)
     return sandbox_open_exit(args->ret);
 }
 
-#ifdef SANDBOX_TP_OPENAT2
-int sbx_openat2_in(struct tracepoint__syscalls__sys_enter_openat2 *args)
-{
-    return sandbox_open_enter(args->filename);
-}
+/* The enter/exit pair of another opening syscall that has a `filename`
+ * argument, attached by the loader where the tracepoint exists. */
+#define SANDBOX_OPEN_SYSCALL(sc)                                                \
+    int sbx_##sc##_in(struct tracepoint__syscalls__sys_enter_##sc *args)    \
+    {                                                                         \
+        return sandbox_open_enter(args->filename);                            \
+    }                                                                         \
+    int sbx_##sc##_out(struct tracepoint__syscalls__sys_exit_##sc *args)    \
+    {                                                                         \
+        return sandbox_open_exit(args->ret);                                  \
+    }
 
-int sbx_openat2_out(struct tracepoint__syscalls__sys_exit_openat2 *args)
-{
-    return sandbox_open_exit(args->ret);
-}
+#ifdef SANDBOX_TP_OPENAT2
+SANDBOX_OPEN_SYSCALL(openat2)
 #endif
 
 #ifdef SANDBOX_TP_OPEN
-int sbx_open_in(struct tracepoint__syscalls__sys_enter_open *args)
-{
-    return sandbox_open_enter(args->filename);
-}
-
-int sbx_open_out(struct tracepoint__syscalls__sys_exit_open *args)
-{
-    return sandbox_open_exit(args->ret);
-}
+SANDBOX_OPEN_SYSCALL(open)
 #endif
 
 int sbx_close(struct tracepoint__syscalls__sys_enter_close *args)
