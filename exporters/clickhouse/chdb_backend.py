@@ -6,6 +6,7 @@ path can only be opened after the first was closed."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -51,9 +52,20 @@ def _utc_text(ns: int) -> str:
     DateTime64 text ClickHouse parses exactly (a bare number is read as
     seconds, a short digit string as a date)."""
     sec, frac = divmod(int(ns), 1_000_000_000)
+    return f"{_utc_second(sec)}.{frac:09d}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _utc_second(sec: int) -> str:
+    """'YYYY-MM-DD hh:mm:ss' of an epoch second (cached: a batch's rows share
+    a few seconds, and gmtime plus formatting cost more than the lookup)."""
     t = time.gmtime(sec)
     return (f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d} "
-            f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}.{frac:09d}")
+            f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}")
+
+
+# json.dumps with any keyword builds a new JSONEncoder on every call: one, built once.
+_encode_row = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def _classify(exc: Exception) -> Exception:
@@ -125,7 +137,7 @@ class ChdbBackend:
                     convert.append((i, True))
             width = len(columns)
             lines = []
-            dumps = json.dumps
+            dumps = _encode_row
             for row in rows:
                 if len(row) != width:
                     raise BackendError(f"row of {len(row)} values for {width} columns")
@@ -134,7 +146,7 @@ class ChdbBackend:
                     for i, is_array in convert:
                         v = row[i]
                         row[i] = [_utc_text(x) for x in v] if is_array else _utc_text(v)
-                lines.append(dumps(row, ensure_ascii=False))
+                lines.append(dumps(row))
             cols = ", ".join(schema.quote_identifier(c) for c in columns)
             sql = (f"INSERT INTO {self.target.database}.{table} ({cols}) "
                    f"FORMAT JSONCompactEachRow\n" + "\n".join(lines))
