@@ -71,7 +71,7 @@ class StorePath:
 
     def add_spans(self, resource_spans) -> None:
         if self.sink is not None:
-            self.sink.write("otel_traces", self.rows.TRACE_COLUMNS, self.rows.span_rows(resource_spans))
+            self.sink.write("otel_traces", self.rows.SPAN_PROTO_COLUMNS, self.rows.span_proto_rows(resource_spans))
 
     def add_metrics(self, families) -> None:
         if self.sink is not None:

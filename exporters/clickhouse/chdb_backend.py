@@ -15,7 +15,8 @@ import time
 from typing import Any, Sequence
 
 from spanlet.exporters.clickhouse import BackendError, BackendUnavailable
-from spanlet.exporters.clickhouse import schema
+from spanlet.exporters.clickhouse import rows as rows_mod
+from spanlet.exporters.clickhouse import schema, span_protos
 from spanlet.exporters.clickhouse.http_backend import RETRYABLE_CLICKHOUSE_CODES
 
 _DT64 = re.compile(r"^(?:LowCardinality\()?(?:Nullable\()?DateTime64\((\d)")
@@ -25,9 +26,12 @@ _ERROR_CODE = re.compile(r"\bCode: (\d+)\.")
 # Inserted DateTime64 text is UTC (see _utc_text), results are too; JSON
 # output for query() with 64-bit integers and decimals as numbers, so that
 # UInt64 and Int64 come back as Python ints.
+# No replacing merge of each inserted block (it halved the insert rate of
+# otel_traces): a block rarely holds one key twice, and every read is FINAL.
 _SESSION_SETTINGS = ("session_timezone = 'UTC'",
                      "output_format_json_quote_64bit_integers = 0",
-                     "output_format_json_quote_decimals = 0")
+                     "output_format_json_quote_decimals = 0",
+                     "optimize_on_insert = 0")
 
 
 # The embedded server's own configuration, given to chdb as its config file
@@ -39,6 +43,10 @@ _SESSION_SETTINGS = ("session_timezone = 'UTC'",
 # threads and ~20 MB of RSS in the agent the first time it happens, under a
 # steady insert load within minutes). One by one they take well under a second.
 ENGINE_CONFIG_FILE = "spanlet-engine.xml"
+# Serialized spans wait in INCOMING_FILE for the one INSERT that reads them
+# (under the lock), with SCHEMA_FILE (span_protos.SCHEMA) written at open.
+INCOMING_FILE = "spanlet-incoming-spans.pb"
+SCHEMA_FILE = "spanlet-spans.proto"
 _ENGINE_CONFIG = """<clickhouse>
     <merge_tree>
         <concurrent_part_removal_threshold>1000000000</concurrent_part_removal_threshold>
@@ -97,6 +105,8 @@ class ChdbBackend:
             config = os.path.join(self.path, ENGINE_CONFIG_FILE)
             with open(config, "w") as f:
                 f.write(_ENGINE_CONFIG)
+            with open(os.path.join(self.path, SCHEMA_FILE), "w") as f:
+                f.write(span_protos.SCHEMA)
             self._session = chdb_session.Session(f"{self.path}?config-file={config}")
             for setting in _SESSION_SETTINGS:
                 self._session.query(f"SET {setting}")
@@ -119,10 +129,14 @@ class ChdbBackend:
     def insert(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         """INSERT rows (values as schema.py's conventions say) as
         JSONCompactEachRow data: every value is JSON-encoded, never spliced
-        into SQL text."""
+        into SQL text. Rows of rows.SPAN_PROTO_COLUMNS are serialized spans:
+        the engine builds their columns (span_protos.py)."""
         if not rows:
             return
         schema.check_identifier(table, "table name")
+        if tuple(columns) == rows_mod.SPAN_PROTO_COLUMNS:
+            self._insert_span_protos(table, rows)
+            return
         with self._lock:
             self._check_open()
             types = self._column_types_locked(table)
@@ -151,6 +165,26 @@ class ChdbBackend:
             sql = (f"INSERT INTO {self.target.database}.{table} ({cols}) "
                    f"FORMAT JSONCompactEachRow\n" + "\n".join(lines))
             self._run_locked(sql, "CSV")
+
+    def _insert_span_protos(self, table: str, proto_rows: Sequence[Sequence[Any]]) -> None:
+        env = span_protos.envelope(proto_rows)
+        data = os.path.join(self.path, INCOMING_FILE)
+        proto = os.path.join(self.path, SCHEMA_FILE)
+        skip: list[int] = []
+        with self._lock:
+            self._check_open()
+            with open(data, "wb") as f:
+                f.write(env.data)
+            try:
+                written = self._run_locked(span_protos.insert_sql(self.target.database, table, data, proto, env),
+                                           "CSV").rows_written()
+                if written < len(proto_rows):   # complex spans were left out (or a retry was deduplicated)
+                    skip = [int(r[0]) for r in self._query_locked(
+                        span_protos.complex_rows_sql(data, proto, env.nested))]
+            finally:
+                os.unlink(data)
+        if skip:
+            self.insert(table, rows_mod.TRACE_COLUMNS, rows_mod.rows_from_span_protos(proto_rows[i] for i in skip))
 
     def query(self, sql: str) -> list[tuple]:
         with self._lock:

@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from spanlet.exporters.clickhouse import BackendError, BackendUnavailable
+from spanlet.exporters.clickhouse import rows as rows_mod
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,9 @@ class HttpBackend:
     def insert(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         if not rows:
             return
+        if tuple(columns) == rows_mod.SPAN_PROTO_COLUMNS:
+            # serialized spans: their columns built here (any server version reads these)
+            columns, rows = rows_mod.TRACE_COLUMNS, rows_mod.rows_from_span_protos(rows)
         key = (table, tuple(columns))
         with self._lock:
             client = self._connected()

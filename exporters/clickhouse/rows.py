@@ -9,7 +9,7 @@ import base64
 import json
 import math
 from decimal import Decimal
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
@@ -103,43 +103,84 @@ def _hex_or_empty(raw: bytes) -> str:
 
 def span_rows(resource_spans: Iterable[trace_pb2.ResourceSpans]) -> list[list]:
     """One otel_traces row (in TRACE_COLUMNS order) per span."""
+    return _per_span(resource_spans, _span_row)
+
+
+# The store's own form of otel_traces rows: each span as its serialized
+# proto, whether it has events or links, and its resource and scope beside it
+# (the dict is shared by the spans of one resource). Making one costs a
+# SerializeToString; the embedded store turns these rows into TRACE_COLUMNS
+# in the engine (span_protos.py), any other backend through
+# rows_from_span_protos.
+SPAN_PROTO_COLUMNS = ("SpanProto", "SpanNested", "ResourceAttributes", "ServiceName", "ScopeName",
+                      "ScopeVersion")
+
+
+def span_proto_rows(resource_spans: Iterable[trace_pb2.ResourceSpans]) -> list[list]:
+    """One SPAN_PROTO_COLUMNS row per span."""
+    return _per_span(resource_spans, _span_proto_row)
+
+
+def _per_span(resource_spans: Iterable[trace_pb2.ResourceSpans], make: Callable[..., list]) -> list[list]:
+    """make(span, service, resource attributes, scope name, scope version) for each span."""
     out = []
     for rs in resource_spans:
-        res_attrs = attributes_map(rs.resource.attributes)
-        service = ""
-        for kv in rs.resource.attributes:
-            if kv.key == "service.name":
-                service = kv.value.string_value
-                break
+        res_attrs, service = _resource(rs)
         for ss in rs.scope_spans:
             scope_name, scope_version = ss.scope.name, ss.scope.version
-            for span in ss.spans:
-                start, end = span.start_time_unix_nano, span.end_time_unix_nano
-                out.append([
-                    start,
-                    _hex_or_empty(span.trace_id),
-                    _hex_or_empty(span.span_id),
-                    _hex_or_empty(span.parent_span_id),
-                    span.trace_state,
-                    span.name,
-                    SPAN_KINDS.get(span.kind, ""),
-                    service,
-                    res_attrs,
-                    scope_name,
-                    scope_version,
-                    attributes_map(span.attributes),
-                    max(0, end - start),
-                    STATUS_CODES.get(span.status.code, ""),
-                    span.status.message,
-                    [e.time_unix_nano for e in span.events],
-                    [e.name for e in span.events],
-                    [attributes_map(e.attributes) for e in span.events],
-                    [_hex_or_empty(lk.trace_id) for lk in span.links],
-                    [_hex_or_empty(lk.span_id) for lk in span.links],
-                    [lk.trace_state for lk in span.links],
-                    [attributes_map(lk.attributes) for lk in span.links],
-                ])
+            out.extend(make(span, service, res_attrs, scope_name, scope_version) for span in ss.spans)
     return out
+
+
+def _span_proto_row(span: trace_pb2.Span, service: str, res_attrs: dict[str, str], scope_name: str,
+                    scope_version: str) -> list:
+    return [span.SerializeToString(), bool(span.events or span.links), res_attrs, service, scope_name,
+            scope_version]
+
+
+def rows_from_span_protos(proto_rows: Iterable[Sequence]) -> list[list]:
+    """SPAN_PROTO_COLUMNS rows → the same spans' TRACE_COLUMNS rows."""
+    parse = trace_pb2.Span.FromString
+    return [_span_row(parse(blob), service, res_attrs, scope_name, scope_version)
+            for blob, _, res_attrs, service, scope_name, scope_version in proto_rows]
+
+
+def _resource(rs: trace_pb2.ResourceSpans) -> tuple[dict[str, str], str]:
+    """(the resource's attributes as stored, its service.name)."""
+    for kv in rs.resource.attributes:
+        if kv.key == "service.name":
+            return attributes_map(rs.resource.attributes), kv.value.string_value
+    return attributes_map(rs.resource.attributes), ""
+
+
+def _span_row(span: trace_pb2.Span, service: str, res_attrs: dict[str, str], scope_name: str,
+              scope_version: str) -> list:
+    start, end = span.start_time_unix_nano, span.end_time_unix_nano
+    events, links = span.events, span.links
+    return [
+        start,
+        _hex_or_empty(span.trace_id),
+        _hex_or_empty(span.span_id),
+        _hex_or_empty(span.parent_span_id),
+        span.trace_state,
+        span.name,
+        SPAN_KINDS.get(span.kind, ""),
+        service,
+        res_attrs,
+        scope_name,
+        scope_version,
+        attributes_map(span.attributes),
+        max(0, end - start),
+        STATUS_CODES.get(span.status.code, ""),
+        span.status.message,
+        [e.time_unix_nano for e in events] if events else [],
+        [e.name for e in events] if events else [],
+        [attributes_map(e.attributes) for e in events] if events else [],
+        [_hex_or_empty(lk.trace_id) for lk in links] if links else [],
+        [_hex_or_empty(lk.span_id) for lk in links] if links else [],
+        [lk.trace_state for lk in links] if links else [],
+        [attributes_map(lk.attributes) for lk in links] if links else [],
+    ]
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,192 @@
+"""The embedded store's insert of serialized spans (rows.SPAN_PROTO_COLUMNS,
+span_protos.py), for real in chdb: every stored value is the one the Python
+row builder (rows.span_rows) stores for the same spans, for random spans with
+every kind of attribute value, with and without events and links, one
+resource or hundreds; the spans the engine cannot render go the Python way;
+a retried batch leaves one copy; proto rows survive the sink's spool."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import struct
+import time
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from spanlet.exporters.clickhouse import rows, span_protos
+from spanlet.exporters.clickhouse.chdb_backend import INCOMING_FILE, SCHEMA_FILE, ChdbBackend
+from spanlet.exporters.clickhouse.sink import decode_batch, encode_batch
+
+T0 = time.time_ns() - 3600 * 1_000_000_000   # inside the TTL
+STRINGS = ["", "x", "ünï 字", "a'b\"c\\n\t", "<&>", "0", "{'k':'v'}"]
+DOUBLES = [0.0, -0.0, 0.1, 0.25, 1e15, 1e21, 1e-7, 3.5, -2.75, 123456789.125, math.nan, math.inf, -math.inf]
+
+
+def _value(rnd: random.Random, v, depth: int = 0, simple: bool = False) -> None:
+    kinds = ["s", "i", "b", "by"] if simple else ["s", "i", "b", "d", "by", "arr", "kv", "none"]
+    k = rnd.choice(kinds if depth < 2 else ["s", "i", "b", "d"])
+    if k == "s":
+        v.string_value = rnd.choice(STRINGS)
+    elif k == "i":
+        v.int_value = rnd.choice([0, -1, 2 ** 63 - 1, -2 ** 63, 42])
+    elif k == "b":
+        v.bool_value = rnd.choice([True, False])
+    elif k == "d":
+        v.double_value = rnd.choice(DOUBLES + [struct.unpack("d", struct.pack("Q", rnd.getrandbits(64)))[0]])
+    elif k == "by":
+        v.bytes_value = rnd.randbytes(rnd.randint(0, 5))
+    elif k == "arr":
+        for _ in range(rnd.randint(0, 3)):
+            _value(rnd, v.array_value.values.add(), depth + 1)
+    elif k == "kv":
+        for _ in range(rnd.randint(0, 3)):
+            _value(rnd, v.kvlist_value.values.add(key=rnd.choice("abc")).value, depth + 1)
+
+
+def _attributes(rnd: random.Random, kvs, simple: bool) -> None:
+    for j in range(rnd.randint(0, 4)):
+        key = f"k{j}" if simple else rnd.choice(["k1", "k2", "k3", "mm.modality"])
+        _value(rnd, kvs.add(key=key).value, simple=simple)
+
+
+def _spans(seed: int, *, resources: int = 3, scopes: int = 2, per_scope: int = 60, nested: bool = True,
+           simple_share: float = 0.7) -> ExportTraceServiceRequest:
+    rnd = random.Random(seed)
+    req = ExportTraceServiceRequest()
+    for r in range(resources):
+        rs = req.resource_spans.add()
+        rs.resource.attributes.add(key="service.name").value.string_value = f"svc-{r}"
+        rs.resource.attributes.add(key="k8s.pod.name").value.string_value = f"pod-'{r}'"
+        rs.resource.attributes.add(key="n").value.int_value = r
+        for sc in range(scopes):
+            ss = rs.scope_spans.add()
+            ss.scope.name, ss.scope.version = f"scope-{sc}", "1.0" if sc else ""
+            for _ in range(per_scope):
+                simple = rnd.random() < simple_share
+                s = ss.spans.add(
+                    name=rnd.choice(["infer", "", "GET /x"]),
+                    trace_id=rnd.choice([rnd.randbytes(16), bytes(16), b""]), span_id=rnd.randbytes(8),
+                    parent_span_id=rnd.choice([b"", bytes(8), rnd.randbytes(8)]), kind=rnd.randint(0, 6),
+                    trace_state=rnd.choice(["", "k=v"]),
+                    start_time_unix_nano=T0 + rnd.randint(0, 10 ** 12),
+                    end_time_unix_nano=T0 + rnd.randint(0, 10 ** 12))
+                s.status.code, s.status.message = rnd.randint(0, 3), rnd.choice(["", "bad 'x'"])
+                _attributes(rnd, s.attributes, simple)
+                if nested:
+                    for _ in range(rnd.randint(0, 2)):
+                        e = s.events.add(time_unix_nano=T0 + rnd.randint(0, 10 ** 12),
+                                         name=rnd.choice(["first_token", "x"]))
+                        _attributes(rnd, e.attributes, simple)
+                    for _ in range(rnd.randint(0, 2)):
+                        lk = s.links.add(trace_id=rnd.randbytes(16), span_id=rnd.choice([rnd.randbytes(8), bytes(8)]),
+                                         trace_state=rnd.choice(["", "a=b"]))
+                        _attributes(rnd, lk.attributes, simple)
+    return req
+
+
+@pytest.fixture
+def backend(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)      # where the engine would write a schema it got as text
+    b = ChdbBackend(str(tmp_path / "store"))
+    try:
+        b.ensure_schema()
+        b.query("CREATE TABLE spanlet.reference AS spanlet.otel_traces")
+        yield b
+    finally:
+        b.close()
+
+
+def _stored(b: ChdbBackend, table: str) -> list[tuple]:
+    return b.query(f"SELECT * FROM spanlet.{table} ORDER BY SpanId, TraceId, Timestamp")
+
+
+def _both_ways(b: ChdbBackend, req: ExportTraceServiceRequest) -> tuple[list, list]:
+    b.insert("otel_traces", rows.SPAN_PROTO_COLUMNS, rows.span_proto_rows(req.resource_spans))
+    b.insert("reference", rows.TRACE_COLUMNS, rows.span_rows(req.resource_spans))
+    return _stored(b, "otel_traces"), _stored(b, "reference")
+
+
+def _complex_rows(b: ChdbBackend, tmp_path, req) -> int:
+    env = span_protos.envelope(rows.span_proto_rows(req.resource_spans))
+    path = tmp_path / "probe.pb"
+    path.write_bytes(env.data)
+    return len(b.query(span_protos.complex_rows_sql(str(path), str(tmp_path / "store" / SCHEMA_FILE),
+                                                    env.nested)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stored_rows_are_the_python_rows_for_random_spans(backend, tmp_path, seed):
+    req = _spans(seed, nested=seed % 2 == 0)
+    got, want = _both_ways(backend, req)
+    assert len(got) == 3 * 2 * 60
+    assert got == want
+    # most spans were made by the engine, the complex rest by Python
+    assert 0 < _complex_rows(backend, tmp_path, req) < len(got) // 2
+    assert not (tmp_path / "store" / INCOMING_FILE).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.pb", "store"]   # nothing else written
+
+
+def test_simple_spans_are_all_made_by_the_engine(backend, tmp_path):
+    req = _spans(11, simple_share=1.0)
+    got, want = _both_ways(backend, req)
+    assert got == want and len(got) == 360
+    assert _complex_rows(backend, tmp_path, req) == 0
+
+
+def test_a_batch_of_complex_spans_only(backend):
+    req = _spans(12, resources=1, scopes=1, per_scope=40, simple_share=0.0)
+    for s in req.resource_spans[0].scope_spans[0].spans:
+        s.attributes.add(key="list").value.array_value.values.add().string_value = "x"
+    got, want = _both_ways(backend, req)
+    assert got == want and len(got) == 40
+
+
+def test_hundreds_of_resources_in_one_batch(backend):
+    req = _spans(13, resources=300, scopes=1, per_scope=2)
+    got, want = _both_ways(backend, req)
+    assert got == want and len(got) == 600
+    assert len({r[7] for r in got}) == 300                      # ServiceName per resource
+
+
+def test_retried_batch_leaves_one_copy(backend):
+    req = _spans(14, resources=1, scopes=1, per_scope=50)
+    proto_rows = rows.span_proto_rows(req.resource_spans)
+    for _ in range(2):
+        backend.insert("otel_traces", rows.SPAN_PROTO_COLUMNS, proto_rows)
+    backend.query("OPTIMIZE TABLE spanlet.otel_traces FINAL")
+    assert backend.query("SELECT count() FROM spanlet.otel_traces") == [(50,)]
+
+
+def test_proto_rows_survive_the_spool(backend):
+    req = _spans(15, resources=2, scopes=1, per_scope=30)
+    proto_rows = rows.span_proto_rows(req.resource_spans)
+    table, columns, back = decode_batch(encode_batch("otel_traces", rows.SPAN_PROTO_COLUMNS, proto_rows))
+    assert (table, tuple(columns)) == ("otel_traces", rows.SPAN_PROTO_COLUMNS)
+    assert back == proto_rows
+    backend.insert(table, columns, back)
+    backend.insert("reference", rows.TRACE_COLUMNS, rows.span_rows(req.resource_spans))
+    assert _stored(backend, "otel_traces") == _stored(backend, "reference")
+
+
+def test_rows_from_span_protos_are_span_rows():
+    req = _spans(16)
+    assert rows.rows_from_span_protos(rows.span_proto_rows(req.resource_spans)) == \
+        rows.span_rows(req.resource_spans)
+
+
+def test_the_schema_names_the_otlp_field_numbers():
+    """The engine's schema against the OTLP proto's own descriptors."""
+    from opentelemetry.proto.common.v1 import common_pb2
+    from opentelemetry.proto.trace.v1 import trace_pb2
+    for message, proto in (("AnyValue", common_pb2.AnyValue), ("KeyValue", common_pb2.KeyValue),
+                           ("Event", trace_pb2.Span.Event), ("Link", trace_pb2.Span.Link),
+                           ("Status", trace_pb2.Status), ("Span", trace_pb2.Span)):
+        body = span_protos.SCHEMA.split(f"message {message} {{", 1)[1].split("\nmessage ", 1)[0]
+        declared = {name: int(num) for name, num in re.findall(r"(\w+) = (\d+);", body)}
+        declared.pop("spanlet_group", None)
+        assert declared, message
+        for name, number in declared.items():
+            assert proto.DESCRIPTOR.fields_by_name[name].number == number, (message, name)
