@@ -137,6 +137,26 @@ def _any_value(v) -> Any:
                                         "bool_value") else None
 
 
+def _span_row(s, received_unix_ns: int, resources: dict, resource) -> dict:
+    """A recent span as inspect shows it (`resources`: a cache by resource)."""
+    res = resources.get(id(resource))
+    if res is None:
+        res = resources[id(resource)] = {kv.key: _any_value(kv.value) for kv in resource.attributes}
+    attrs = {kv.key: kv.value.int_value for kv in s.attributes if kv.key.startswith("kernel.")}
+    return {"trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
+            "name": s.name, "service": res.get("service.name") or "",
+            "namespace": res.get("k8s.namespace.name") or "",
+            "pod": res.get("k8s.pod.name") or "",
+            "start_unix_ns": s.start_time_unix_nano,
+            "duration_s": max(0, s.end_time_unix_nano - s.start_time_unix_nano) / 1e9,
+            "received_unix_ns": received_unix_ns,
+            "gpu_launches": attrs.get("kernel.gpu.launches", 0),
+            "gpu_sync_wait_s": attrs.get("kernel.gpu.sync_wait_ns", 0) / 1e9,
+            "rx_bytes": attrs.get("kernel.net.rx_bytes", 0),
+            "tx_bytes": attrs.get("kernel.net.tx_bytes", 0),
+            "violations": attrs.get("kernel.sandbox.violations", 0)}
+
+
 class AdminState:
     """What inspect needs beyond the daemon's own readers, fed by the daemon's
     event sink and by the span path; every collection is bounded."""
@@ -162,33 +182,22 @@ class AdminState:
                     self.launch_pids_dropped += 1
 
     def on_joined(self, resource_spans) -> None:
+        """Keeps the last RING_SPANS spans as they are (with their resource
+        and when they came); rows are built only when inspect asks, so a
+        span costs the ring a tuple, not a dict of its attributes."""
         now = time.time_ns()
-        rows = []
+        kept = []
         for rs in resource_spans:
-            res = {kv.key: _any_value(kv.value) for kv in rs.resource.attributes}
             for ss in rs.scope_spans:
-                for s in ss.spans:
-                    attrs = {kv.key: kv.value.int_value for kv in s.attributes
-                             if kv.key.startswith("kernel.")}
-                    rows.append({
-                        "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
-                        "name": s.name, "service": res.get("service.name") or "",
-                        "namespace": res.get("k8s.namespace.name") or "",
-                        "pod": res.get("k8s.pod.name") or "",
-                        "start_unix_ns": s.start_time_unix_nano,
-                        "duration_s": max(0, s.end_time_unix_nano - s.start_time_unix_nano) / 1e9,
-                        "received_unix_ns": now,
-                        "gpu_launches": attrs.get("kernel.gpu.launches", 0),
-                        "gpu_sync_wait_s": attrs.get("kernel.gpu.sync_wait_ns", 0) / 1e9,
-                        "rx_bytes": attrs.get("kernel.net.rx_bytes", 0),
-                        "tx_bytes": attrs.get("kernel.net.tx_bytes", 0),
-                        "violations": attrs.get("kernel.sandbox.violations", 0)})
+                kept.extend((rs.resource, s, now) for s in ss.spans)
         with self._lock:
-            self.spans.extend(rows)
+            self.spans.extend(kept[-RING_SPANS:])
 
     def snapshot(self):
         with self._lock:
-            return list(self.violations), list(self.spans), Counter(self.launches_by_pid)
+            violations, spans, by_pid = list(self.violations), list(self.spans), Counter(self.launches_by_pid)
+        resources: dict[int, dict] = {}
+        return violations, [_span_row(s, now, resources, res) for res, s, now in spans], by_pid
 
 
 class AdminServer:
