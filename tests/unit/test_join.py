@@ -68,6 +68,34 @@ def test_each_span_gets_exactly_its_own_facts():
     assert j.stats.rows_taken == 2
 
 
+def test_facts_add_to_attributes_a_span_already_carries():
+    """A span that comes with facts attributes (joined by another agent on the
+    way, or set by the app) has them summed, one attribute each; its
+    neighbours in the resource get theirs as usual."""
+    facts = FakeFacts()
+    facts.add(TRACE, 7, driver=3)
+    facts.add(TRACE, 8, driver=2)
+    j = SpanJoin(JoinConfig(), facts=facts)
+    rs = request(7, 8)
+    s7, s8 = rs[0].scope_spans[0].spans
+    s7.attributes.add(key="kernel.gpu.launches").value.int_value = 5
+    s7.attributes.add(key="http.route").value.string_value = "/x"
+    j.join(rs)
+    assert [kv.key for kv in s7.attributes] == ["kernel.gpu.launches", "http.route"]
+    assert attrs(s7)["kernel.gpu.launches"] == 8
+    assert attrs(s8) == {"kernel.gpu.launches": 2}
+    # ...and when the resource carries none, each span gets its own attribute
+    facts.add(TRACE, 9, driver=1)
+    rs = request(9)
+    j.join(rs)
+    assert [kv.key for kv in rs[0].scope_spans[0].spans[0].attributes] == ["kernel.gpu.launches"]
+
+
+def test_every_facts_attribute_has_the_prefix_the_join_searches_for():
+    from spanlet.join import _FACT_PREFIX, FACT_ATTRIBUTES
+    assert all(key.encode().startswith(_FACT_PREFIX) for key, _ in FACT_ATTRIBUTES)
+
+
 def test_counts_come_from_the_kernel_row_only():
     # sampled events of a span without a row: span events, no counts made of them
     j = SpanJoin(JoinConfig(), facts=FakeFacts())
