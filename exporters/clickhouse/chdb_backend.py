@@ -176,11 +176,10 @@ class ChdbBackend:
             with open(data, "wb") as f:
                 f.write(env.data)
             try:
-                written = self._run_locked(span_protos.insert_sql(self.target.database, table, data, proto, env),
-                                           "CSV").rows_written()
-                if written < len(proto_rows):   # complex spans were left out (or a retry was deduplicated)
-                    skip = [int(r[0]) for r in self._query_locked(
-                        span_protos.complex_rows_sql(data, proto, env.nested))]
+                skip = [int(r[0]) for r in self._query_locked(span_protos.complex_rows_sql(data, proto, env.nested))]
+                if len(skip) < len(proto_rows):
+                    self._run_locked(span_protos.insert_sql(self.target.database, table, data, proto, env, skip),
+                                     "CSV")
             finally:
                 os.unlink(data)
         if skip:
