@@ -22,7 +22,7 @@ for where in (ROOT, ROOT / "grafana"):  # run as a script from anywhere; panels.
 from panels import (CH, CH_FORMATS, CLICKHOUSE, Panel, Threshold, catalogue_thresholds,  # noqa: E402,F401
                     ch, ch_var, dashboard, describe, ds_var, prom, prom_var, row, text_var)
 from spanlet.join import FACT_ATTRIBUTES  # noqa: E402
-from spanlet.exporters.clickhouse.queries import GPU_STALL_ATTRIBUTE, NAMESPACE_ATTRIBUTE, POD_ATTRIBUTE  # noqa: E402
+from spanlet.exporters.clickhouse.queries import FINAL_READ, GPU_STALL_ATTRIBUTE, NAMESPACE_ATTRIBUTE, POD_ATTRIBUTE  # noqa: E402
 from spanlet.exporters.clickhouse.schema import KERNEL_EVENTS, TRACES  # noqa: E402
 from spanlet.metrics import catalogue  # noqa: E402
 
@@ -396,7 +396,7 @@ TRACE_VIEW_SQL = (
     "arrayMap(key -> map('key', key, 'value', SpanAttributes[key]), mapKeys(SpanAttributes)) AS tags, "
     "arrayMap(key -> map('key', key, 'value', ResourceAttributes[key]), mapKeys(ResourceAttributes)) "
     "AS serviceTags, if(StatusCode IN ('Error', 'STATUS_CODE_ERROR'), 2, 0) AS statusCode "
-    f"FROM {DB}.{TRACES} FINAL WHERE TraceId = '${{__value.raw}}' ORDER BY startTime ASC")
+    f"FROM {DB}.{TRACES} WHERE TraceId = '${{__value.raw}}' ORDER BY startTime ASC {FINAL_READ}")
 
 
 def _explore(pane: dict) -> str:
@@ -492,14 +492,14 @@ def sandbox() -> dict:
                   f"uniqExact(K8sNamespace, K8sPodName) AS pods, uniqExact(Pid) AS processes, "
                   f"max(Len) AS largest_mapping, max(PoolMaxBytes) AS pool_max_bytes, "
                   f"max(Timestamp) AS last_seen "
-                  f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {where} "
+                  f"FROM {DB}.{KERNEL_EVENTS} WHERE {where} "
                   f"GROUP BY pool_id, rule, action ORDER BY violations DESC, pool_id")],
               description="Pool ids number the pools of the agent's sandbox config; "
                           "`spanlet inspect sandbox` names their paths.", w=12,
               overrides=table_units(largest_mapping="bytes", pool_max_bytes="bytes")),
         Panel("timeseries", "Violations per interval by pool",
               [ch(f"SELECT $__timeInterval(Timestamp) AS time, concat('pool ', toString(PoolId)) AS pool, "
-                  f"count() AS violations FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {where} "
+                  f"count() AS violations FROM {DB}.{KERNEL_EVENTS} WHERE {where} "
                   f"GROUP BY time, pool ORDER BY time", "timeSeries")],
               description="Sandbox events in the store per interval.", stack=True,
               custom={"drawStyle": "bars", "fillOpacity": 80}, w=12),
@@ -508,7 +508,7 @@ def sandbox() -> dict:
                     f"K8sContainerName AS container, Pid AS pid, Tid AS tid, Rule AS rule, "
                     f"Action AS action, PoolId AS pool_id, Len AS length, PoolMaxBytes AS pool_max_bytes, "
                     f"Prot AS prot, Fd AS fd, TraceId AS trace_id, SpanId AS span_id "
-                    f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {where} "
+                    f"FROM {DB}.{KERNEL_EVENTS} WHERE {where} "
                     f"ORDER BY Timestamp DESC, Tid LIMIT 200",
                     "Newest first (the query of exporters/clickhouse/queries.py "
                     "sandbox_violations); a trace id opens its trace.", h=9,
@@ -539,26 +539,26 @@ def drilldown() -> dict:
     has_facts = "mapExists((k, v) -> startsWith(k, 'kernel.'), SpanAttributes)"
     panels = [
         Panel("stat", "Spans in range",
-              [ch(f"SELECT count() AS spans FROM {DB}.{TRACES} FINAL WHERE {spans_where}")],
+              [ch(f"SELECT count() AS spans FROM {DB}.{TRACES} WHERE {spans_where}")],
               description="Spans stored in otel_traces.", w=6, h=4, options={"graphMode": "none"}),
         Panel("stat", "Spans with kernel facts",
               [ch(f"SELECT countIf({has_facts}) / greatest(count(), 1) AS joined "
-                  f"FROM {DB}.{TRACES} FINAL WHERE {spans_where}")],
+                  f"FROM {DB}.{TRACES} WHERE {spans_where}")],
               description="Share of the spans that carry kernel.* attributes from the join.",
               unit="percentunit", w=6, h=4, options={"graphMode": "none", "colorMode": "value"}),
         Panel("stat", "GPU stall time in range",
-              [ch(f"SELECT sum({stall}) / 1e9 AS stalled FROM {DB}.{TRACES} FINAL WHERE {spans_where}")],
+              [ch(f"SELECT sum({stall}) / 1e9 AS stalled FROM {DB}.{TRACES} WHERE {spans_where}")],
               description=f"Sum of {GPU_STALL_ATTRIBUTE} over the spans.", unit="s", w=6, h=4,
               options={"graphMode": "none", "colorMode": "value"}),
         Panel("stat", "Kernel events in range",
-              [ch(f"SELECT count() AS events FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {ev_where}")],
+              [ch(f"SELECT count() AS events FROM {DB}.{KERNEL_EVENTS} WHERE {ev_where}")],
               description="Rows of kernel_events.", w=6, h=4, options={"graphMode": "none"}),
         trace_table("Spans and their kernel facts (newest first)",
                     f"SELECT Timestamp AS time, TraceId AS trace_id, SpanId AS span_id, "
                     f"ParentSpanId AS parent_span_id, ServiceName AS service, SpanName AS span, "
                     f"SpanKind AS kind, Duration AS duration, StatusCode AS status, "
                     f"{ns_col} AS namespace, {pod_col} AS pod, {facts} "
-                    f"FROM {DB}.{TRACES} FINAL WHERE {spans_where} "
+                    f"FROM {DB}.{TRACES} WHERE {spans_where} "
                     f"ORDER BY Timestamp DESC, SpanId LIMIT 500",
                     "otel_traces with the kernel.* facts the join added (GPU launches and "
                     "their time, sync wait, wire bytes, sandbox violations); a trace id "
@@ -569,21 +569,21 @@ def drilldown() -> dict:
                     f"SELECT Timestamp AS time, TraceId AS trace_id, SpanId AS span_id, "
                     f"ServiceName AS service, SpanName AS span, Duration AS duration, "
                     f"{stall} AS gpu_sync_wait, {stall} / greatest(Duration, 1) AS stalled_share, "
-                    f"{pod_col} AS pod FROM {DB}.{TRACES} FINAL WHERE {stall} > 0 AND {spans_where} "
+                    f"{pod_col} AS pod FROM {DB}.{TRACES} WHERE {stall} > 0 AND {spans_where} "
                     f"ORDER BY gpu_sync_wait DESC, Timestamp DESC, SpanId LIMIT 20",
                     "Spans with the longest CUDA synchronisation wait (the query of "
                     "exporters/clickhouse/queries.py slowest_gpu_stall_spans).", w=14, h=9,
                     duration="ns", gpu_sync_wait="ns", stalled_share="percentunit"),
         Panel("timeseries", "GPU stall per interval by service",
               [ch(f"SELECT $__timeInterval(Timestamp) AS time, ServiceName AS service, "
-                  f"sum({stall}) / 1e9 AS stalled FROM {DB}.{TRACES} FINAL WHERE {spans_where} "
+                  f"sum({stall}) / 1e9 AS stalled FROM {DB}.{TRACES} WHERE {spans_where} "
                   f"GROUP BY time, service ORDER BY time", "timeSeries")],
               description=f"Sum of {GPU_STALL_ATTRIBUTE} per interval.", unit="s", w=10, h=9),
         trace_table("Sandbox violations",
                     f"SELECT Timestamp AS time, K8sNamespace AS namespace, K8sPodName AS pod, "
                     f"K8sContainerName AS container, Pid AS pid, Tid AS tid, Rule AS rule, "
                     f"Action AS action, PoolId AS pool_id, Len AS length, TraceId AS trace_id, "
-                    f"SpanId AS span_id FROM {DB}.{KERNEL_EVENTS} FINAL "
+                    f"SpanId AS span_id FROM {DB}.{KERNEL_EVENTS} "
                     f"WHERE Kind = '{SANDBOX_KIND}' AND {ev_where} ORDER BY Timestamp DESC, Tid LIMIT 100",
                     "mmap sandbox violations, with the span that was running.", h=7,
                     length="bytes"),
@@ -595,14 +595,14 @@ def drilldown() -> dict:
                     f"if(SrcAddr = '', '', concat(SrcAddr, ':', toString(SrcPort), ' -> ', DstAddr, ':', "
                     f"toString(DstPort))) AS flow, Direction AS direction, ProtoClass AS protocol, "
                     f"RequestBytes AS request_bytes, ResponseBytes AS response_bytes "
-                    f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {ev_where} "
+                    f"FROM {DB}.{KERNEL_EVENTS} WHERE {ev_where} "
                     f"ORDER BY Timestamp DESC, Tid LIMIT 500",
                     "kernel_events: GPU launches and syncs, sandbox violations, HTTP "
                     "requests and flows seen on the wire.", h=10,
                     duration="ns", request_bytes="bytes", response_bytes="bytes"),
         Panel("timeseries", "Kernel events per interval by kind",
               [ch(f"SELECT $__timeInterval(Timestamp) AS time, Kind AS kind, count() AS events "
-                  f"FROM {DB}.{KERNEL_EVENTS} FINAL WHERE {ev_where} "
+                  f"FROM {DB}.{KERNEL_EVENTS} WHERE {ev_where} "
                   f"GROUP BY time, kind ORDER BY time", "timeSeries")],
               description="Rows of kernel_events per interval.", stack=True, w=24, h=7),
     ]

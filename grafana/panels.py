@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from spanlet.exporters.clickhouse.queries import FINAL_READ
 from spanlet.metrics import catalogue
 
 SCHEMA_VERSION = 39          # Grafana 11.x dashboard JSON
@@ -68,9 +69,14 @@ def prom(expr: str, legend: str = "", *, instant: bool = False, fmt: str = "time
     return t
 
 
+def _deduplicated(sql: str) -> str:
+    """A read of the store, deduplicated where its tables' engine can (queries.FINAL_READ)."""
+    return f"{sql.strip()} {FINAL_READ}"
+
+
 def ch(sql: str, query_type: str = "table") -> dict:
     return {"datasource": CH, "editorType": "sql", "queryType": query_type,
-            "format": CH_FORMATS[query_type], "rawSql": sql.strip()}
+            "format": CH_FORMATS[query_type], "rawSql": _deduplicated(sql)}
 
 
 @dataclass
@@ -211,7 +217,7 @@ def prom_var(name: str, label: str, query: str) -> dict:
 def ch_var(name: str, label: str, sql: str) -> dict:
     """A ClickHouse variable; "All" turns $__conditionalAll(...) into 1=1."""
     return {"type": "query", "name": name, "label": label, "datasource": CH,
-            "query": " ".join(sql.split()), "refresh": 2, "regex": "", "sort": 1, "hide": 0,
+            "query": _deduplicated(" ".join(sql.split())), "refresh": 2, "regex": "", "sort": 1, "hide": 0,
             "includeAll": True, "multi": True, "current": _all(), "options": []}
 
 

@@ -15,6 +15,11 @@ from spanlet.exporters.clickhouse.schema import (
     quote_string,
 )
 
+# Every read is deduplicated: the FINAL modifier on tables whose engine has one
+# (spanlet's ReplacingMergeTree), nothing on one that has none (a table the
+# OpenTelemetry Collector made, plain MergeTree), where FINAL would fail.
+FINAL_READ = "SETTINGS final = 1"
+
 POD_ATTRIBUTE = "k8s.pod.name"
 NAMESPACE_ATTRIBUTE = "k8s.namespace.name"
 GPU_STALL_ATTRIBUTE = "kernel.gpu.sync_wait_ns"
@@ -48,13 +53,14 @@ def _equal(pairs: Sequence[tuple[str, str | None]]) -> list[str]:
 def _select(database: str, table: str, columns: str, where: list[str],
             window: tuple[int | None, int | None], order_by: str, limit: int) -> str:
     """SELECT the timestamp (epoch ns, the first field of every query) and `columns`
-    from the deduplicated (FINAL) table, within the time window, limited."""
+    from the deduplicated table (FINAL where the table's engine has it), within
+    the time window, limited."""
     check_identifier(database, "database name")
     where = where + _time_window(*window)
     return (f"SELECT toUnixTimestamp64Nano(Timestamp), {columns}\n"
-            f"FROM {database}.{table} FINAL\n"
+            f"FROM {database}.{table}\n"
             f"WHERE {' AND '.join(where)}\n"
-            f"ORDER BY {order_by}\nLIMIT {_limit(limit)}")
+            f"ORDER BY {order_by}\nLIMIT {_limit(limit)}\n{FINAL_READ}")
 
 
 def _run(backend: Backend, built: tuple[str, Sequence[str]]) -> list[dict]:

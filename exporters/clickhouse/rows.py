@@ -27,9 +27,14 @@ TRACE_COLUMNS = (
     "Links.TraceId", "Links.SpanId", "Links.TraceState", "Links.Attributes",
 )
 
-# The collector's traceutil.SpanKindStr / StatusCodeStr: the proto enum names.
-SPAN_KINDS = {v: k for k, v in trace_pb2.Span.SpanKind.items()}
-STATUS_CODES = {v: k for k, v in trace_pb2.Status.StatusCode.items()}
+# The collector's spellings (pdata SpanKind.String / StatusCode.String, what
+# its ClickHouse exporter has written since 2024 and its dashboards filter
+# on); schema migration 4 rewrites rows stored with the proto enum names.
+SPAN_KINDS = {trace_pb2.Span.SPAN_KIND_UNSPECIFIED: "Unspecified", trace_pb2.Span.SPAN_KIND_INTERNAL: "Internal",
+              trace_pb2.Span.SPAN_KIND_SERVER: "Server", trace_pb2.Span.SPAN_KIND_CLIENT: "Client",
+              trace_pb2.Span.SPAN_KIND_PRODUCER: "Producer", trace_pb2.Span.SPAN_KIND_CONSUMER: "Consumer"}
+STATUS_CODES = {trace_pb2.Status.STATUS_CODE_UNSET: "Unset", trace_pb2.Status.STATUS_CODE_OK: "Ok",
+                trace_pb2.Status.STATUS_CODE_ERROR: "Error"}
 
 
 def _go_float(f: float) -> str:

@@ -8,14 +8,21 @@ Map values are dict[str, str], Array values are lists."""
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Callable
+
+log = logging.getLogger("spanlet")
 
 TRACES = "otel_traces"
 KERNEL_EVENTS = "kernel_events"
 METRIC_SAMPLES = "metric_samples"
 SCHEMA_VERSION_TABLE = "schema_version"
+# The collector's trace-id lookup (traces_id_ts_lookup_table.sql and its view):
+# where a trace starts and ends, so that a trace-by-id read prunes by time.
+TRACE_ID_TS = "otel_traces_trace_id_ts"
+TRACE_ID_TS_MV = "otel_traces_trace_id_ts_mv"
 DATA_TABLES = (TRACES, KERNEL_EVENTS, METRIC_SAMPLES)
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -247,6 +254,49 @@ def create_table(table: str, t: Target) -> list[str]:
     ]
 
 
+# The collector's lookup table, column for column (TraceId String, Start and
+# End DateTime, a bloom filter on TraceId, MergeTree ORDER BY (TraceId,
+# Start)); its TTL is the spans'. Duplicate rows are harmless: readers take
+# min(Start) and max(End).
+_TRACE_ID_TS_BODY = """(
+    TraceId String CODEC(ZSTD(1)),
+    Start DateTime CODEC(Delta, ZSTD(1)),
+    End DateTime CODEC(Delta, ZSTD(1)),
+    INDEX idx_trace_id TraceId TYPE bloom_filter(0.01) GRANULARITY 1
+) ENGINE = {engine}
+PARTITION BY toDate(Start)
+ORDER BY (TraceId, Start)
+TTL toDateTime(Start) + toIntervalDay({ttl_days})
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1"""
+
+_TRACE_ID_TS_SELECT = ("SELECT TraceId, min(Timestamp) AS Start, max(Timestamp) AS End "
+                       "FROM {source} WHERE TraceId != '' GROUP BY TraceId")
+
+
+def create_trace_id_ts(t: Target) -> list[str]:
+    """The lookup table and the view that fills it from every insert into the
+    spans. In cluster mode each node's view reads its own spans
+    (`otel_traces_local`) into its own lookup table, and a Distributed
+    `otel_traces_trace_id_ts` reads them all: a trace whose spans are on
+    several shards has a row on each, and the reader's min/max over rows
+    makes the lookup whole."""
+    db = t.database
+    if not t.cluster:
+        return [f"CREATE TABLE IF NOT EXISTS {db}.{TRACE_ID_TS}\n"
+                + _TRACE_ID_TS_BODY.format(engine=_engine(t, TRACE_ID_TS, TRACE_ID_TS, replacing=False),
+                                           ttl_days=t.ttl_days),
+                f"CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.{TRACE_ID_TS_MV} TO {db}.{TRACE_ID_TS} AS "
+                + _TRACE_ID_TS_SELECT.format(source=f"{db}.{TRACES}")]
+    local = f"{TRACE_ID_TS}_local"
+    return [f"CREATE TABLE IF NOT EXISTS {db}.{local}{_on_cluster(t)}\n"
+            + _TRACE_ID_TS_BODY.format(engine=_engine(t, TRACE_ID_TS, local, replacing=False),
+                                       ttl_days=t.ttl_days),
+            f"CREATE TABLE IF NOT EXISTS {db}.{TRACE_ID_TS}{_on_cluster(t)} AS {db}.{local}\n"
+            f"ENGINE = Distributed({t.cluster}, {db}, {local}, cityHash64(TraceId))",
+            f"CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.{TRACE_ID_TS_MV}{_on_cluster(t)} TO {db}.{local} AS "
+            + _TRACE_ID_TS_SELECT.format(source=f"{db}.{TRACES}_local")]
+
+
 def create_schema_version_table(t: Target) -> str:
     return (f"CREATE TABLE IF NOT EXISTS {t.database}.{SCHEMA_VERSION_TABLE}{_on_cluster(t)}\n"
             + _SCHEMA_VERSION_BODY.format(
@@ -298,10 +348,46 @@ def _v3(t: Target) -> list[str]:
             f"non_replicated_deduplication_window = {DEDUP_WINDOW_BLOCKS}" for table in DATA_TABLES]
 
 
+# Migration 4: SpanKind and StatusCode as the collector spells them
+# (rows.SPAN_KINDS / STATUS_CODES); rows stored before with the proto enum
+# names are rewritten in place (neither column is in the sorting key).
+_OLD_SPELLINGS = {
+    "SpanKind": {f"SPAN_KIND_{n.upper()}": n for n in
+                 ("Unspecified", "Internal", "Server", "Client", "Producer", "Consumer")},
+    "StatusCode": {f"STATUS_CODE_{n.upper()}": n for n in ("Unset", "Ok", "Error")},
+}
+
+
+def _v4(t: Target) -> list[str]:
+    table = f"{TRACES}_local" if t.cluster else TRACES
+    sets, where = [], []
+    for column, names in _OLD_SPELLINGS.items():
+        old = ", ".join(quote_string(k) for k in names)
+        new = ", ".join(quote_string(v) for v in names.values())
+        sets.append(f"{column} = transform({column}, [{old}], [{new}], {column})")
+        where.append(f"{column} IN ({old})")
+    return [f"ALTER TABLE {t.database}.{table}{_on_cluster(t)} UPDATE {', '.join(sets)} "
+            f"WHERE {' OR '.join(where)} SETTINGS mutations_sync = 2"]
+
+
+def _v5(t: Target) -> list[str]:
+    """The trace-id lookup, filled for the spans already stored (run again
+    after a crash it adds duplicate rows, which readers' min/max absorb)."""
+    db = t.database
+    target = f"{db}.{TRACE_ID_TS}_local" if t.cluster else f"{db}.{TRACE_ID_TS}"
+    source = f"{db}.{TRACES}_local" if t.cluster else f"{db}.{TRACES}"
+    backfill = f"INSERT INTO {target} " + _TRACE_ID_TS_SELECT.format(source=source)
+    # in cluster mode each node fills its own lookup from its own spans: not
+    # a statement ON CLUSTER can carry, so it is left to the views (new spans)
+    return create_trace_id_ts(t) + ([] if t.cluster else [backfill])
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial: otel_traces, kernel_events, metric_samples", _v1),
     Migration(2, "kernel_events.Node", _v2),
     Migration(3, "insert deduplication on single-server tables", _v3),
+    Migration(4, "SpanKind and StatusCode as the OpenTelemetry Collector spells them", _v4),
+    Migration(5, "the Collector's trace-id lookup table and its view", _v5),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -314,6 +400,120 @@ def all_statements(t: Target, upto: int = SCHEMA_VERSION) -> list[str]:
         if m.version <= upto:
             out.extend(m.statements(t))
     return out
+
+
+# -- tables made by someone else ------------------------------------------------
+# CREATE ... IF NOT EXISTS keeps a table that is already there (one the
+# OpenTelemetry Collector made, say). At start-up each table spanlet uses is
+# compared with spanlet's own: a different engine or sorting key is reported
+# and worked with (reads deduplicate with `final = 1`, which a plain MergeTree
+# ignores); a missing column spanlet writes, or a plain table where cluster
+# mode needs the Distributed one, refuses the store with one line.
+
+_DIFFERENT_ENGINE = {
+    "ReplacingMergeTree": "a span or event sent twice (a retried insert) is stored twice",
+    "MergeTree": "lookups read it as the collector's form",
+}
+
+
+@dataclass(frozen=True)
+class Difference:
+    table: str
+    what: str
+    fatal: bool
+
+    def __str__(self) -> str:
+        return f"table {self.table}: {self.what}"
+
+
+def _columns_of(body: str) -> list[str]:
+    """The columns a table body declares and spanlet writes (Nested ones as
+    `Outer.Inner`; MATERIALIZED and ALIAS columns left out)."""
+    out, nested = [], None
+    for line in body.splitlines():
+        m = re.match(r"^( {4}| {8})(\w+) (.*)$", line)
+        if not m or m.group(2) == "INDEX":
+            if nested and line.strip().startswith(")"):
+                nested = None
+            continue
+        indent, name, rest = m.groups()
+        if len(indent) == 8 and nested:
+            out.append(f"{nested}.{name}")
+        elif rest.startswith("Nested"):
+            nested = name
+        elif " MATERIALIZED " not in f" {rest} " and " ALIAS " not in f" {rest} ":
+            out.append(name)
+    return out
+
+
+def _sorting_key(body: str) -> str:
+    m = re.search(r"^ORDER BY \(?([^)\n]*)\)?$", body, re.M)
+    return m.group(1) if m else ""
+
+
+def _expected(t: Target) -> dict[str, tuple[str, str, list[str]]]:
+    """table → (engine, sorting key, columns) as spanlet makes it (in cluster
+    mode: of the `_local` table)."""
+    out = {table: ("ReplacingMergeTree", _sorting_key(body), _columns_of(body))
+           for table, body in TABLE_BODIES.items()}
+    out[TRACE_ID_TS] = ("MergeTree", _sorting_key(_TRACE_ID_TS_BODY), _columns_of(_TRACE_ID_TS_BODY))
+    if t.cluster:
+        out = {table: ("Replicated" + engine, key, cols) for table, (engine, key, cols) in out.items()}
+    return out
+
+
+def table_differences(query: Callable[[str], list[tuple]], t: Target) -> list[Difference]:
+    """How the tables spanlet uses differ from spanlet's own (none on a store
+    spanlet made)."""
+    db = quote_string(t.database)
+    tables = {name: (engine, key) for name, engine, key in query(
+        f"SELECT name, engine, sorting_key FROM system.tables WHERE database = {db}")}
+    columns: dict[str, dict[str, str]] = {}
+    for table, name, ctype in query(f"SELECT table, name, type FROM system.columns WHERE database = {db}"):
+        columns.setdefault(table, {})[name] = ctype
+    out = []
+    for table, (engine, key, cols) in _expected(t).items():
+        if table not in tables:
+            continue
+        data = table
+        if t.cluster:
+            if tables[table][0] != "Distributed":
+                out.append(Difference(table, f"engine {tables[table][0]}, not the Distributed table over "
+                                             f"{table}_local that cluster mode writes through", True))
+                continue
+            data = f"{table}_local"
+            if data not in tables:
+                continue
+        have_engine, have_key = tables[data]
+        if have_engine != engine:
+            out.append(Difference(data, f"engine {have_engine}, not spanlet's {engine}: "
+                                        f"{_DIFFERENT_ENGINE[engine.removeprefix('Replicated')]}; reads work",
+                                  False))
+        if have_key.replace(" ", "") != key.replace(" ", ""):
+            out.append(Difference(data, f"sorting key ({have_key}), not spanlet's ({key}): "
+                                        "reads by trace id may scan more of it", False))
+        have = columns.get(table, {})
+        missing = [c for c in cols if c not in have]
+        if missing:
+            out.append(Difference(table, f"no column {', '.join(missing)}, which spanlet writes", True))
+        json = [c for c in cols if have.get(c, "").startswith(("JSON", "Object("))]
+        if json:   # the collector's json table form
+            out.append(Difference(table, f"column {', '.join(json)} of type JSON, where spanlet writes "
+                                         "a Map (the collector's json table form)", True))
+    return out
+
+
+def check_tables(query: Callable[[str], list[tuple]], t: Target) -> list[Difference]:
+    """table_differences, each logged once; raises BackendError naming the
+    first that makes the store unusable."""
+    from spanlet.exporters.clickhouse import BackendError
+    found = table_differences(query, t)
+    for d in found:
+        (log.error if d.fatal else log.warning)("store: %s", d)
+    fatal = [d for d in found if d.fatal]
+    if fatal:
+        raise BackendError(f"store refused: {fatal[0]}")
+    return found
 
 
 def current_version(query: Callable[[str], list[tuple]], t: Target) -> int:
@@ -329,6 +529,7 @@ def migrate(query: Callable[[str], list[tuple]], t: Target, upto: int = SCHEMA_V
         raise ValueError(f"no migration to version {upto} (latest {SCHEMA_VERSION})")
     query(create_database(t))
     query(create_schema_version_table(t))
+    check_tables(query, t)       # before any migration touches a table someone else made
     version = current_version(query, t)
     for m in MIGRATIONS:
         if version < m.version <= upto:

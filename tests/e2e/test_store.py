@@ -61,7 +61,7 @@ def test_agent_writes_spans_events_and_metrics_to_chdb(tmp_path):
         got = db.query("SELECT TraceId, SpanId, toUnixTimestamp64Nano(Timestamp), Duration, "
                        "SpanKind, SpanAttributes['mm.modality'] FROM spanlet.otel_traces "
                        "ORDER BY Timestamp")
-        assert got == [(t.hex(), s.hex(), start, 1_000_003, "SPAN_KIND_SERVER", "text")
+        assert got == [(t.hex(), s.hex(), start, 1_000_003, "Server", "text")
                        for t, s, start in spans]
         launches = db.query("SELECT count(), min(Grid[1]), max(Block[1]) FROM spanlet.kernel_events "
                             f"WHERE Kind = 'GPU_LAUNCH' AND Pid = {w.pid}")

@@ -16,7 +16,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from spanlet import events, join
 from spanlet.metrics import Family, HistogramSample, Sample, labels
-from spanlet.exporters.clickhouse import BackendError, queries, rows
+from spanlet.exporters.clickhouse import BackendError, queries, rows, schema
 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
 
 DB = "spanlet"
@@ -156,8 +156,8 @@ def test_enriched_spans_read_back_exactly(backend):
     assert first["TraceId"] == span.trace_id.hex() and len(first["TraceId"]) == 32
     assert first["SpanId"] == "0000000000001000"
     assert first["ParentSpanId"] == ""                      # all-zero id → ''
-    assert first["SpanKind"] == "SPAN_KIND_SERVER"
-    assert first["StatusCode"] == "STATUS_CODE_UNSET"
+    assert first["SpanKind"] == "Server"                 # the collector's spelling
+    assert first["StatusCode"] == "Unset"
     assert first["Duration"] == 2_000_000
     assert first["ServiceName"] == "frontend"
     assert first["SpanAttributes"] == {
@@ -171,7 +171,7 @@ def test_enriched_spans_read_back_exactly(backend):
     assert first["Links.TraceId"] == [TRACE.hex()]
     assert first["Links.Attributes"] == [{"n": "-5"}]
     second = dict(zip(rows.TRACE_COLUMNS, got[1]))
-    assert second["StatusCode"] == "STATUS_CODE_ERROR"
+    assert second["StatusCode"] == "Error"
     assert second["StatusMessage"] == "boom 'quoted'"
     assert "kernel.gpu.sync_wait_ns" not in second["SpanAttributes"]
 
@@ -257,7 +257,7 @@ def test_data_survive_restart(tmp_path):
         b.query("SELECT 1")                       # closed
     b = ChdbBackend(path)
     try:
-        assert b.ensure_schema() == 3
+        assert b.ensure_schema() == schema.SCHEMA_VERSION
         assert b.query("SELECT count() FROM spanlet.otel_traces") == [(3,)]
     finally:
         b.close()
@@ -315,7 +315,7 @@ def test_recent_pod_spans(populated):
     assert got[0]["kernel"] == {"kernel.gpu.launches": "1", "kernel.gpu.launch_ns": "300",
                                 "kernel.gpu.sync_wait_ns": "777", "kernel.gpu.syncs": "1"}
     assert got[0]["ts_ns"] == NOW + 2_000_000 + 123_456_789
-    assert got[0]["duration_ns"] == 2_000_002 and got[1]["status"] == "STATUS_CODE_ERROR"
+    assert got[0]["duration_ns"] == 2_000_002 and got[1]["status"] == "Error"
     assert queries.recent_pod_spans(populated, DB, "web-0", "other-ns") == []
     assert queries.recent_pod_spans(populated, DB, "x' OR '1'='1") == []
     since = queries.recent_pod_spans(populated, DB, "web-0", since_ns=NOW + 1_000_000 + 123_456_789)

@@ -50,8 +50,9 @@ def _columns(b, table):
 def test_cluster_ddl_each_statement_parses(backend):
     t = schema.Target(database="obs", ttl_days=30, cluster="prod_cluster")
     stmts = schema.all_statements(t)
-    # database, schema_version, 3 x (local + Distributed), v2: 2 ALTERs
-    assert len(stmts) == 1 + 1 + 6 + 2
+    # database, schema_version, 3 x (local + Distributed), v2: 2 ALTERs, v4: 1 ALTER,
+    # v5: the lookup's local table, its Distributed table and the view
+    assert len(stmts) == 1 + 1 + 6 + 2 + 1 + 3
     for stmt in stmts:
         formatted = backend.query(f"SELECT formatQuery({schema.quote_string(stmt)})")[0][0]
         assert "ON CLUSTER prod_cluster" in formatted, stmt
@@ -64,6 +65,13 @@ def test_cluster_ddl_each_statement_parses(backend):
     assert "ReplicatedReplacingMergeTree('/clickhouse/tables/obs/schema_version', '{replica}')" in text
     assert "toIntervalDay(30)" in text
     assert "ALTER TABLE obs.kernel_events_local ON CLUSTER prod_cluster ADD COLUMN" in text
+    assert "ALTER TABLE obs.otel_traces_local ON CLUSTER prod_cluster UPDATE SpanKind" in text
+    # each node's view fills its own lookup table; the Distributed one reads them all
+    assert ("CREATE MATERIALIZED VIEW IF NOT EXISTS obs.otel_traces_trace_id_ts_mv ON CLUSTER prod_cluster "
+            "TO obs.otel_traces_trace_id_ts_local AS SELECT TraceId, min(Timestamp) AS Start, "
+            "max(Timestamp) AS End FROM obs.otel_traces_local") in text
+    assert "ENGINE = Distributed(prod_cluster, obs, otel_traces_trace_id_ts_local, cityHash64(TraceId))" in text
+    assert "ReplicatedMergeTree('/clickhouse/tables/{shard}/obs/otel_traces_trace_id_ts_local'" in text
 
 
 def test_single_node_ddl_parses_and_has_no_cluster(backend):
@@ -73,7 +81,7 @@ def test_single_node_ddl_parses_and_has_no_cluster(backend):
 
 
 def test_fresh_schema_has_collector_columns_and_engines(backend):
-    assert backend.ensure_schema() == schema.SCHEMA_VERSION == 3
+    assert backend.ensure_schema() == schema.SCHEMA_VERSION == 5
     assert _columns(backend, "otel_traces") == COLLECTOR_TRACE_COLUMNS
     rows = dict(backend.query(
         "SELECT name, engine || '|' || sorting_key || '|' || partition_key FROM system.tables "
@@ -82,14 +90,19 @@ def test_fresh_schema_has_collector_columns_and_engines(backend):
     assert rows["kernel_events"].startswith("ReplacingMergeTree|Kind, CgroupId, Timestamp")
     assert rows["metric_samples"] == ("ReplacingMergeTree|MetricName, LabelsHash, Timestamp|"
                                       "toDate(Timestamp)")
+    # the collector's lookup table and view, by its names and columns
+    assert rows["otel_traces_trace_id_ts"] == "MergeTree|TraceId, Start|toDate(Start)"
+    assert _columns(backend, "otel_traces_trace_id_ts") == [
+        ("TraceId", "String"), ("Start", "DateTime"), ("End", "DateTime")]
+    assert rows["otel_traces_trace_id_ts_mv"].startswith("MaterializedView")
     ddl = backend.query("SELECT create_table_query FROM system.tables WHERE database = 'spanlet' "
                         "AND name = 'otel_traces'")[0][0]
     assert "TTL toDateTime(Timestamp) + toIntervalDay(3)" in ddl
     assert ("Node", "LowCardinality(String)") in _columns(backend, "kernel_events")
     # Idempotent: a second start-up applies nothing.
-    assert backend.ensure_schema() == 3
+    assert backend.ensure_schema() == 5
     assert backend.query("SELECT Version FROM spanlet.schema_version ORDER BY Version") == [
-        (1,), (2,), (3,)]
+        (1,), (2,), (3,), (4,), (5,)]
 
 
 def test_a_retried_insert_is_stored_once(backend):
@@ -116,19 +129,25 @@ def test_v1_database_with_rows_is_migrated_without_loss(tmp_path):
         b.insert("kernel_events", ["Timestamp", "Kind", "Pid", "Tid", "CgroupId", "DurationNs"],
                  [[t0 + i, "GPU_SYNC", 10, 11 + i, 99, 1000 * i]
                   for i in range(5)])
-        b.insert("otel_traces", ["Timestamp", "TraceId", "SpanId"],
-                 [[t0, "ab" * 16, "cd" * 8]])
+        b.insert("otel_traces", ["Timestamp", "TraceId", "SpanId", "SpanKind", "StatusCode"],
+                 [[t0, "ab" * 16, "cd" * 8, "SPAN_KIND_SERVER", "STATUS_CODE_ERROR"],
+                  [t0 + 5_000_000_000, "ab" * 16, "ce" * 8, "SPAN_KIND_CLIENT", "STATUS_CODE_UNSET"]])
     finally:
         b.close()
     # Restart on the same directory: start-up migration to the current version.
     b = ChdbBackend(path)
     try:
         assert b.schema_version() == 1
-        assert b.ensure_schema() == 3
+        assert b.ensure_schema() == schema.SCHEMA_VERSION
         assert b.query("SELECT toUnixTimestamp64Nano(Timestamp), Tid, DurationNs, Node "
                        "FROM spanlet.kernel_events ORDER BY Tid") == [
             (t0 + i, 11 + i, 1000 * i, "") for i in range(5)]
-        assert b.query("SELECT TraceId, SpanId FROM spanlet.otel_traces") == [("ab" * 16, "cd" * 8)]
+        # v4: the collector's spellings, rows stored before rewritten
+        assert b.query("SELECT TraceId, SpanId, SpanKind, StatusCode FROM spanlet.otel_traces ORDER BY SpanId") == [
+            ("ab" * 16, "cd" * 8, "Server", "Error"), ("ab" * 16, "ce" * 8, "Client", "Unset")]
+        # v5: the lookup filled for the spans already stored (whole seconds, as the collector's)
+        assert b.query("SELECT TraceId, toUnixTimestamp(End) - toUnixTimestamp(Start) "
+                       "FROM spanlet.otel_traces_trace_id_ts") == [("ab" * 16, 5)]
         b.insert("kernel_events", ["Timestamp", "Kind", "Node"],
                  [[t0 + 100, "FLOW", "node-a"]])
         assert b.query("SELECT Node, count() FROM spanlet.kernel_events GROUP BY Node "
