@@ -26,6 +26,7 @@ from processes import free_port, stop_process
 from prometheus_server import Prometheus
 
 import grafana_queries
+from collector_ddl import plugin_trace_id_sql
 
 pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,6 +163,15 @@ def test_demo_lights_every_dashboard_query(agent, tmp_path):
             if not db.query(sql):
                 no_rows.append(f"  {d} / {p}: {sql}")
         assert not no_rows, "dashboard ClickHouse queries with no rows:\n" + "\n".join(no_rows)
+        # The demo's spans with the Collector's spellings, and its trace view
+        # as Grafana's plugin asks for it (through the trace-id lookup).
+        kinds = dict(db.query("SELECT SpanKind, count() FROM spanlet.otel_traces GROUP BY SpanKind"))
+        assert kinds and set(kinds) <= {"Server", "Client", "Internal", "Producer", "Consumer", "Unspecified"}
+        assert set(dict(db.query("SELECT StatusCode, count() FROM spanlet.otel_traces GROUP BY StatusCode"))) \
+            <= {"Unset", "Ok", "Error"}
+        ((trace, spans),) = db.query("SELECT TraceId, count() FROM spanlet.otel_traces FINAL WHERE TraceId != '' "
+                                     "GROUP BY TraceId ORDER BY count() DESC, TraceId LIMIT 1")
+        assert len(db.query(plugin_trace_id_sql("spanlet", trace, lookup=True))) == spans
     finally:
         db.close()
 
