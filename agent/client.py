@@ -272,6 +272,11 @@ def _make_follower(marker, runtime: _FollowingRuntimeContext | None):
         start_of=_keep_entry, report=_report, var=var, runtime=None if var is not None else inner)
 
 
+# The processor's methods that are the Follower's, set on the instance, while
+# it is active (where a subclass does not override them).
+_HOT_METHODS = ("on_start", "on_end")
+
+
 def _wire() -> None:
     """(With _owners_lock held.) Points every hot path at a Follower of the
     newest processor still active; with none, at nothing."""
@@ -288,7 +293,9 @@ def _wire() -> None:
             vars(runtime).pop("attach", None)
             vars(runtime).pop("detach", None)
     for processor in owners:
-        processor.on_start, processor.on_end = follower.on_start, follower.on_end
+        for name in _HOT_METHODS:
+            if getattr(type(processor), name) is getattr(SpanletSpanProcessor, name):  # not overridden
+                setattr(processor, name, getattr(follower, name))
 
 
 def _wrap_handle_run(run):
@@ -451,7 +458,7 @@ class SpanletSpanProcessor(SpanProcessor):
         try:
             marker.follow(*_CLEAR)
             with _owners_lock:
-                for name in ("on_start", "on_end"):  # back to the class's
+                for name in _HOT_METHODS:  # back to the class's
                     vars(self).pop(name, None)
                 _wire()
         except Exception:

@@ -467,6 +467,29 @@ def test_while_active_the_hot_paths_are_the_extensions_and_go_at_shutdown(record
     assert recorder.marks() == []
 
 
+def test_a_subclass_that_overrides_the_processors_methods_keeps_its_overrides(recorder):
+    calls = []
+
+    class Mine(client.SpanletSpanProcessor):
+        def on_start(self, span, parent_context=None):
+            calls.append("start")
+            super().on_start(span, parent_context)
+
+        def on_end(self, span):
+            calls.append("end")
+            super().on_end(span)
+
+    _, tracer, _ = traced(Mine(recorder.path))
+    parent = tracer.start_span("parent")
+    with current(parent):
+        with tracer.start_as_current_span("s", attributes={"mm.modality": "audio"}) as span:
+            with current(span):
+                span.end()  # ends while current: unmarked by on_end
+    parent.end()
+    assert calls == ["start", "start", "end", "end"]
+    assert recorder.marks() == [ids(parent), ids(span, 3), CLEAR, ids(parent), CLEAR]
+
+
 def test_library_from_environment(recorder, monkeypatch):
     monkeypatch.setenv(client.LIB_ENV, recorder.path)
     _, tracer, _ = traced(client.SpanletSpanProcessor())
