@@ -205,7 +205,8 @@ def _entry_for(span) -> tuple[int, int, int]:
 
 
 def _keep_entry(span) -> None:
-    """on_start's work the public way, for a span not of the SDK's own class."""
+    """on_start's work the public way: the Follower's for a span not of the
+    SDK's own class, and the class's own on_start."""
     setattr(span, _ENTRY, _entry_of(span))
 
 
