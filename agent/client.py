@@ -60,13 +60,15 @@ So:
 Per span this keeps one tuple, on the span object itself; per thread the
 extension keeps the last mark's integers (C thread-local: no reference, gone
 with the thread), and calls spanlet_mark only when they change. Nothing grows
-with spans that never end.
+with spans that never end. The hot paths (on_start, on_end, the wrapped attach
+and detach, the asyncio and executor hooks' follow) are C: the methods of the
+extension's ``Follower``, so a span edge runs no Python of spanlet's own.
 
 The marker is the C extension ``spanlet.libspanlet_marker`` that the package
 build compiles from native/spanlet_marker.c (another build of it can be named
 by path: the argument, or $SPANLET_MARKER_LIB). If it cannot be used (missing,
-not an extension of this interpreter, no ``mark``/``follow``/``unmark``/``forget``,
-or another ABI version), one
+not an extension of this interpreter, no ``mark``/``follow``/``unmark``/``forget``/
+``Follower``, or another ABI version), one
 warning is logged per process on logger ``spanlet.client`` and the processor
 does nothing. Nothing in here ever raises into the application. This module
 imports nothing of the agent daemon: only the standard library and the
@@ -89,7 +91,7 @@ import threading
 import weakref
 
 import opentelemetry.context as otel_context
-from opentelemetry.context.context import _RuntimeContext
+from opentelemetry.context.context import Context, _RuntimeContext
 from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace import _Span as _SdkSpan  # the class the SDK's tracer makes
@@ -102,7 +104,7 @@ LIB_ENV = "SPANLET_MARKER_LIB"
 # The extension's module name; a build loaded from a path is loaded under it too
 # (its init function is PyInit_libspanlet_marker).
 MARKER_MODULE = "spanlet.libspanlet_marker"
-ABI_VERSION = 3
+ABI_VERSION = 4
 # name -> number; spanlet.modality is stdlib only, so no agent part comes with it
 from spanlet.modality import NUMBERS as MODALITIES  # noqa: E402
 
@@ -147,8 +149,8 @@ def load_extension(path: str | None):
 
 
 def load_marker(lib_path: str | os.PathLike | None = None):
-    """The marker module, checked (its ABI version; mark, follow, unmark and
-    forget), or None (after one warning per process) when it cannot be used."""
+    """The marker module, checked (its ABI version; mark, follow, unmark,
+    forget and Follower), or None (after one warning per process) when it cannot be used."""
     path = library_path(lib_path)
     key = path or MARKER_MODULE
     with _libs_lock:
@@ -167,7 +169,7 @@ def _checked_marker(module):
     version = getattr(module, "ABI_VERSION", None)
     if version != ABI_VERSION:
         raise ValueError(f"marker ABI version {version}, this client speaks {ABI_VERSION}")
-    for name in ("mark", "follow", "unmark", "forget"):
+    for name in ("mark", "follow", "unmark", "forget", "Follower"):
         if not callable(getattr(module, name, None)):
             raise AttributeError(f"no {name}() in {module.__file__}")
     return module
@@ -189,65 +191,54 @@ def _entry_of(span) -> tuple[int, int, int]:
     return (ctx.trace_id, ctx.span_id, MODALITIES.get(modality, 0))
 
 
+def _entry_for(span) -> tuple[int, int, int]:
+    """mark()'s arguments for a current span that the Follower's direct path
+    does not know: another span class, or an SDK span started by a provider
+    without this processor (not ended: the Follower checked)."""
+    if type(span) is not _SdkSpan:
+        if not span.is_recording():
+            return _CLEAR
+        entry = getattr(span, _ENTRY, None)
+        if entry:
+            return entry
+    return _entry_of(span)
+
+
+def _keep_entry(span) -> None:
+    """on_start's work the public way: the Follower's for a span not of the
+    SDK's own class, and the class's own on_start."""
+    setattr(span, _ENTRY, _entry_of(span))
+
+
+def _report(where: str, exc: BaseException) -> None:
+    """What the Follower calls when a hot path failed (and went on)."""
+    _warn_once("spanlet span processor failed %s; continuing", where, exc_info=exc)
+
+
+# The hot paths (the processor's on_start and on_end, the runtime context's
+# attach and detach, the asyncio and executor hooks) are the methods of a
+# Follower, a type of the marker extension, made for the newest active
+# processor's marker: C, so that a span edge runs no Python of spanlet's own.
 # What the marker was last told is kept per thread in the extension (C
 # thread-local integers: no reference held, nothing left when a thread exits);
-# its follow() calls spanlet_mark only when that changes.
-_follow_mark = None  # the newest active processor's marker follow(), or None: follow nothing
-_unmark = None  # and its unmark()
+# it calls spanlet_mark only when that changes.
+_follower = None  # the newest active processor's marker's Follower, or None: follow nothing
 _owners: list[weakref.ref] = []  # the active processors, newest last
 _owners_lock = threading.Lock()
 
 
-def _follow(span) -> None:
-    """Tell the marker that `span` (a span object or None) is now this thread's
-    current span; it calls spanlet_mark only if that changes what it last said."""
-    follow = _follow_mark
-    if follow is None:
-        return
-    try:
-        if span is None:
-            entry = _CLEAR
-        elif type(span) is _SdkSpan:  # is_recording() without its call
-            if span._end_time is not None:
-                entry = _CLEAR
-            else:
-                try:
-                    entry = span._spanlet_mark
-                except AttributeError:  # started by a provider without our processor
-                    entry = _entry_of(span)
-        elif span.is_recording():
-            entry = getattr(span, _ENTRY, None) or _entry_of(span)
-        else:
-            entry = _CLEAR
-        follow(*entry)
-    except Exception:
-        _warn_once("spanlet span processor failed to mark a context change; continuing", exc_info=True)
-
-
-# Set by _install_hooks(): the runtime context's get_current, and where that is
-# OTel's contextvars one, the ContextVar holding each context's OTel Context.
-_CONTEXT_VAR: contextvars.ContextVar | None = None
-_current_context = None
-
-
 def _follow_current() -> None:
     """Follow the calling thread's current OTel context."""
-    try:
-        span = _current_context().get(_SPAN_KEY)
-    except Exception:
-        span = None
-    _follow(span)
-
-
-def _follow_context(ctx: contextvars.Context) -> None:
-    """Follow the OTel context held in `ctx`, a contextvars context about to run here."""
-    otel = ctx.get(_CONTEXT_VAR)
-    _follow(otel.get(_SPAN_KEY) if otel is not None else None)
+    follower = _follower
+    if follower is not None:
+        follower.follow_current()
 
 
 class _FollowingRuntimeContext(_RuntimeContext):
     """OTel's runtime context, with every attach and detach followed by a mark
-    when the thread's current span changed."""
+    when the thread's current span changed: while a processor is active its
+    attach and detach are the Follower's, set on the instance (_wire); the
+    methods here only pass through."""
 
     def __init__(self, inner: _RuntimeContext) -> None:
         self.inner = inner
@@ -258,30 +249,65 @@ class _FollowingRuntimeContext(_RuntimeContext):
         self._set = var.set if var is not None else inner.attach
         self._reset = var.reset if var is not None else inner.detach
 
-    def attach(self, context):
-        token = self._set(context)
-        try:
-            span = context.get(_SPAN_KEY)
-        except Exception:  # not an OTel Context: the OTel API's own checks speak for it
-            span = None
-        _follow(span)
-        return token
+    def attach(self, context):  # the Follower's while a processor is active
+        return self._set(context)
 
     def get_current(self):  # replaced per instance in __init__; here for the ABC
         return self.inner.get_current()
 
-    def detach(self, token) -> None:
-        self._reset(token)  # when it raises (OTel logs it), the context did not change
-        _follow_current()
+    def detach(self, token) -> None:  # the Follower's while a processor is active
+        self._reset(token)
+
+
+_runtime: _FollowingRuntimeContext | None = None  # what _install_hooks put in place
+
+
+def _make_follower(marker, runtime: _FollowingRuntimeContext | None):
+    """The marker's Follower, reading the context of `runtime`'s inner
+    runtime context (None: of the OTel runtime context as it is)."""
+    inner = runtime.inner if runtime is not None else otel_context._RUNTIME_CONTEXT
+    var = inner._current_context if type(inner) is ContextVarsRuntimeContext else None
+    return marker.Follower(
+        span_type=_SdkSpan, readable_type=ReadableSpan, context_type=Context, span_key=_SPAN_KEY,
+        modalities=MODALITIES, modality_key=MODALITY_ATTRIBUTE, entry_of=_entry_for,
+        start_of=_keep_entry, report=_report, var=var, runtime=None if var is not None else inner)
+
+
+# The processor's methods that are the Follower's, set on the instance, while
+# it is active (where a subclass does not override them).
+_HOT_METHODS = ("on_start", "on_end")
+
+
+def _wire() -> None:
+    """(With _owners_lock held.) Points every hot path at a Follower of the
+    newest processor still active; with none, at nothing."""
+    global _follower
+    _owners[:] = [ref for ref in _owners if ref() is not None and ref()._marker is not None]
+    owners = [ref() for ref in _owners]
+    runtime = _runtime
+    follower = _make_follower(owners[-1]._marker, runtime) if owners else None
+    _follower = follower
+    if runtime is not None:
+        if follower is not None:
+            runtime.attach, runtime.detach = follower.attach, follower.detach
+        else:
+            vars(runtime).pop("attach", None)
+            vars(runtime).pop("detach", None)
+    for processor in owners:
+        for name in _HOT_METHODS:
+            if getattr(type(processor), name) is getattr(SpanletSpanProcessor, name):  # not overridden
+                setattr(processor, name, getattr(follower, name))
 
 
 def _wrap_handle_run(run):
     @functools.wraps(run)
     def _run(self):
-        try:
-            _follow_context(self._context)
-        except Exception:
-            pass
+        follower = _follower
+        if follower is not None:
+            try:
+                follower.follow_context(self._context)
+            except Exception:
+                pass
         return run(self)
     _run.__spanlet_wraps__ = run
     return _run
@@ -310,12 +336,14 @@ def _copied_context_of(fn) -> contextvars.Context | None:
 def _wrap_work_item_run(run):
     @functools.wraps(run)
     def run_in_its_context(self):
-        try:
-            ctx = _copied_context_of(self.fn)
-            if ctx is not None:
-                _follow_context(ctx)
-        except Exception:
-            ctx = None
+        follower, ctx = _follower, None
+        if follower is not None:
+            try:
+                ctx = _copied_context_of(self.fn)
+                if ctx is not None:
+                    follower.follow_context(ctx)
+            except Exception:
+                ctx = None
         try:
             return run(self)
         finally:
@@ -338,31 +366,33 @@ _CLASS_HOOKS = (
 
 def _install_hooks() -> None:
     """Hook, once per process, where a thread's OTel context changes (see the module doc)."""
-    global _hooked, _forked_hook, _CONTEXT_VAR, _current_context
+    global _hooked, _forked_hook, _runtime
     with _hooks_lock:
         if _hooked:
             return
         _hooked = True
         runtime = _FollowingRuntimeContext(otel_context._RUNTIME_CONTEXT)
-        _current_context = runtime.get_current
+        with _owners_lock:
+            _runtime = runtime
+            _wire()
         otel_context._RUNTIME_CONTEXT = runtime
         if not _forked_hook:  # a forked child's thread is new to the kernel: tell it the current span
             os.register_at_fork(after_in_child=_remark_after_fork)
             _forked_hook = True
         if type(runtime.inner) is not ContextVarsRuntimeContext:
             return  # no contextvar to read another context's span from
-        _CONTEXT_VAR = runtime.inner._current_context
         for owner, name, wrap in _CLASS_HOOKS:
             setattr(owner, name, wrap(getattr(owner, name)))
 
 
 def _remove_hooks() -> None:
     """Undo _install_hooks (for the bench and the tests: the app never needs it)."""
-    global _hooked
+    global _hooked, _runtime
     with _hooks_lock:
         if not _hooked:
             return
         _hooked = False
+        _runtime = None
         runtime = otel_context._RUNTIME_CONTEXT
         if isinstance(runtime, _FollowingRuntimeContext):
             otel_context._RUNTIME_CONTEXT = runtime.inner
@@ -381,14 +411,6 @@ def _remark_after_fork() -> None:
         _follow_current()
 
 
-def _use_newest_owner() -> None:
-    """Mark through the newest processor still active; none: follow nothing."""
-    global _follow_mark, _unmark
-    _owners[:] = [ref for ref in _owners if ref() is not None and ref()._marker is not None]
-    marker = _owners[-1]()._marker if _owners else None
-    _follow_mark, _unmark = (marker.follow, marker.unmark) if marker is not None else (None, None)
-
-
 class SpanletSpanProcessor(SpanProcessor):
     """Marks each thread's current span for the spanlet agent; see the module doc."""
 
@@ -401,7 +423,7 @@ class SpanletSpanProcessor(SpanProcessor):
             _install_hooks()
             with _owners_lock:
                 _owners.append(weakref.ref(self))
-                _use_newest_owner()
+                _wire()
             _follow_current()  # a span current already: tell this marker
         except Exception:
             _warn_once("spanlet span processor could not hook the OTel context; continuing", exc_info=True)
@@ -411,29 +433,23 @@ class SpanletSpanProcessor(SpanProcessor):
         """Whether the marker is in use (False: the processor is a no-op)."""
         return self._mark is not None
 
+    # While the processor is active, on_start and on_end are the Follower's, set
+    # on the instance (_wire): C. These are what it has otherwise.
+
     def on_start(self, span: Span, parent_context=None) -> None:
-        """Keeps the span's mark() arguments on it, for when it becomes current."""
+        """Keeps the span's mark() arguments on it (span._spanlet_mark), for when it becomes current."""
         if self._mark is None:
             return
         try:
-            if type(span) is _SdkSpan:  # the SDK's own fields: a third of the public calls' cost
-                ctx = span._context  # a SpanContext: a tuple (trace_id, span_id, ...)
-                span._spanlet_mark = (ctx[0], ctx[1], MODALITIES.get(span._attributes._dict.get(MODALITY_ATTRIBUTE), 0))
-            else:
-                setattr(span, _ENTRY, _entry_of(span))
+            _keep_entry(span)
         except Exception:
             _warn_once("spanlet span processor failed in on_start; continuing", exc_info=True)
 
     def on_end(self, span: ReadableSpan) -> None:
         """A span that ends while current in this thread is unmarked at once."""
-        try:
-            unmark = _unmark
-            if unmark is None:
-                return
-            ctx = span._context if type(span) is ReadableSpan else span.context
-            unmark(ctx[0], ctx[1])  # a SpanContext is a tuple (trace_id, span_id, ...)
-        except Exception:
-            _warn_once("spanlet span processor failed in on_end; continuing", exc_info=True)
+        follower = _follower
+        if follower is not None:
+            follower.on_end(span)
 
     def shutdown(self) -> None:
         """Clears the calling thread's context and stops marking (safe twice)."""
@@ -443,7 +459,9 @@ class SpanletSpanProcessor(SpanProcessor):
         try:
             marker.follow(*_CLEAR)
             with _owners_lock:
-                _use_newest_owner()
+                for name in _HOT_METHODS:  # back to the class's
+                    vars(self).pop(name, None)
+                _wire()
         except Exception:
             pass
 

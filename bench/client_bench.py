@@ -133,6 +133,12 @@ def main() -> None:
         b, m = value(best), value(med)
         print(f"  {label:<52} {b:8.3f} {m:8.3f}")
 
+    def paired(label: str, value) -> None:
+        """`value` of each repeat's own runs (made back to back), median over
+        the repeats: drift and load between repeats cancel out."""
+        each = [value({k: v[i] / 1000 for k, v in runs.items()}) for i in range(args.repeat)]
+        print(f"  {label:<52} {'':>8} {statistics.median(each):8.3f}")
+
     print("spanlet client: SpanletSpanProcessor cost to the app.\n"
           "  No kernel uprobe is attached here: the uprobe's own cost per edge is measured separately.")
     print(f"  {args.repeat} interleaved runs of {args.spans} spans; python {sys.version.split()[0]}")
@@ -142,6 +148,7 @@ def main() -> None:
     row("per span (start+end), SDK with SpanletSpanProcessor", lambda r: r["with"])
     row("ratio with / without", lambda r: r["with"] / r["without"])
     row("added per span edge: (with - without) / 2", lambda r: (r["with"] - r["without"]) / 2)
+    paired("  the same, each repeat's own (with - without) / 2", lambda r: (r["with"] - r["without"]) / 2)
     row("  of which the SDK calling any processor", lambda r: (r["noop"] - r["without"]) / 2)
     row("processor alone per edge (on_start/on_end direct)", lambda r: r["edge"])
     row("  of which the marker call (mark(), METH_FASTCALL)", lambda r: r["mark"])
@@ -149,6 +156,7 @@ def main() -> None:
     row("per task switch, no processor (tasks in 4 spans)", lambda r: r["switch_without"])
     row("per task switch, with processor (4 spans: a mark each)", lambda r: r["switch_with"])
     row("added per task switch, 4 spans", lambda r: r["switch_with"] - r["switch_without"])
+    paired("  the same, each repeat's own difference", lambda r: r["switch_with"] - r["switch_without"])
     row("per task switch, with processor, tasks in no span", lambda r: r["switch_nospan"])
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@
  *   rsi = trace_lo   low 64 bits (bytes 8..15)
  *   rdx = span_id    the 64-bit span id; 0 means "this thread is in no span"
  *   ecx = modality   0 other, 1 text, 2 image, 3 audio, 4 video (agent/events.py)
- * A change to that contract, or to the module's functions (mark(), follow(),
- * unmark(), forget(): the entry points the Python client calls, below), bumps
+ * A change to that contract, or to the module's functions and type (mark(),
+ * follow(), unmark(), forget(), Follower: the entry points the Python client
+ * calls, below), bumps
  * SPANLET_MARKER_ABI_VERSION (the module's ABI_VERSION), which the client
- * checks before it uses the module. 3: follow, unmark and forget added.
+ * checks before it uses the module. 3: follow, unmark and forget added; 4:
+ * the Follower type (the client's hot paths) added.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -31,7 +33,7 @@
 #endif
 
 #ifndef SPANLET_MARKER_ABI_VERSION /* -D only to test the client's version check */
-#define SPANLET_MARKER_ABI_VERSION 3
+#define SPANLET_MARKER_ABI_VERSION 4
 #endif
 #define SPANLET_EXPORT __attribute__((visibility("default"), noinline, used))
 /* GCC may otherwise clone a noinline function for a caller in the same file
@@ -225,6 +227,31 @@ struct last_mark {
 };
 static _Thread_local struct last_mark last;
 
+/* The calling thread is now in `now`: spanlet_mark unless that is what it was
+ * last told. 1 if it marked. */
+static int follow_mark(const struct last_mark *now)
+{
+	if (!last.unknown && now->span_id == last.span_id && now->trace_lo == last.trace_lo &&
+	    now->trace_hi == last.trace_hi && now->modality == last.modality)
+		return 0;
+	last = *now;
+	last.unknown = 0;
+	spanlet_mark(now->trace_hi, now->trace_lo, now->span_id, now->modality);
+	return 1;
+}
+
+/* A span ends: if it is the calling thread's last mark, the thread is marked as
+ * in no span. 1 if it marked. */
+static int unmark_span(uint64_t trace_hi, uint64_t trace_lo, uint64_t span_id)
+{
+	if (last.unknown || span_id == 0 || span_id != last.span_id || trace_lo != last.trace_lo ||
+	    trace_hi != last.trace_hi)
+		return 0;
+	last = (struct last_mark){0};
+	spanlet_mark(0, 0, 0, 0);
+	return 1;
+}
+
 /* follow(trace_id, span_id, modality): the calling thread is now in this span
  * (span_id 0: none); calls spanlet_mark only if that is not what it last
  * told it. True if it marked. */
@@ -234,20 +261,40 @@ static PyObject *py_follow(PyObject *module, PyObject *const *args, Py_ssize_t n
 
 	if (parse_mark(args, nargs, "follow", &now.trace_hi, &now.trace_lo, &now.span_id, &now.modality) < 0)
 		return NULL;
-	if (!last.unknown && now.span_id == last.span_id && now.trace_lo == last.trace_lo &&
-	    now.trace_hi == last.trace_hi && now.modality == last.modality)
-		Py_RETURN_FALSE;
-	last = now;
-	spanlet_mark(now.trace_hi, now.trace_lo, now.span_id, now.modality);
-	Py_RETURN_TRUE;
+	return PyBool_FromLong(follow_mark(&now));
+}
+
+/* The trace id and span id of a SpanContext (a tuple: trace_id, span_id, ...). */
+static int span_ids(PyObject *ctx, uint64_t *trace_hi, uint64_t *trace_lo, uint64_t *span_id)
+{
+	PyObject *trace, *span;
+	unsigned long long id;
+	int rc = -1;
+
+	if (PyTuple_Check(ctx) && PyTuple_GET_SIZE(ctx) >= 2) {
+		trace = Py_NewRef(PyTuple_GET_ITEM(ctx, 0));
+		span = Py_NewRef(PyTuple_GET_ITEM(ctx, 1));
+	} else {
+		trace = PySequence_GetItem(ctx, 0);
+		span = trace ? PySequence_GetItem(ctx, 1) : NULL;
+	}
+	if (span && trace_halves(trace, trace_hi, trace_lo) == 0) {
+		id = PyLong_AsUnsignedLongLong(span);
+		if (!(id == (unsigned long long)-1 && PyErr_Occurred())) {
+			*span_id = id;
+			rc = 0;
+		}
+	}
+	Py_XDECREF(trace);
+	Py_XDECREF(span);
+	return rc;
 }
 
 /* unmark(trace_id, span_id): a span that ends; if it is the calling thread's
  * last mark, the thread is marked as in no span. True if it marked. */
 static PyObject *py_unmark(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-	uint64_t trace_hi, trace_lo;
-	unsigned long long span_id;
+	uint64_t trace_hi, trace_lo, span_id;
 
 	if (nargs != 2) {
 		PyErr_Format(PyExc_TypeError, "unmark() takes 2 arguments (%zd given)", nargs);
@@ -256,15 +303,485 @@ static PyObject *py_unmark(PyObject *module, PyObject *const *args, Py_ssize_t n
 	if (trace_halves(args[0], &trace_hi, &trace_lo) < 0)
 		return NULL;
 	span_id = PyLong_AsUnsignedLongLong(args[1]);
-	if (span_id == (unsigned long long)-1 && PyErr_Occurred())
+	if (span_id == (uint64_t)-1 && PyErr_Occurred())
 		return NULL;
-	if (last.unknown || span_id == 0 || span_id != last.span_id || trace_lo != last.trace_lo ||
-	    trace_hi != last.trace_hi)
-		Py_RETURN_FALSE;
-	last = (struct last_mark){0};
-	spanlet_mark(0, 0, 0, 0);
-	Py_RETURN_TRUE;
+	return PyBool_FromLong(unmark_span(trace_hi, trace_lo, span_id));
 }
+
+/*
+ * Follower: the client's hot paths in C (ABI 4), so that a span edge costs no
+ * Python frame of spanlet's own. The client (agent/client.py) makes one for
+ * the newest active processor's marker and points at its bound methods:
+ *   attach(context), detach(token)   the OTel runtime context's, wrapped:
+ *                                    set/reset, then follow the thread's span
+ *   follow_current()                 follow the thread's current OTel context
+ *   follow_context(ctx)              follow the OTel context held in the
+ *                                    contextvars.Context `ctx` (asyncio and
+ *                                    executor hooks)
+ *   on_start(span, parent_context)   the processor's: keep the span's mark()
+ *                                    arguments on it, as the tuple
+ *                                    span._spanlet_mark
+ *   on_end(span)                     the processor's: unmark a span that ends
+ *                                    while it is its thread's last mark
+ * "Follow" reads the current span from the OTel Context (span_key), takes its
+ * mark from span._spanlet_mark (none if it ended), and marks if that changed,
+ * as follow() does. The SDK's own classes take the direct path; any other span
+ * (or an SDK span without the tuple) goes through the client's entry_of(span)
+ * (is_recording() and the public API), and a span not of the SDK's class
+ * through its start_of(span) at start. Errors never reach the caller: an
+ * Exception is handed to the client's report(where, exception) (one warning
+ * per process) and the edge goes on; only a BaseException that is no
+ * Exception (KeyboardInterrupt) propagates. What the thread was last told is
+ * `last` above, shared with follow() and unmark().
+ */
+typedef struct {
+	PyObject_HEAD
+	PyObject *var;			/* OTel's ContextVar (its default runtime context), or NULL */
+	PyObject *runtime;		/* else the runtime context: its attach/detach/get_current */
+	PyObject *span_key;		/* the OTel Context key of the current span */
+	PyObject *span_type;		/* the SDK's span class (opentelemetry.sdk.trace._Span) */
+	PyObject *readable_type;	/* ReadableSpan, what on_end is given */
+	PyObject *context_type;		/* OTel's Context: a dict whose get() is dict.get */
+	PyObject *modalities;		/* dict: mm.modality value -> its number */
+	PyObject *modality_key;		/* "mm.modality" */
+	PyObject *entry_of;		/* entry_of(span) -> (trace_id, span_id, modality) */
+	PyObject *start_of;		/* start_of(span): on_start's work for any span */
+	PyObject *report;		/* report(where, exception) */
+	PyObject *zero;			/* 0, the modality "other" */
+	/* attribute and method names, interned */
+	PyObject *n_end_time, *n_mark, *n_private_context, *n_context, *n_attributes, *n_dict, *n_get,
+		*n_attach, *n_detach, *n_get_current;
+} Follower;
+
+/* Cleared when the calling code should carry on: an Exception is reported
+ * (the client warns once per process) and 0 returned; any other error (a
+ * KeyboardInterrupt) stays raised: -1. */
+static int reported(Follower *f, const char *where)
+{
+	PyObject *exc, *result;
+
+	if (!PyErr_ExceptionMatches(PyExc_Exception))
+		return -1;
+#if PY_VERSION_HEX >= 0x030C0000
+	exc = PyErr_GetRaisedException();
+#else
+	PyObject *type, *tb;
+	PyErr_Fetch(&type, &exc, &tb);
+	PyErr_NormalizeException(&type, &exc, &tb);
+	if (exc && tb)
+		PyException_SetTraceback(exc, tb);
+	Py_XDECREF(type);
+	Py_XDECREF(tb);
+#endif
+	result = PyObject_CallFunction(f->report, "sO", where, exc ? exc : Py_None);
+	if (result == NULL)
+		PyErr_Clear(); /* the report itself failed: nothing more to tell */
+	Py_XDECREF(result);
+	Py_XDECREF(exc);
+	return 0;
+}
+
+static int optional_attr(PyObject *obj, PyObject *name, PyObject **result)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+	return PyObject_GetOptionalAttr(obj, name, result);
+#else
+	return _PyObject_LookupAttr(obj, name, result);
+#endif
+}
+
+/* The mark for `span` (None: in no span) into *now; -1 with an exception. */
+static int mark_of(Follower *f, PyObject *span, struct last_mark *now)
+{
+	PyObject *entry = NULL, *end;
+	int rc = -1;
+
+	*now = (struct last_mark){0};
+	if (span == Py_None)
+		return 0;
+	if ((PyObject *)Py_TYPE(span) == f->span_type) { /* is_recording() without its call */
+		end = PyObject_GetAttr(span, f->n_end_time);
+		if (end == NULL)
+			return -1;
+		Py_DECREF(end);
+		if (end != Py_None)
+			return 0; /* ended: in no span */
+		if (optional_attr(span, f->n_mark, &entry) < 0)
+			return -1;
+	}
+	if (entry == NULL) /* not the SDK's class, or started by a provider without the processor */
+		entry = PyObject_CallOneArg(f->entry_of, span);
+	if (entry == NULL)
+		return -1;
+	if (PyTuple_Check(entry))
+		rc = parse_mark(PySequence_Fast_ITEMS(entry), PyTuple_GET_SIZE(entry), "a span's mark", &now->trace_hi,
+				&now->trace_lo, &now->span_id, &now->modality);
+	else
+		PyErr_Format(PyExc_TypeError, "a span's mark is a tuple, not %.100s", Py_TYPE(entry)->tp_name);
+	Py_DECREF(entry);
+	return rc;
+}
+
+/* The current span held in the OTel Context `ctx` (NULL, None: none) into *span, a
+ * new reference or NULL (none); what is not an OTel Context holds none. -1
+ * only with a non-Exception error raised. */
+static int span_in(Follower *f, PyObject *ctx, PyObject **span)
+{
+	*span = NULL;
+	if (ctx == NULL || ctx == Py_None)
+		return 0;
+	if ((PyObject *)Py_TYPE(ctx) == f->context_type || PyDict_CheckExact(ctx)) {
+		*span = PyDict_GetItemWithError(ctx, f->span_key);
+		Py_XINCREF(*span);
+	} else {
+		*span = PyObject_CallMethodOneArg(ctx, f->n_get, f->span_key);
+	}
+	if (*span != NULL || !PyErr_Occurred())
+		return 0;
+	if (!PyErr_ExceptionMatches(PyExc_Exception))
+		return -1;
+	PyErr_Clear(); /* not an OTel Context: the OTel API's own checks speak for it */
+	return 0;
+}
+
+/* Follow the OTel Context `ctx` (NULL: none): mark its span if that changed.
+ * -1 only with a non-Exception error raised. */
+static int follow_otel(Follower *f, PyObject *ctx)
+{
+	struct last_mark now;
+	PyObject *span;
+	int rc;
+
+	if (span_in(f, ctx, &span) < 0)
+		return -1;
+	rc = mark_of(f, span ? span : Py_None, &now);
+	Py_XDECREF(span);
+	if (rc == 0)
+		follow_mark(&now);
+	else if (reported(f, "to mark a context change") < 0)
+		return -1;
+	return 0;
+}
+
+/* The calling thread's current OTel Context (a new reference), or NULL: none
+ * (the runtime failed to say). -1 only with a non-Exception error raised. */
+static int current_otel(Follower *f, PyObject **ctx)
+{
+	*ctx = NULL;
+	if (f->var != NULL) {
+		if (PyContextVar_Get(f->var, NULL, ctx) == 0)
+			return 0;
+	} else if ((*ctx = PyObject_CallMethodNoArgs(f->runtime, f->n_get_current)) != NULL) {
+		return 0;
+	}
+	if (!PyErr_ExceptionMatches(PyExc_Exception))
+		return -1;
+	PyErr_Clear();
+	return 0;
+}
+
+static int follow_current(Follower *f)
+{
+	PyObject *ctx;
+	int rc;
+
+	if (current_otel(f, &ctx) < 0)
+		return -1;
+	rc = follow_otel(f, ctx);
+	Py_XDECREF(ctx);
+	return rc;
+}
+
+static int one_arg(Py_ssize_t nargs, const char *name)
+{
+	if (nargs == 1)
+		return 0;
+	PyErr_Format(PyExc_TypeError, "%s() takes 1 argument (%zd given)", name, nargs);
+	return -1;
+}
+
+/* attach(context): the runtime context's attach, then the thread's span followed. */
+static PyObject *follower_attach(Follower *f, PyObject *const *args, Py_ssize_t nargs)
+{
+	PyObject *token;
+
+	if (one_arg(nargs, "attach") < 0)
+		return NULL;
+	if (f->var != NULL)
+		token = PyContextVar_Set(f->var, args[0]);
+	else
+		token = PyObject_CallMethodOneArg(f->runtime, f->n_attach, args[0]);
+	if (token == NULL)
+		return NULL;
+	if (follow_otel(f, args[0]) < 0)
+		Py_CLEAR(token);
+	return token;
+}
+
+/* detach(token): the runtime context's detach (when it raises, OTel logs it
+ * and the context did not change), then the thread's span followed. */
+static PyObject *follower_detach(Follower *f, PyObject *const *args, Py_ssize_t nargs)
+{
+	PyObject *result;
+
+	if (one_arg(nargs, "detach") < 0)
+		return NULL;
+	if (f->var != NULL) {
+		if (PyContextVar_Reset(f->var, args[0]) < 0)
+			return NULL;
+	} else {
+		result = PyObject_CallMethodOneArg(f->runtime, f->n_detach, args[0]);
+		if (result == NULL)
+			return NULL;
+		Py_DECREF(result);
+	}
+	if (follow_current(f) < 0)
+		return NULL;
+	Py_RETURN_NONE;
+}
+
+/* follow_current(): follow the calling thread's current OTel context. */
+static PyObject *follower_follow_current(Follower *f, PyObject *unused)
+{
+	if (follow_current(f) < 0)
+		return NULL;
+	Py_RETURN_NONE;
+}
+
+/* follow_context(ctx): follow the OTel Context that the contextvars.Context
+ * `ctx`, about to run on this thread, holds (none if it holds none). */
+static PyObject *follower_follow_context(Follower *f, PyObject *const *args, Py_ssize_t nargs)
+{
+	PyObject *ctx, *otel = NULL;
+	int has, rc;
+
+	if (one_arg(nargs, "follow_context") < 0)
+		return NULL;
+	if (f->var == NULL) /* another runtime context: no contextvar to read another context's span from */
+		Py_RETURN_NONE;
+	ctx = args[0];
+	if (PyContext_CheckExact(ctx)) {
+		has = PySequence_Contains(ctx, f->var);
+		if (has > 0)
+			otel = PyObject_GetItem(ctx, f->var);
+		rc = has < 0 || (has > 0 && otel == NULL) ? -1 : 0;
+	} else {
+		otel = PyObject_CallMethodOneArg(ctx, f->n_get, f->var);
+		rc = otel == NULL ? -1 : 0;
+	}
+	if (rc < 0 && reported(f, "to mark a context change") < 0)
+		return NULL;
+	rc = rc < 0 ? 0 : follow_otel(f, otel);
+	Py_XDECREF(otel);
+	if (rc < 0)
+		return NULL;
+	Py_RETURN_NONE;
+}
+
+/* span._spanlet_mark = (trace_id, span_id, modality number) for an SDK span,
+ * from its own fields; -1 with an exception (the caller then takes start_of). */
+static int keep_mark(Follower *f, PyObject *span)
+{
+	PyObject *ctx, *attributes = NULL, *dict = NULL, *value = NULL, *number, *entry = NULL;
+	int rc = -1;
+
+	ctx = PyObject_GetAttr(span, f->n_private_context); /* a SpanContext: (trace_id, span_id, ...) */
+	if (ctx == NULL)
+		return -1;
+	if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) < 2) {
+		PyErr_SetString(PyExc_TypeError, "the span's _context is no SpanContext");
+		goto out;
+	}
+	if ((attributes = PyObject_GetAttr(span, f->n_attributes)) == NULL ||
+	    (dict = PyObject_GetAttr(attributes, f->n_dict)) == NULL)
+		goto out;
+	if (PyDict_Check(dict)) { /* dict or OrderedDict: get() is the lookup */
+		value = PyDict_GetItemWithError(dict, f->modality_key);
+		Py_XINCREF(value);
+	} else {
+		value = PyObject_CallMethodOneArg(dict, f->n_get, f->modality_key);
+	}
+	if (value == NULL && PyErr_Occurred())
+		goto out;
+	number = value ? PyDict_GetItemWithError(f->modalities, value) : NULL; /* borrowed */
+	if (number == NULL && PyErr_Occurred())
+		goto out;
+	entry = PyTuple_Pack(3, PyTuple_GET_ITEM(ctx, 0), PyTuple_GET_ITEM(ctx, 1), number ? number : f->zero);
+	if (entry != NULL)
+		rc = PyObject_SetAttr(span, f->n_mark, entry);
+out:
+	Py_DECREF(ctx);
+	Py_XDECREF(attributes);
+	Py_XDECREF(dict);
+	Py_XDECREF(value);
+	Py_XDECREF(entry);
+	return rc;
+}
+
+/* on_start(span, parent_context=None): keep the span's mark() arguments on it. */
+static PyObject *follower_on_start(Follower *f, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+	PyObject *result;
+
+	if (nargs < 1 || nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0) > 2) {
+		PyErr_SetString(PyExc_TypeError, "on_start() takes a span and an optional parent_context");
+		return NULL;
+	}
+	if ((PyObject *)Py_TYPE(args[0]) == f->span_type) {
+		if (keep_mark(f, args[0]) == 0)
+			Py_RETURN_NONE;
+		if (!PyErr_ExceptionMatches(PyExc_Exception))
+			return NULL;
+		PyErr_Clear(); /* another SDK version: the public way below */
+	}
+	result = PyObject_CallOneArg(f->start_of, args[0]);
+	if (result == NULL && reported(f, "in on_start") < 0)
+		return NULL;
+	Py_XDECREF(result);
+	Py_RETURN_NONE;
+}
+
+/* on_end(span): a span that ends while it is the thread's last mark is unmarked. */
+static PyObject *follower_on_end(Follower *f, PyObject *const *args, Py_ssize_t nargs)
+{
+	uint64_t trace_hi, trace_lo, span_id;
+	PyObject *ctx;
+	int rc = -1;
+
+	if (one_arg(nargs, "on_end") < 0)
+		return NULL;
+	ctx = PyObject_GetAttr(args[0], (PyObject *)Py_TYPE(args[0]) == f->readable_type ? f->n_private_context
+											 : f->n_context);
+	if (ctx != NULL) {
+		rc = span_ids(ctx, &trace_hi, &trace_lo, &span_id);
+		Py_DECREF(ctx);
+	}
+	if (rc == 0)
+		unmark_span(trace_hi, trace_lo, span_id);
+	else if (reported(f, "in on_end") < 0)
+		return NULL;
+	Py_RETURN_NONE;
+}
+
+#define FOLLOWER_FIELDS(X)                                                                                   \
+	X(var) X(runtime) X(span_key) X(span_type) X(readable_type) X(context_type) X(modalities)            \
+	X(modality_key) X(entry_of) X(start_of) X(report) X(zero) X(n_end_time) X(n_mark)                   \
+	X(n_private_context) X(n_context) X(n_attributes) X(n_dict) X(n_get) X(n_attach) X(n_detach)        \
+	X(n_get_current)
+
+static int follower_traverse(Follower *f, visitproc visit, void *arg)
+{
+#define VISIT(field) Py_VISIT(f->field);
+	FOLLOWER_FIELDS(VISIT)
+#undef VISIT
+	Py_VISIT(Py_TYPE(f));
+	return 0;
+}
+
+static int follower_clear(Follower *f)
+{
+#define CLEAR(field) Py_CLEAR(f->field);
+	FOLLOWER_FIELDS(CLEAR)
+#undef CLEAR
+	return 0;
+}
+
+static void follower_dealloc(Follower *f)
+{
+	PyTypeObject *type = Py_TYPE(f);
+
+	PyObject_GC_UnTrack(f);
+	follower_clear(f);
+	type->tp_free(f);
+	Py_DECREF(type);
+}
+
+static PyObject *follower_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+	static char *keywords[] = {"span_type", "readable_type", "context_type", "span_key", "modalities",
+				   "modality_key", "entry_of", "start_of", "report", "var", "runtime", NULL};
+	PyObject *span_type, *readable_type, *context_type, *span_key, *modalities, *modality_key, *entry_of,
+		*start_of, *report, *var = Py_None, *runtime = Py_None;
+	Follower *f;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!UO!UOOO|OO:Follower", keywords, &PyType_Type,
+					 &span_type, &PyType_Type, &readable_type, &PyType_Type, &context_type,
+					 &span_key, &PyDict_Type, &modalities, &modality_key, &entry_of, &start_of,
+					 &report, &var, &runtime))
+		return NULL;
+	if (var != Py_None && !PyContextVar_CheckExact(var)) {
+		PyErr_SetString(PyExc_TypeError, "var must be a contextvars.ContextVar or None");
+		return NULL;
+	}
+	if (var == Py_None && runtime == Py_None) {
+		PyErr_SetString(PyExc_TypeError, "a Follower needs the runtime context's var or the runtime context");
+		return NULL;
+	}
+	f = (Follower *)type->tp_alloc(type, 0);
+	if (f == NULL)
+		return NULL;
+	f->var = var == Py_None ? NULL : Py_NewRef(var);
+	f->runtime = var == Py_None ? Py_NewRef(runtime) : NULL;
+	f->span_key = Py_NewRef(span_key);
+	f->span_type = Py_NewRef(span_type);
+	f->readable_type = Py_NewRef(readable_type);
+	f->context_type = Py_NewRef(context_type);
+	f->modalities = Py_NewRef(modalities);
+	f->modality_key = Py_NewRef(modality_key);
+	f->entry_of = Py_NewRef(entry_of);
+	f->start_of = Py_NewRef(start_of);
+	f->report = Py_NewRef(report);
+	if ((f->zero = PyLong_FromLong(0)) == NULL ||
+	    (f->n_end_time = PyUnicode_InternFromString("_end_time")) == NULL ||
+	    (f->n_mark = PyUnicode_InternFromString("_spanlet_mark")) == NULL ||
+	    (f->n_private_context = PyUnicode_InternFromString("_context")) == NULL ||
+	    (f->n_context = PyUnicode_InternFromString("context")) == NULL ||
+	    (f->n_attributes = PyUnicode_InternFromString("_attributes")) == NULL ||
+	    (f->n_dict = PyUnicode_InternFromString("_dict")) == NULL ||
+	    (f->n_get = PyUnicode_InternFromString("get")) == NULL ||
+	    (f->n_attach = PyUnicode_InternFromString("attach")) == NULL ||
+	    (f->n_detach = PyUnicode_InternFromString("detach")) == NULL ||
+	    (f->n_get_current = PyUnicode_InternFromString("get_current")) == NULL) {
+		Py_DECREF(f);
+		return NULL;
+	}
+	return (PyObject *)f;
+}
+
+static PyMethodDef follower_methods[] = {
+	{"attach", (PyCFunction)(void (*)(void))follower_attach, METH_FASTCALL,
+	 "attach(context)\n--\n\nThe runtime context's attach, then this thread's span followed."},
+	{"detach", (PyCFunction)(void (*)(void))follower_detach, METH_FASTCALL,
+	 "detach(token)\n--\n\nThe runtime context's detach, then this thread's span followed."},
+	{"follow_current", (PyCFunction)follower_follow_current, METH_NOARGS,
+	 "follow_current()\n--\n\nMark this thread's current span if it changed."},
+	{"follow_context", (PyCFunction)(void (*)(void))follower_follow_context, METH_FASTCALL,
+	 "follow_context(ctx)\n--\n\nMark the span of the contextvars.Context about to run here if it changed."},
+	{"on_start", (PyCFunction)(void (*)(void))follower_on_start, METH_FASTCALL | METH_KEYWORDS,
+	 "on_start(span, parent_context=None)\n--\n\nKeep the span's mark() arguments on it."},
+	{"on_end", (PyCFunction)(void (*)(void))follower_on_end, METH_FASTCALL,
+	 "on_end(span)\n--\n\nUnmark this thread if the span is its last mark."},
+	{NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot follower_slots[] = {
+	{Py_tp_new, follower_new},
+	{Py_tp_dealloc, follower_dealloc},
+	{Py_tp_traverse, follower_traverse},
+	{Py_tp_clear, follower_clear},
+	{Py_tp_methods, follower_methods},
+	{Py_tp_doc, "Follower(span_type, readable_type, context_type, span_key, modalities, modality_key, "
+		    "entry_of, start_of, report, var=None, runtime=None)\n--\n\n"
+		    "The span processor's and the context hooks' hot paths (agent/client.py)."},
+	{0, NULL},
+};
+
+static PyType_Spec follower_spec = {
+	.name = "spanlet.libspanlet_marker.Follower",
+	.basicsize = sizeof(Follower),
+	.flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+	.slots = follower_slots,
+};
 
 #ifdef SPANLET_MARKER_RECORD
 /* record_reset(): forget the recorded calls, and the calling thread's last
@@ -310,6 +827,15 @@ static PyMethodDef marker_methods[] = {
 
 static int marker_exec(PyObject *module)
 {
+	PyObject *follower = PyType_FromModuleAndSpec(module, &follower_spec, NULL);
+	int rc;
+
+	if (follower == NULL)
+		return -1;
+	rc = PyModule_AddType(module, (PyTypeObject *)follower);
+	Py_DECREF(follower);
+	if (rc < 0)
+		return -1;
 	return PyModule_AddIntConstant(module, "ABI_VERSION", SPANLET_MARKER_ABI_VERSION);
 }
 
@@ -319,7 +845,7 @@ static PyModuleDef_Slot marker_slots[] = {
 	{Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
 #endif
 #if PY_VERSION_HEX >= 0x030D0000
-	{Py_mod_gil, Py_MOD_GIL_NOT_USED}, /* state is thread-local; the record log uses atomics */
+	{Py_mod_gil, Py_MOD_GIL_NOT_USED}, /* state is thread-local (a Follower is read-only once made); the record log uses atomics */
 #endif
 	{0, NULL},
 };

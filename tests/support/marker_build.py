@@ -99,6 +99,5 @@ def forget_client_state(monkeypatch) -> None:
     monkeypatch.setattr(client, "_libs", {})
     monkeypatch.setattr(client, "_warned", False)
     monkeypatch.setattr(client, "_owners", [])
-    monkeypatch.setattr(client, "_follow_mark", None)
-    monkeypatch.setattr(client, "_unmark", None)
+    monkeypatch.setattr(client, "_follower", None)
     monkeypatch.delenv(client.LIB_ENV, raising=False)

@@ -5,6 +5,7 @@ build logs every spanlet_mark call with its arguments and calling thread."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import ctypes as C
 import importlib
 import logging
@@ -19,7 +20,7 @@ import threading
 from pathlib import Path
 import pytest
 from opentelemetry import context, trace
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -112,8 +113,8 @@ def installed_marker() -> str:
 
 def test_production_build_exports_the_abi_and_no_record_code(libs):
     module = client.load_extension(libs["prod"])
-    assert module.ABI_VERSION == client.ABI_VERSION == 3
-    assert all(callable(getattr(module, f)) for f in ("mark", "follow", "unmark", "forget"))
+    assert module.ABI_VERSION == client.ABI_VERSION == 4
+    assert all(callable(getattr(module, f)) for f in ("mark", "follow", "unmark", "forget", "Follower"))
     assert C.CDLL(libs["prod"])[MARKER_SYMBOL]  # the probed symbol, exported
     for test_only in RECORD_ONLY:
         assert not hasattr(module, test_only)
@@ -428,6 +429,67 @@ def test_four_threads_interleaved_each_see_only_their_own_spans(recorder):
     assert len(set(first_marks)) == threads, "every thread's first span starts before any second"
 
 
+def test_the_newest_active_processor_marks_and_the_one_before_takes_over_at_its_shutdown(recorder, tmp_path):
+    """Two processors with two builds of the marker: every mark goes through
+    the newest one's; when it shuts down, through the one before (which marks
+    what is current then)."""
+    second = Recorder(build(tmp_path, "libsecond.so", "-DSPANLET_MARKER_RECORD"))
+    second.reset()
+    first_proc = client.SpanletSpanProcessor(recorder.path)
+    second_proc = client.SpanletSpanProcessor(second.path)
+    provider, tracer, _ = traced(first_proc)
+    provider.add_span_processor(second_proc)
+    with tracer.start_as_current_span("both", attributes={"mm.modality": "text"}) as both:
+        pass
+    with tracer.start_as_current_span("across") as across:
+        second_proc.shutdown()  # marks this thread as in none through its own marker
+        with tracer.start_as_current_span("first only") as first_only:
+            pass
+    assert second.marks() == [ids(both, 1), CLEAR, ids(across, 0), CLEAR]
+    assert recorder.marks() == [ids(first_only, 0), ids(across, 0), CLEAR]
+    second.reset()
+
+
+def test_while_active_the_hot_paths_are_the_extensions_and_go_at_shutdown(recorder):
+    """What the span edge's cost rests on: on_start, on_end and the runtime
+    context's attach and detach are the Follower's C methods while the
+    processor is active; after its shutdown the class's (which do nothing)."""
+    proc = client.SpanletSpanProcessor(recorder.path)
+    follower, runtime = client._follower, context._RUNTIME_CONTEXT
+    assert type(follower) is proc._marker.Follower
+    assert (proc.on_start, proc.on_end) == (follower.on_start, follower.on_end)
+    assert (runtime.attach, runtime.detach) == (follower.attach, follower.detach)
+    proc.shutdown()
+    assert client._follower is None and "on_start" not in vars(proc) and "attach" not in vars(runtime)
+    _, tracer, _ = traced(proc)
+    with tracer.start_as_current_span("after") as span:
+        assert not hasattr(span, "_spanlet_mark")
+    assert recorder.marks() == []
+
+
+def test_a_subclass_that_overrides_the_processors_methods_keeps_its_overrides(recorder):
+    calls = []
+
+    class Mine(client.SpanletSpanProcessor):
+        def on_start(self, span, parent_context=None):
+            calls.append("start")
+            super().on_start(span, parent_context)
+
+        def on_end(self, span):
+            calls.append("end")
+            super().on_end(span)
+
+    _, tracer, _ = traced(Mine(recorder.path))
+    parent = tracer.start_span("parent")
+    with current(parent):
+        with tracer.start_as_current_span("s", attributes={"mm.modality": "audio"}) as span:
+            with current(span):
+                span.end()  # ends while current: unmarked by on_end
+    parent.end()
+    assert calls == ["start", "start", "end", "end"]
+    assert recorder.marks() == [ids(parent), ids(span, 3), CLEAR, ids(parent), CLEAR]
+
+
 def test_library_from_environment(recorder, monkeypatch):
     monkeypatch.setenv(client.LIB_ENV, recorder.path)
     _, tracer, _ = traced(client.SpanletSpanProcessor())
@@ -494,21 +556,53 @@ def test_package_without_its_marker_warns_once_and_spans_still_work(fresh_client
     assert len(warnings) == 1 and "spanlet.no_such_marker" in warnings[0].getMessage()
 
 
-def test_exceptions_in_the_processor_never_reach_the_app(recorder, caplog):
-    caplog.set_level(logging.WARNING, logger="spanlet.client")
-    proc = client.SpanletSpanProcessor(recorder.path)
+class _Exploding:
+    """A span of another class whose every part raises."""
 
-    def broken(*args):
+    def __getattr__(self, name):
         raise RuntimeError("marker exploded")
 
-    client._follow_mark = broken  # what every context hook calls (monkeypatched by fresh_client)
-    _, tracer, exporter = traced(proc)
-    with tracer.start_as_current_span("a"):
-        with tracer.start_as_current_span("b"):
-            pass
-    assert len(exporter.get_finished_spans()) == 2
+    def is_recording(self):
+        raise RuntimeError("marker exploded")
+
+
+class _SpoilsTheMark(SpanProcessor):
+    """Added after spanlet's: leaves on the span a mark that is no mark."""
+
+    def on_start(self, span, parent_context=None):
+        span._spanlet_mark = ("not a trace id", 1, 0)
+
+
+@pytest.mark.parametrize("where", ["a span of another class", "an SDK span with a broken mark"])
+def test_exceptions_in_the_processor_never_reach_the_app(recorder, caplog, where):
+    """The hot paths fail on the span (another class: on_start, attach, the
+    asyncio hook, detach and on_end; an SDK span: every follow of its mark);
+    the app goes on, and one warning is logged for all of them."""
+    caplog.set_level(logging.WARNING, logger="spanlet.client")
+    proc = client.SpanletSpanProcessor(recorder.path)
+    provider, tracer, exporter = traced(proc)
+
+    async def step():
+        await asyncio.sleep(0)
+        return "stepped"
+
+    if where == "a span of another class":
+        span = _Exploding()
+        proc.on_start(span)
+        with current(span):
+            assert asyncio.run(step()) == "stepped"
+        proc.on_end(span)
+        message = "marker exploded"
+    else:
+        provider.add_span_processor(_SpoilsTheMark())
+        with tracer.start_as_current_span("a"):
+            with tracer.start_as_current_span("b"):
+                assert asyncio.run(step()) == "stepped"
+        assert len(exporter.get_finished_spans()) == 2
+        message = "trace_id must be an int"
     warnings = [r for r in caplog.records if r.name == "spanlet.client"]
-    assert len(warnings) == 1 and "marker exploded" in caplog.text
+    assert len(warnings) == 1 and message in caplog.text
+    assert recorder.marks() == []  # nothing was marked from what failed
 
 
 def test_shutdown_clears_the_thread_and_stops_marking(recorder):
