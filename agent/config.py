@@ -466,6 +466,10 @@ class Config(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Folder of kernel headers for BCC; empty: /lib/modules/$(uname -r)/build.
     kernel_headers: str = ""
+    # A complete header tree to fall back on when kernel_headers is empty and the
+    # host's are not mounted or incomplete; the image sets it to the headers it
+    # carries (SPANLET_IMAGE_KERNEL_HEADERS=/opt/spanlet/kernel-headers).
+    image_kernel_headers: str = ""
     ringbuf_pages: int = Field(default=256, ge=1, le=65536)
     # The one HTTP port for people and scrapers: /metrics, /healthz, /readyz.
     http_address: str = "0.0.0.0"
