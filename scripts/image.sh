@@ -82,6 +82,8 @@ wheel=$(build_wheel "$work")
 ensure_in_wheelhouse "$wheel[agent]"
 mkdir -p "$work/context"
 cp "$wheel" "$work/context/"
+"$py" -c 'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; print(*p["dependencies"], *p["optional-dependencies"]["agent"], sep="\n")' \
+  "$here/pyproject.toml" > "$work/context/requirements.txt"
 cp -a "$headers" "$work/context/kernel-headers"
 
 step "podman build localhost/spanlet:$version"
