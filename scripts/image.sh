@@ -75,6 +75,16 @@ else
 fi
 
 # --- the wheel and the build -------------------------------------------------------
+# The image of this very commit on this base and these headers is there already
+# (SPANLET_IMAGE_REBUILD=1 builds it anyway).
+stamp="$(git -C "$here" rev-parse HEAD) $base $arch_pkg=$hver"
+tag="localhost/spanlet:$version"
+if [ "${SPANLET_IMAGE_REBUILD:-0}" != 1 ] && podman image exists "$tag" \
+    && [ "$(podman image inspect --format '{{index .Labels "spanlet.stamp"}}' "$tag")" = "$stamp" ]; then
+  podman tag "$tag" localhost/spanlet:latest
+  step "ok: $tag and :latest are the image of HEAD already, $(( $(podman image inspect --format '{{.Size}}' "$tag") / 1000000 )) MB"
+  exit 0
+fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/spanlet-image.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 step "the wheel of HEAD ($(git -C "$here" rev-parse --short HEAD))"
@@ -86,11 +96,19 @@ cp "$wheel" "$work/context/"
   "$here/pyproject.toml" > "$work/context/requirements.txt"
 cp -a "$headers" "$work/context/kernel-headers"
 
-step "podman build localhost/spanlet:$version"
+step "podman build $tag"
+old=$(podman image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)
 spanlet_podman build -q --layers -f "$here/daemonset/Containerfile" \
   --build-arg BASE="$base" --volume "$wheelhouse:/wheelhouse:ro" \
   --label org.opencontainers.image.version="$version" \
   --label org.opencontainers.image.revision="$(git -C "$here" rev-parse HEAD)" \
-  -t "localhost/spanlet:$version" -t localhost/spanlet:latest "$work/context" >/dev/null
-size=$(podman image inspect --format '{{.Size}}' "localhost/spanlet:$version")
-step "ok: localhost/spanlet:$version and :latest, $((size / 1000000)) MB"
+  --label spanlet.stamp="$stamp" \
+  -t "$tag" -t localhost/spanlet:latest "$work/context" >/dev/null
+# The image this one replaced, when nothing else names it any more.
+new=$(podman image inspect --format '{{.Id}}' "$tag")
+if [ -n "$old" ] && [ "$old" != "$new" ] \
+    && [ -z "$(podman image inspect --format '{{join .RepoTags " "}}' "$old" 2>/dev/null)" ]; then
+  podman rmi -f "$old" >/dev/null 2>&1 || true
+fi
+size=$(podman image inspect --format '{{.Size}}' "$tag")
+step "ok: $tag and :latest, $((size / 1000000)) MB"
