@@ -1,5 +1,7 @@
 """The capabilities the agent needs, checked at start-up: one line for each that
-is missing, saying what fails without it. CAP_SYS_RESOURCE is needed only where
+is missing, saying what fails without it. CAP_SYS_ADMIN is among them because
+BCC (0.26) opens the maps one probe pins for the others by id
+(BPF_MAP_GET_FD_BY_ID), which the kernel allows only with CAP_SYS_ADMIN. CAP_SYS_RESOURCE is needed only where
 the kernel still charges BPF memory to RLIMIT_MEMLOCK (before 5.11): that is
 checked on the running kernel by creating a map under a zero limit, not assumed
 from the release."""
@@ -22,6 +24,9 @@ WHAT_FAILS = {
                  "(no network metrics, no wire bytes on spans)",
     "SYS_PTRACE": "/proc/<pid>/maps and /proc/<pid>/root of other users' processes are "
                   "unreadable: their GPU and span marker libraries are neither found nor attached",
+    "SYS_ADMIN": "BPF_MAP_GET_FD_BY_ID is refused: the probes cannot open the span context maps "
+                 "that span_ctx pins (BCC opens a pinned map by its id), so gpu_launch and "
+                 "mmap_sandbox fail to load",
     "SYS_RESOURCE": "this kernel charges BPF maps to RLIMIT_MEMLOCK and the limit cannot be "
                     "raised: maps larger than the limit are refused",
 }
@@ -98,7 +103,8 @@ def check(tc_enabled: bool, caps: set[str] | None = None,
     CAP_SYS_ADMIN stands in for BPF and PERFMON (kernels before 5.8 have neither)."""
     caps = effective_capabilities() if caps is None else caps
     memcg = memcg_charged() if memcg == "probe" else memcg
-    needed = ["BPF", "PERFMON"] + (["NET_ADMIN"] if tc_enabled else []) + ["SYS_PTRACE"]
+    needed = ["BPF", "PERFMON"] + (["NET_ADMIN"] if tc_enabled else []) + ["SYS_PTRACE",
+                                                                           "SYS_ADMIN"]
     if memcg is False:
         needed.append("SYS_RESOURCE")
     notes = []

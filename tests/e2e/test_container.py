@@ -1,0 +1,156 @@
+"""The agent's image, built by `make image` (scripts/image.sh), run under podman
+as daemonset/daemonset.yaml runs it: its capabilities and no others, read-only
+root, its host mounts but not the node's kernel headers, host PID and network
+namespaces, its ConfigMap. Checked from outside: every probe attached, against
+the image's headers; the stand-in GPU launches of this test's own serving
+process counted exactly on its own spans; /metrics and `spanlet inspect`
+(podman exec) answer; podman stop ends it with exit 0 and leaves no program,
+map, TC filter, uprobe or pin behind.
+
+Only what this shared machine needs differs from a node, each by the ConfigMap
+override a node could use too: the ports (others' agents hold 9464/4317/4318),
+TC on a veth pair of this test (not the machine's interfaces), the data and
+socket host folders (the test's own), and an upstream collector of the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import cuda_standin
+from bpf_leftovers import bpf_ids, still_loaded
+import daemonset_podman as dsp
+from facts_child import FactsChild
+from otlp_upstream import Upstream, kernel_attrs, wait_for
+from processes import free_port
+from spanlet.probes import privileges
+
+pytestmark = pytest.mark.kernel
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = "localhost/spanlet:latest"
+ROUNDS = 5                    # exactness rounds, each its own spans
+PROBES = ("span_ctx", "tc_classify", "mmap_sandbox", "gpu_launch")
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    missing = [t for t in ("podman", "runc", "mmdebstrap") if shutil.which(t) is None]
+    if missing:
+        msg = f"{', '.join(missing)} not installed (scripts/setup.sh --image)"
+        if os.environ.get("SPANLET_REQUIRE_KERNEL") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    # Cached: nothing is rebuilt when the image of HEAD is in the store.
+    subprocess.run(["bash", str(ROOT / "scripts" / "image.sh")], check=True, timeout=1200)
+    return IMAGE
+
+
+@pytest.fixture
+def veth():
+    """A veth pair of this test in the host namespace (the pod's: hostNetwork)."""
+    name = f"slc{os.urandom(3).hex()}"
+    subprocess.run(["ip", "link", "add", name, "type", "veth", "peer", "name", name + "p"], check=True)
+    try:
+        for n in (name, name + "p"):
+            subprocess.run(["ip", "link", "set", n, "up"], check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "link", "del", name], check=False)
+
+
+def tc_filters(dev: str) -> str:
+    return "".join(subprocess.run(["tc", "filter", "show", "dev", dev, d], capture_output=True,
+                                  text=True).stdout for d in ("ingress", "egress"))
+
+
+def start(tmp_path: Path, image: str, veth: str, upstream: Upstream,
+          drop: tuple[str, ...] = ()) -> tuple[dsp.Container, dict]:
+    cfg_dir = tmp_path / "etc-spanlet"
+    cfg_dir.mkdir()
+    (cfg_dir / "config.yaml").write_text(dsp.configmap_text())
+    ports = {"http": free_port(), "grpc": free_port(), "otlp_http": free_port()}
+    env = {"SPANLET_HTTP_PORT": ports["http"], "SPANLET_OTLP_GRPC_PORT": ports["grpc"],
+           "SPANLET_OTLP_HTTP_PORT": ports["otlp_http"], "SPANLET_TC_INTERFACES": veth,
+           "SPANLET_OTLP_UPSTREAM_ENDPOINT": upstream.endpoint(),
+           "SPANLET_OTLP_UPSTREAM_PROTOCOL": "grpc", "SPANLET_OTLP_BATCH_INTERVAL_S": "0.1"}
+    name = f"spanlet-e2e-{os.getpid()}-{os.urandom(3).hex()}"
+    args = dsp.run_args(name, image, cfg_dir, {"/var/lib/spanlet": tmp_path / "data",
+                                               "/run/spanlet": tmp_path / "run"},
+                        node_ip="127.0.0.1", env={k: str(v) for k, v in env.items()}, drop=drop)
+    assert "/lib/modules" not in " ".join(args) and "/usr/src" not in " ".join(args)
+    return dsp.Container(name, args), ports
+
+
+def test_the_image_runs_as_the_daemonset_says(tmp_path, image, veth):
+    standin = cuda_standin.build(tmp_path / "cuda")
+    libcuda = standin.lib_dir / "libcuda.so.1"
+    up = Upstream()
+    up.rx.start()
+    c, ports = start(tmp_path, image, veth, up)
+    try:
+        log = c.wait_log("spanlet: running")
+        # the image's headers, the DaemonSet's capabilities and nothing missing
+        assert "kernel headers: compiling against the image's /opt/spanlet/kernel-headers" in log
+        assert "SYS_RESOURCE not needed: BPF memory is charged to the memory cgroup (checked)" in log
+        assert "missing:" not in log, log
+        want = sum(1 << privileges.CAP_NUMBERS[cap] for cap in dsp.capabilities())
+        status = Path(f"/proc/{c.pid}/status").read_text()
+        assert int(status.split("CapEff:")[1].split()[0], 16) == want
+        assert int(status.split("CapBnd:")[1].split()[0], 16) == want
+        for probe in PROBES:
+            assert f"probe {probe} attached" in log, log
+        assert f"tc_classify: attached to {veth}" in log
+        assert "spanlet" in tc_filters(veth)
+        progs, maps = bpf_ids(c.pid)
+        assert len(progs) >= 8
+        # hostPID: the agent's own pid (its pin folder's name) is its host pid
+        assert list(Path("/sys/fs/bpf/spanlet").glob(f"{c.pid}-*/span_ctx"))
+
+        # a serving process outside the container, the spanlet processor on its
+        # provider, exports to the agent; its spans get exactly their launches
+        endpoint = f"127.0.0.1:{ports['grpc']}"
+        with FactsChild(endpoint, libcuda) as child:
+            def traced() -> bool:
+                child.command("threads 1 1")
+                got = {k: [kernel_attrs(s).get("kernel.gpu.launches", 0) for s in up.by_ids.get(k, [])]
+                       for k in child.expected}
+                return any(v == [1] for v in got.values())
+            wait_for(traced, 60, "the containerised agent to trace the outside process")
+            for _ in range(ROUNDS):
+                child.expected.clear()
+                child.command("threads 3 4")           # 12 spans, 1..12 launches each
+                expected = dict(child.expected)
+                wait_for(lambda: all(k in up.by_ids for k in expected), 30, "the spans upstream")
+                with up.lock:
+                    got = {k: [kernel_attrs(s).get("kernel.gpu.launches", 0) for s in up.by_ids[k]]
+                           for k in expected}
+                assert got == {k: [n] for k, n in expected.items()}
+
+        # /metrics from outside (hostNetwork), inspect through podman exec
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports['http']}/metrics",
+                                         timeout=10).read().decode()
+        for probe in PROBES:
+            assert f'spanlet_probe_attached{{node="{c.name}",probe="{probe}"}} 1.0' in metrics
+        r = c.exec("spanlet", "inspect", "--json")
+        assert r.returncode == 0, r.stderr
+        summary = json.loads(r.stdout)
+        assert summary, r.stdout
+
+        assert c.stop() == 0, c.logs()
+        assert "stopped: all probes detached" in c.logs()
+    finally:
+        c.close()
+        up.rx.stop()
+    # nothing of the agent is left
+    assert not still_loaded(progs, "prog", grace_s=10)
+    assert not still_loaded(maps, "map", grace_s=10)
+    assert tc_filters(veth).strip() == ""
+    assert f"bcc_{c.pid}" not in Path("/sys/kernel/tracing/uprobe_events").read_text()
+    assert not list(Path("/sys/fs/bpf/spanlet").glob(f"{c.pid}-*"))
+    assert dsp.podman("ps", "-a", "-q", "--filter", f"name={c.name}").stdout.strip() == ""
