@@ -1,10 +1,13 @@
 """The capabilities the agent needs, checked at start-up: one line for each that
-is missing, saying what fails without it. CAP_SYS_ADMIN is among them because
-BCC (0.26) opens the maps one probe pins for the others by id
-(BPF_MAP_GET_FD_BY_ID), which the kernel allows only with CAP_SYS_ADMIN. CAP_SYS_RESOURCE is needed only where
-the kernel still charges BPF memory to RLIMIT_MEMLOCK (before 5.11): that is
-checked on the running kernel by creating a map under a zero limit, not assumed
-from the release."""
+is missing, saying what fails without it.
+
+CAP_SYS_ADMIN, not CAP_BPF and CAP_PERFMON: BCC (0.26) opens the maps that
+span_ctx pins for the other probes by their id (BPF_MAP_GET_FD_BY_ID), which the
+kernel allows only with CAP_SYS_ADMIN; and CAP_SYS_ADMIN allows all that CAP_BPF
+and CAP_PERFMON do, so those two would add nothing. CAP_SYS_RESOURCE is needed
+only where the kernel still charges BPF memory to RLIMIT_MEMLOCK (before 5.11):
+that is checked on the running kernel by creating a map under a zero limit, not
+assumed from the release."""
 
 from __future__ import annotations
 
@@ -17,16 +20,18 @@ CAP_NUMBERS = {"NET_ADMIN": 12, "SYS_PTRACE": 19, "SYS_ADMIN": 21, "SYS_RESOURCE
                "PERFMON": 38, "BPF": 39}
 
 WHAT_FAILS = {
-    "BPF": "bpf() is refused: no eBPF program or map can be loaded, so no probe attaches",
-    "PERFMON": "perf_event_open is refused: no uprobe or tracepoint attaches "
-               "(the gpu, span_ctx and sandbox probes fail)",
+    # With CAP_BPF and CAP_PERFMON held: programs load and attach, but the maps
+    # span_ctx pins for the other probes are opened by BCC by their id.
+    "SYS_ADMIN": "BPF_MAP_GET_FD_BY_ID is refused: the probes cannot open the span context maps "
+                 "that span_ctx pins (BCC opens a pinned map by its id), so gpu_launch and "
+                 "mmap_sandbox fail to load",
+    # Without CAP_BPF/CAP_PERFMON either.
+    "SYS_ADMIN-alone": "bpf() and perf_event_open are refused (no CAP_BPF or CAP_PERFMON either): "
+                       "no probe loads",
     "NET_ADMIN": "no clsact qdisc or TC filter can be added: the tc probe fails "
                  "(no network metrics, no wire bytes on spans)",
     "SYS_PTRACE": "/proc/<pid>/maps and /proc/<pid>/root of other users' processes are "
                   "unreadable: their GPU and span marker libraries are neither found nor attached",
-    "SYS_ADMIN": "BPF_MAP_GET_FD_BY_ID is refused: the probes cannot open the span context maps "
-                 "that span_ctx pins (BCC opens a pinned map by its id), so gpu_launch and "
-                 "mmap_sandbox fail to load",
     "SYS_RESOURCE": "this kernel charges BPF maps to RLIMIT_MEMLOCK and the limit cannot be "
                     "raised: maps larger than the limit are refused",
 }
@@ -81,39 +86,36 @@ class Privileges:
     needed: list[str]
     missing: list[str]
     memcg: bool | None
-    notes: list[str] = field(default_factory=list)
+    held: set[str] = field(default_factory=set)
 
     def missing_lines(self) -> list[str]:
-        return [f"capability CAP_{cap} missing: {WHAT_FAILS[cap]}" for cap in self.missing]
+        lines = []
+        for cap in self.missing:
+            why = WHAT_FAILS[cap]
+            if cap == "SYS_ADMIN" and not {"BPF", "PERFMON"} <= self.held:
+                why = WHAT_FAILS["SYS_ADMIN-alone"]
+            lines.append(f"capability CAP_{cap} missing: {why}")
+        return lines
 
     def summary(self) -> str:
-        held = [c for c in self.needed if c not in self.missing]
         text = "capabilities needed: " + " ".join(self.needed)
-        text += f"; held: {' '.join(held) or 'none'}"
+        text += f"; held: {' '.join(c for c in self.needed if c in self.held) or 'none'}"
         if self.memcg:
             text += "; SYS_RESOURCE not needed: BPF memory is charged to the memory cgroup (checked)"
         elif self.memcg is False:
             text += "; BPF memory is charged to RLIMIT_MEMLOCK on this kernel (checked)"
-        return "; ".join([text, *self.notes])
+        return text
 
 
 def check(tc_enabled: bool, caps: set[str] | None = None,
           memcg: bool | None | str = "probe") -> Privileges:
     """What the agent needs on this kernel and what of it this process lacks.
-    CAP_SYS_ADMIN stands in for BPF and PERFMON (kernels before 5.8 have neither)."""
+    CAP_SYS_ADMIN covers what CAP_BPF and CAP_PERFMON allow (bpf(),
+    perf_event_open) and BPF_MAP_GET_FD_BY_ID besides, which BCC needs to open
+    a pinned map: so it alone is needed for those, on any kernel from 4.x on."""
     caps = effective_capabilities() if caps is None else caps
     memcg = memcg_charged() if memcg == "probe" else memcg
-    needed = ["BPF", "PERFMON"] + (["NET_ADMIN"] if tc_enabled else []) + ["SYS_PTRACE",
-                                                                           "SYS_ADMIN"]
+    needed = ["SYS_ADMIN"] + (["NET_ADMIN"] if tc_enabled else []) + ["SYS_PTRACE"]
     if memcg is False:
         needed.append("SYS_RESOURCE")
-    notes = []
-    missing = []
-    for cap in needed:
-        if cap in caps:
-            continue
-        if cap in ("BPF", "PERFMON") and "SYS_ADMIN" in caps:
-            notes.append(f"CAP_{cap} through CAP_SYS_ADMIN")
-            continue
-        missing.append(cap)
-    return Privileges(needed, missing, memcg, notes)
+    return Privileges(needed, [c for c in needed if c not in caps], memcg, set(caps))

@@ -18,6 +18,8 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -69,6 +71,38 @@ def tc_filters(dev: str) -> str:
                                   text=True).stdout for d in ("ingress", "egress"))
 
 
+class OtherUser:
+    """A stand-in workload of another user (nobody), its own copy of the
+    libraries in a folder that user can read: the agent finds it only through
+    /proc/<pid>/maps of a process not its own (CAP_SYS_PTRACE)."""
+
+    def __init__(self, standin: cuda_standin.StandIn):
+        self.dir = Path(tempfile.mkdtemp(prefix="spanlet-other-user-"))
+        self.dir.chmod(0o755)
+        libs = standin.copy_libs(self.dir / "lib")
+        libs.chmod(0o755)
+        exe = self.dir / "workload"
+        shutil.copy2(standin.workload, exe)
+        self.libcuda = libs / "libcuda.so.1"
+        self.w = cuda_standin.Workload(exe, argv_prefix=["setpriv", "--reuid=65534", "--regid=65534",
+                                                          "--clear-groups"])
+        self.w.load(libs)
+
+    def attached_in(self, c: dsp.Container, timeout: float) -> bool:
+        line = "gpu_launch: attached cuLaunchKernel"
+        where = f"to {self.libcuda} (inode"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(line in l and where in l for l in c.logs().splitlines()):
+                return True
+            time.sleep(0.5)
+        return False
+
+    def close(self) -> None:
+        self.w.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def start(tmp_path: Path, image: str, veth: str, upstream: Upstream,
           drop: tuple[str, ...] = ()) -> tuple[dsp.Container, dict]:
     cfg_dir = tmp_path / "etc-spanlet"
@@ -112,6 +146,13 @@ def test_the_image_runs_as_the_daemonset_says(tmp_path, image, veth):
         # hostPID: the agent's own pid (its pin folder's name) is its host pid
         assert list(Path("/sys/fs/bpf/spanlet").glob(f"{c.pid}-*/span_ctx"))
 
+        # a process of another user: found through its /proc/<pid>/maps
+        other = OtherUser(standin)
+        try:
+            assert other.attached_in(c, 30), c.logs()
+        finally:
+            other.close()
+
         # a serving process outside the container, the spanlet processor on its
         # provider, exports to the agent; its spans get exactly their launches
         endpoint = f"127.0.0.1:{ports['grpc']}"
@@ -154,3 +195,38 @@ def test_the_image_runs_as_the_daemonset_says(tmp_path, image, veth):
     assert f"bcc_{c.pid}" not in Path("/sys/kernel/tracing/uprobe_events").read_text()
     assert not list(Path("/sys/fs/bpf/spanlet").glob(f"{c.pid}-*"))
     assert dsp.podman("ps", "-a", "-q", "--filter", f"name={c.name}").stdout.strip() == ""
+
+
+# What each capability of the DaemonSet is for, seen by running without it.
+WITHOUT = {
+    "SYS_ADMIN": {"not attached": PROBES},
+    "NET_ADMIN": {"not attached": ("tc_classify",)},
+    "SYS_PTRACE": {"not attached": ()},
+}
+
+
+@pytest.mark.parametrize("cap", dsp.capabilities())
+def test_without_each_capability_the_agent_says_what_fails(tmp_path, image, veth, standin, cap):
+    assert set(WITHOUT) == set(dsp.capabilities())   # a new capability needs its case here
+    up = Upstream()
+    up.rx.start()
+    c, _ = start(tmp_path, image, veth, up, drop=(cap,))
+    other = None
+    try:
+        log = c.wait_log("spanlet: running")
+        missing = [l for l in log.splitlines() if " missing: " in l]
+        assert len(missing) == 1 and f"capability CAP_{cap} missing: " in missing[0], log
+        for probe in PROBES:
+            attached = probe not in WITHOUT[cap]["not attached"]
+            assert (f"probe {probe} attached" in log) is attached, log
+            assert (f"probe {probe} NOT attached" in log) is not attached, log
+        if cap == "SYS_PTRACE":
+            # another user's process maps libcuda: its maps cannot be read
+            other = OtherUser(standin)
+            assert not other.attached_in(c, 6), c.logs()
+        assert c.stop() == 0, c.logs()
+    finally:
+        if other is not None:
+            other.close()
+        c.close()
+        up.rx.stop()

@@ -35,7 +35,7 @@ HOST_PATHS = ["/sys/fs/bpf", "/sys/kernel/tracing", "/sys/fs/cgroup"]
 OPTIONAL_HOST_PATHS = ["/lib/modules", "/usr/src"]
 # What privileges.check needs on a kernel that charges BPF memory to the memory
 # cgroup (>= 5.11) with tc enabled; SYS_RESOURCE only below that.
-CAPS = {"BPF", "PERFMON", "NET_ADMIN", "SYS_PTRACE", "SYS_ADMIN"}
+CAPS = {"SYS_ADMIN", "NET_ADMIN", "SYS_PTRACE"}
 
 
 def docs(name: str) -> list[dict]:
