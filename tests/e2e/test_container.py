@@ -103,6 +103,57 @@ class OtherUser:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def serving_image(image, tmp_path_factory) -> str:
+    """The serving pod's image (tests/support/serving_pod/Containerfile) on the
+    agent image's base: the client from the wheel of HEAD, the stand-in libcuda."""
+    ctx = tmp_path_factory.mktemp("serving-ctx")
+    stamp = dsp.podman("image", "inspect", "--format", '{{index .Labels "spanlet.stamp"}}',
+                       image).stdout.split()
+    base = stamp[1]
+    wheel = subprocess.run(["bash", "-c", f'here={ROOT}; py=python3; source {ROOT}/scripts/wheel_lib.sh; '
+                            f'w=$(build_wheel {ctx / "work"}); ensure_in_wheelhouse "$w"; '
+                            f'cp "$w" {ctx}/; echo "$wheelhouse"'],
+                           capture_output=True, text=True, check=True, timeout=600)
+    wheelhouse = wheel.stdout.split()[-1]
+    cuda_standin.build(ctx / "cuda")
+    shutil.copytree(ctx / "cuda" / "lib", ctx / "lib")
+    shutil.copy2(ROOT / "tests" / "support" / "span_facts_child.py", ctx / "span_facts_child.py")
+    shutil.rmtree(ctx / "work")
+    shutil.rmtree(ctx / "cuda")
+    tag = "localhost/spanlet-serving-test:latest"
+    dsp.podman("build", "-q", "--layers", *dsp._limits(), "-f",
+               str(ROOT / "tests" / "support" / "serving_pod" / "Containerfile"),
+               "--build-arg", f"BASE={base}", "--volume", f"{wheelhouse}:/wheelhouse:ro",
+               "-t", tag, str(ctx), timeout=600)
+    return tag
+
+
+def launches(up: Upstream, keys) -> dict:
+    """(trace, span) -> the kernel.gpu.launches of each span received with those ids."""
+    with up.lock:
+        return {k: [kernel_attrs(s).get("kernel.gpu.launches", 0) for s in up.by_ids.get(k, [])]
+                for k in keys}
+
+
+def traced(child: FactsChild, up: Upstream) -> bool:
+    """One more one-launch span; whether any of them so far arrived with its launch
+    (the agent attaches to the child's marker and libcuda as it finds them)."""
+    child.command("threads 1 1")
+    return any(v == [1] for v in launches(up, child.expected).values())
+
+
+def assert_exact_rounds(child: FactsChild, up: Upstream) -> None:
+    """ROUNDS of 12 spans over 3 threads (1..12 launches each): every span
+    arrives once with exactly its launches."""
+    for _ in range(ROUNDS):
+        child.expected.clear()
+        child.command("threads 3 4")
+        expected = dict(child.expected)
+        wait_for(lambda: all(k in up.by_ids for k in expected), 30, "the spans upstream")
+        assert launches(up, expected) == {k: [n] for k, n in expected.items()}
+
+
 def start(tmp_path: Path, image: str, veth: str, upstream: Upstream,
           drop: tuple[str, ...] = ()) -> tuple[dsp.Container, dict]:
     cfg_dir = tmp_path / "etc-spanlet"
@@ -157,21 +208,8 @@ def test_the_image_runs_as_the_daemonset_says(tmp_path, image, veth):
         # provider, exports to the agent; its spans get exactly their launches
         endpoint = f"127.0.0.1:{ports['grpc']}"
         with FactsChild(endpoint, libcuda) as child:
-            def traced() -> bool:
-                child.command("threads 1 1")
-                got = {k: [kernel_attrs(s).get("kernel.gpu.launches", 0) for s in up.by_ids.get(k, [])]
-                       for k in child.expected}
-                return any(v == [1] for v in got.values())
-            wait_for(traced, 60, "the containerised agent to trace the outside process")
-            for _ in range(ROUNDS):
-                child.expected.clear()
-                child.command("threads 3 4")           # 12 spans, 1..12 launches each
-                expected = dict(child.expected)
-                wait_for(lambda: all(k in up.by_ids for k in expected), 30, "the spans upstream")
-                with up.lock:
-                    got = {k: [kernel_attrs(s).get("kernel.gpu.launches", 0) for s in up.by_ids[k]]
-                           for k in expected}
-                assert got == {k: [n] for k, n in expected.items()}
+            wait_for(lambda: traced(child, up), 60, "the containerised agent to trace the outside process")
+            assert_exact_rounds(child, up)
 
         # /metrics from outside (hostNetwork), inspect through podman exec
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports['http']}/metrics",
@@ -228,5 +266,41 @@ def test_without_each_capability_the_agent_says_what_fails(tmp_path, image, veth
     finally:
         if other is not None:
             other.close()
+        c.close()
+        up.rx.stop()
+
+
+def test_a_serving_pods_spans_get_their_facts_from_the_containerised_agent(
+        tmp_path, image, serving_image, veth):
+    """The serving process in a container of its own (own mount and pid
+    namespaces, no capabilities, read-only root), the client from the wheel:
+    the agent finds its marker and libcuda only through /proc/<pid>/root."""
+    up = Upstream()
+    up.rx.start()
+    c, ports = start(tmp_path, image, veth, up)
+    name = f"spanlet-serving-{os.getpid()}-{os.urandom(3).hex()}"
+    # hostNetwork only to reach the agent's receiver on loopback, as a pod
+    # reaches status.hostIP; mounts and pids are its own
+    pod = ["podman", "--runtime", "runc", "--cgroup-manager=cgroupfs", "run", "--rm", "-i",
+           "--name", name, *dsp._limits(), "--network", "host", "--cap-drop", "ALL",
+           "--read-only", "--security-opt", "no-new-privileges", "--user", "65534:65534",
+           serving_image]
+    try:
+        c.wait_log("spanlet: running")
+        with FactsChild(f"127.0.0.1:{ports['grpc']}", "/opt/app/lib/libcuda.so.1",
+                        command=pod) as child:
+            try:
+                wait_for(lambda: traced(child, up), 60, "the agent to trace the serving container")
+            except AssertionError:
+                raise AssertionError("the agent did not trace the serving container; its log:\n"
+                                     + "\n".join(l for l in c.logs().splitlines()
+                                                  if "/opt/app" in l or "ERROR" in l)) from None
+            assert_exact_rounds(child, up)
+        log = c.logs()
+        assert "span_ctx: attached spanlet_mark@/opt/app/venv/" in log, log
+        assert "gpu_launch: attached cuLaunchKernel" in log and "/opt/app/lib/libcuda.so.1" in log
+        assert c.stop() == 0, c.logs()
+    finally:
+        dsp.podman("rm", "-f", "-t", "2", name, check=False)
         c.close()
         up.rx.stop()
