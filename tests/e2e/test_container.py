@@ -125,7 +125,9 @@ def serving_image(image, tmp_path_factory) -> str:
     dsp.podman("build", "-q", "--layers", *dsp._limits(), "-f",
                str(ROOT / "tests" / "support" / "serving_pod" / "Containerfile"),
                "--build-arg", f"BASE={base}", "--volume", f"{wheelhouse}:/wheelhouse:ro",
-               "-t", tag, str(ctx), timeout=600)
+               "--label", "spanlet.test=serving-pod", "-t", tag, str(ctx), timeout=600)
+    # the serving images of earlier commits, now untagged
+    dsp.podman("image", "prune", "-f", "--filter", "label=spanlet.test=serving-pod", check=False)
     return tag
 
 
