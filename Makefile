@@ -3,10 +3,19 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup run test wheel-check unit bench soak dump-bpf native clean demo demo-agent
+.PHONY: setup setup-image image run test wheel-check unit bench soak dump-bpf native clean demo demo-agent
 
 setup:
 	bash scripts/setup.sh
+
+# The agent's container image, localhost/spanlet:<version> and :latest, in the
+# local podman store (scripts/image.sh; podman, runc and mmdebstrap from
+# scripts/setup.sh --image). Nothing is pulled from a container registry.
+image: setup-image
+	bash scripts/image.sh
+
+setup-image:
+	bash scripts/setup.sh --image
 
 # Sets everything up, then runs the agent with its defaults (root needed).
 run: setup

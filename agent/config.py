@@ -231,6 +231,15 @@ class OtlpConfig(_Section):
     max_retry_s: float = Field(default=60.0, ge=0, le=3600)
 
 
+class SpanContextConfig(_Section):
+    # Also keep every instrumented thread's current span in the OpenTelemetry
+    # shared context map (LRU hash, key u64 pid_tgid, value trace id[16] and
+    # span id[8] in W3C byte order), pinned at otel_map_path: created when no
+    # other tool pinned it (and removed at stop), else shared (and left).
+    otel_map: bool = False
+    otel_map_path: str = "/sys/fs/bpf/otel/traces_ctx_v1"
+
+
 class JoinConfig(_Section):
     # Sampled kernel events (span events) wait here for their span; bounded
     # in count and age. Counts never wait here: they are in span_facts.
@@ -469,6 +478,10 @@ class Config(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Folder of kernel headers for BCC; empty: /lib/modules/$(uname -r)/build.
     kernel_headers: str = ""
+    # A complete header tree to fall back on when kernel_headers is empty and the
+    # host's are not mounted or incomplete; the image sets it to the headers it
+    # carries (SPANLET_IMAGE_KERNEL_HEADERS=/opt/spanlet/kernel-headers).
+    image_kernel_headers: str = ""
     ringbuf_pages: int = Field(default=256, ge=1, le=65536)
     # The one HTTP port for people and scrapers: /metrics, /healthz, /readyz.
     http_address: str = "0.0.0.0"
@@ -484,6 +497,7 @@ class Config(_Section):
     discovery: DiscoveryConfig = DiscoveryConfig()
     otlp: OtlpConfig = OtlpConfig()
     join: JoinConfig = JoinConfig()
+    span_context: SpanContextConfig = SpanContextConfig()
     nvml: NvmlConfig = NvmlConfig()
     serving: ServingConfig = ServingConfig()
     store: StoreConfig = StoreConfig()

@@ -12,7 +12,7 @@ import time
 from typing import Callable
 
 from spanlet import events, modality
-from spanlet.probes import node_check
+from spanlet.probes import node_check, privileges
 from spanlet.admin import AdminServer
 from spanlet.config import Config, SchedulerThresholds, ServingSettings
 from spanlet.metrics.engine import MetricEngine
@@ -146,9 +146,13 @@ class Daemon:
         """Root, mounts and headers; raises node_check.EnvironmentProblem."""
         node_check.require_root()
         node_check.require_mounts()
-        headers = node_check.find_headers(self.cfg.kernel_headers)
+        headers = node_check.find_headers(self.cfg.kernel_headers, self.cfg.image_kernel_headers)
         node_check.apply_headers(headers)
-        log.info("kernel headers: %s", headers.resolved)
+        log.info("kernel headers: compiling against the %s", headers.describe())
+        privs = privileges.check(tc_enabled=self.cfg.tc.enabled)
+        log.info("%s", privs.summary())
+        for line in privs.missing_lines():
+            log.error("%s", line)
         return headers
 
     def start(self) -> list[ProbeStatus]:

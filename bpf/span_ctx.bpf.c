@@ -9,6 +9,18 @@
 
 BPF_PERCPU_ARRAY(spanlet_span_marks_total, __u64, 1);
 
+#ifdef SPANLET_OTEL_MAP
+/* The OpenTelemetry shared context map (span_context.otel_map): the OTel eBPF
+ * profiler and OBI read a thread's current span here. Key: pid_tgid; ids in
+ * W3C byte order. Pinned at SPANLET_OTEL_MAP (created, or opened when another
+ * tool pinned it first). */
+struct otel_ctx_val {
+    __u8 trace_id[16];
+    __u8 span_id[8];
+};
+BPF_TABLE_PINNED("lru_hash", __u64, struct otel_ctx_val, traces_ctx_v1, 16384, SPANLET_OTEL_MAP);
+#endif
+
 /* void spanlet_mark(u64 trace_hi, u64 trace_lo, u64 span_id, u32 modality)
  * (native/spanlet_marker.c). span_id 0: the thread left its last span. */
 int span_ctx_mark(struct pt_regs *ctx)
@@ -19,8 +31,14 @@ int span_ctx_mark(struct pt_regs *ctx)
     __u64 *marks = spanlet_span_marks_total.lookup(&zero);
     if (marks)
         *marks += 1;
+#ifdef SPANLET_OTEL_MAP
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+#endif
     if (span_id == 0) {
         span_ctx.delete(&tid);
+#ifdef SPANLET_OTEL_MAP
+        traces_ctx_v1.delete(&pid_tgid);
+#endif
         return 0;
     }
     struct span_ctx_val v = {};
@@ -33,6 +51,13 @@ int span_ctx_mark(struct pt_regs *ctx)
     __u32 modality = (__u32)PT_REGS_PARM4(ctx);
     v.modality = modality < SPANLET_N_MODALITIES ? modality : SPANLET_MOD_OTHER;
     span_ctx.update(&tid, &v);
+#ifdef SPANLET_OTEL_MAP
+    struct otel_ctx_val o = {};
+    __builtin_memcpy(o.trace_id, v.trace_id, 16);
+    __u64 sid = __builtin_bswap64(span_id);
+    __builtin_memcpy(o.span_id, &sid, 8);
+    traces_ctx_v1.update(&pid_tgid, &o);
+#endif
     return 0;
 }
 
@@ -40,7 +65,11 @@ int span_ctx_mark(struct pt_regs *ctx)
  * thread that gets its id. */
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
-    __u32 tid = (__u32)bpf_get_current_pid_tgid();
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tid = (__u32)pid_tgid;
     span_ctx.delete(&tid);
+#ifdef SPANLET_OTEL_MAP
+    traces_ctx_v1.delete(&pid_tgid);
+#endif
     return 0;
 }

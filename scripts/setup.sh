@@ -2,7 +2,16 @@
 # Prepares a Debian machine to build, run and test spanlet: Debian packages,
 # kernel headers for BCC, tracefs/bpffs mounts, and a Python virtual
 # environment in .venv. Safe to run any number of times.
+# --image: also what `make image` needs (podman, runc, mmdebstrap).
 set -euo pipefail
+
+image=0
+for arg in "$@"; do
+  case $arg in
+    --image) image=1 ;;
+    *) echo "setup: unknown option $arg (known: --image)" >&2; exit 2 ;;
+  esac
+done
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 venv="${SPANLET_VENV:-$here/.venv}"
@@ -17,6 +26,8 @@ fi
 # python3-dev: Python.h, for the span marker extension that the install builds.
 debs=(python3-bpfcc bpftool linux-headers-cloud-amd64 iproute2 gcc make libc6-dev
       prometheus python3-venv python3-dev)
+# The image build (scripts/image.sh): podman with runc, and mmdebstrap for the base.
+[ "$image" = 1 ] && debs+=(podman runc mmdebstrap)
 missing=()
 for p in "${debs[@]}"; do have_pkg "$p" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

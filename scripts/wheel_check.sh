@@ -5,30 +5,10 @@ set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 py="${SPANLET_PYTHON:-python3}"
-# The wheels of the build and install dependencies, kept between runs: pip takes
-# them from here with no index at all, and only when one is missing does it
-# download what is asked into it (from the index; pip's own HTTP cache is not
-# written on every machine, so it cannot be relied on for this).
-wheelhouse="${SPANLET_WHEELHOUSE:-${XDG_CACHE_HOME:-$HOME/.cache}/spanlet/wheelhouse}"
-pipq=(-qq --disable-pip-version-check)
+source "$here/scripts/wheel_lib.sh"
 started=$SECONDS
 step() { printf '==> wheel check (%ds): %s\n' $((SECONDS - started)) "$*"; }
 
-# One pip serves every venv (`pip --python`): setup.sh's venv's (a recent pip;
-# Debian's python3 may have none), else the interpreter's. The venvs are made
-# without pip of their own, which saves most of the time of making one.
-runner="${SPANLET_VENV:-$here/.venv}/bin/python"
-[ -x "$runner" ] || runner=$py
-pip() { "$runner" -m pip "$@"; }
-# offline PIP-ARGS...: pip with the wheelhouse as its only source.
-offline() { pip "$@" "${pipq[@]}" --no-index --find-links "$wheelhouse"; }
-# fill SPEC...: the SPECs and their dependencies downloaded into the wheelhouse.
-fill() {
-  echo "   (downloading $(basename "$*") and its dependencies into $wheelhouse)"
-  mkdir -p "$wheelhouse"
-  pip download "${pipq[@]}" -d "$wheelhouse" "$@"
-  rm -f "$wheelhouse"/spanlet-*.whl
-}
 # install VENV SPEC: SPEC installed into VENV from the wheelhouse, filled first if
 # need be; no bytecode compiled (it would double the files to write and remove).
 install() {
@@ -38,24 +18,10 @@ install() {
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/spanlet-wheel-check.XXXXXX")
 trap 'step "removing $work"; rm -rf "$work"' EXIT
-mkdir -p "$work/src" "$work/dist" "$work/run"
+mkdir -p "$work/run"
 
-step "clean copy of HEAD ($(git -C "$here" rev-parse --short HEAD)) by git archive"
-if [ -n "$(git -C "$here" status --porcelain --untracked-files=no)" ]; then
-  echo "   (the checkout has uncommitted changes: they are not in this wheel)"
-fi
-git -C "$here" archive --format=tar HEAD | tar -x -C "$work/src"
-
-step "building the wheel (pip wheel --no-deps, build dependencies isolated)"
-build() { offline wheel --no-deps -w "$work/dist" "$work/src" > "$work/build.log" 2>&1; }
-if ! build; then
-  mapfile -t requires < <("$py" -c 'import sys, tomllib; print(*tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"], sep="\n")' "$work/src/pyproject.toml")
-  fill "${requires[@]}"
-  build || { cat "$work/build.log"; echo "wheel check: the wheel did not build" >&2; exit 1; }
-fi
-wheels=("$work"/dist/spanlet-*.whl)
-[ ${#wheels[@]} = 1 ] && [ -f "${wheels[0]}" ] || { echo "wheel check: not one spanlet wheel: ${wheels[*]}" >&2; exit 1; }
-wheel=${wheels[0]}
+step "the wheel of a clean copy of HEAD ($(git -C "$here" rev-parse --short HEAD), git archive; pip wheel --no-deps)"
+wheel=$(build_wheel "$work") || { echo "wheel check: no wheel" >&2; exit 1; }
 echo "   $(basename "$wheel")"
 
 step "client: fresh venv, pip install spanlet (no extra)"

@@ -6,9 +6,11 @@ marker (the libspanlet_marker extension) that discovery finds (containers includ
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 from spanlet import events
@@ -23,6 +25,20 @@ MARKER_LIBRARY = "libspanlet_marker"
 MARKER_SYMBOL = "spanlet_mark"
 SPAN_CTX_PIN_ROOT = Path("/sys/fs/bpf/spanlet")
 _instances = itertools.count()
+# The OpenTelemetry shared context map's layout (DESIGN.md): what a map pinned
+# by another tool must be for spanlet to write into it.
+OTEL_MAP_LAYOUT = {"type": "lru_hash", "bytes_key": 8, "bytes_value": 24}
+
+
+def pinned_map_layout(path: str) -> dict | None:
+    """Type and key/value sizes of the map pinned at `path` (bpftool), None if unreadable."""
+    try:
+        out = subprocess.run(["bpftool", "-j", "map", "show", "pinned", path],
+                             capture_output=True, text=True, timeout=10)
+        info = json.loads(out.stdout) if out.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+    return {k: info.get(k) for k in OTEL_MAP_LAYOUT} if info else None
 
 
 def remove_stale_pins(root=SPAN_CTX_PIN_ROOT) -> list[str]:
@@ -51,6 +67,10 @@ class SpanCtxProbe(Probe):
         self.libraries: list[MappedLibrary] = []
         self.pin_dir = SPAN_CTX_PIN_ROOT / f"{os.getpid()}-{next(_instances)}"
         self.facts: SpanFacts | None = None   # the span facts reader, while compiled
+        # span_context.otel_map: the pin path while used, and what of it this
+        # agent created (and so removes at stop): the pin, its folder
+        self.otel_map: str | None = None
+        self._otel_created: list[Path] = []
 
     def shared_pin_dir(self) -> str | None:
         """The folder the span context and span facts maps are pinned in while
@@ -59,13 +79,53 @@ class SpanCtxProbe(Probe):
 
     def compile_flags(self, pin_dir: str | None = None) -> list[str]:
         # This probe creates the maps (and pins them in self.pin_dir) for the others.
-        return super().compile_flags(str(self.pin_dir))
+        flags = super().compile_flags(str(self.pin_dir))
+        if self.otel_map:
+            flags.append(f'-DSPANLET_OTEL_MAP="{self.otel_map}"')
+        return flags
+
+    def _prepare_otel_map(self) -> None:
+        """Decide whether to write the OTel shared map: create it where nobody
+        pinned one, share one of the standard layout, leave any other alone."""
+        self.otel_map, self._otel_created = None, []
+        if not self.cfg.span_context.otel_map:
+            return
+        path = Path(self.cfg.span_context.otel_map_path)
+        if path.exists():
+            layout = pinned_map_layout(str(path))
+            if layout != OTEL_MAP_LAYOUT:
+                log.error("span_ctx: %s is pinned by another tool with layout %s, not %s: "
+                          "the OTel shared context map is not written", path, layout,
+                          OTEL_MAP_LAYOUT)
+                return
+            log.info("span_ctx: sharing the OTel context map another tool pinned at %s", path)
+        else:
+            if not path.parent.exists():
+                path.parent.mkdir(parents=True)
+                self._otel_created.append(path.parent)
+            self._otel_created.insert(0, path)
+            log.info("span_ctx: creating the OTel shared context map at %s", path)
+        self.otel_map = str(path)
+
+    def _remove_otel_map(self) -> None:
+        """What this agent created of the OTel map: the pin, then its folder if empty."""
+        for p in self._otel_created:
+            try:
+                p.rmdir() if p.is_dir() else p.unlink()
+            except OSError:
+                pass
+        self._otel_created = []
 
     def compile(self, pin_dir: str | None = None) -> None:
         for path in remove_stale_pins():
             log.info("span_ctx: removed the pins of a dead agent: %s", path)
         self.pin_dir.mkdir(parents=True, exist_ok=True)
-        super().compile()
+        self._prepare_otel_map()
+        try:
+            super().compile()
+        except Exception:
+            self._remove_otel_map()
+            raise
         created = self.bpf["span_facts_created"]
         self.facts = SpanFacts(self.bpf["span_facts"], lambda: percpu_sum(created, 0), self.clock)
 
@@ -77,6 +137,7 @@ class SpanCtxProbe(Probe):
             self.pin_dir.parent.rmdir()  # only when no other agent uses it
         except OSError:
             pass
+        self._remove_otel_map()
 
     def ringbuf_pages(self) -> int:
         return 1  # no records of its own

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import cuda_standin
+from bpf_leftovers import bpf_ids, bpftool_ids, still_loaded
 from netns import Namespace, linked
 
 pytestmark = pytest.mark.kernel
@@ -84,18 +85,7 @@ class Agent:
     def bpf_ids(self) -> tuple[set[int], set[int]]:
         """Ids of the BPF programs and maps the agent's process holds open."""
         # nsenter execs the command: the agent is that very process.
-        progs, maps = set(), set()
-        for f in Path(f"/proc/{self.proc.pid}/fdinfo").iterdir():
-            try:
-                text = f.read_text()
-            except OSError:
-                continue
-            for line in text.splitlines():
-                if line.startswith("prog_id:"):
-                    progs.add(int(line.split()[1]))
-                elif line.startswith("map_id:"):
-                    maps.add(int(line.split()[1]))
-        return progs, maps
+        return bpf_ids(self.proc.pid)
 
     def stop(self, sig: int) -> float:
         t0 = time.monotonic()
@@ -126,23 +116,6 @@ def pool_prefix():
         for f in prefix.iterdir():
             f.unlink()
         prefix.rmdir()
-
-
-def bpftool_ids(kind: str) -> set[int]:
-    out = subprocess.run(["bpftool", "-j", kind, "show"], capture_output=True, text=True,
-                         check=True).stdout
-    return {p["id"] for p in json.loads(out or "[]")}
-
-
-def still_loaded(ids: set[int], kind: str, grace_s: float = 5.0) -> set[int]:
-    """Which of `ids` are still loaded once the kernel has had `grace_s` to
-    free them (it frees programs and maps from deferred work, late under load)."""
-    deadline = time.monotonic() + grace_s
-    left = ids & bpftool_ids(kind)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left &= bpftool_ids(kind)
-    return left
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

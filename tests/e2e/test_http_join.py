@@ -16,7 +16,7 @@ import pytest
 
 from spanlet import config
 from spanlet.daemon import Daemon
-from netns import Capture, linked, socket_in
+from netns import Capture, http_request_bytes, linked, socket_in
 from otlp_upstream import Upstream, kernel_attrs, wait_for
 
 pytestmark = pytest.mark.kernel
@@ -79,14 +79,8 @@ def test_server_span_carries_its_requests_bytes(nets):
         served.append(child.stdout.readline().split()[1])
         time.sleep(0.3)  # let the last frames reach the capture and the reader
         cap.drain()
-        flow = [f for f in cap.frames if PORT in (f.sport, f.dport) and f.payload_len > 0]
-        starts = [i for i, f in enumerate(flow) if f.payload.startswith(b"POST ")]
-        assert len(starts) == 2
-        expected = []
-        for lo, hi in ((starts[0], starts[1]), (starts[1], len(flow))):
-            part = flow[lo:hi]
-            expected.append((sum(f.length for f in part if f.dport == PORT),
-                             sum(f.length for f in part if f.sport == PORT)))
+        expected = http_request_bytes(cap.frames, PORT)
+        assert len(expected) == 2
         # the first request is finished (a second one started), the second still open
         wait_for(lambda: agent.spans.join._http_done, 5, "the first request's bytes")
         child.stdin.write("flush\n")

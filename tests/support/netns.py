@@ -13,7 +13,8 @@ import subprocess
 
 from spanlet.demo.net import inside, run, socket_in
 
-__all__ = ["inside", "run", "socket_in", "Namespace", "veth_pair", "linked", "Capture"]
+__all__ = ["inside", "run", "socket_in", "Namespace", "veth_pair", "linked", "Capture",
+           "http_request_bytes"]
 
 
 class Namespace:
@@ -188,3 +189,17 @@ def linked(prefix: str, a_if: str, a_ip: str, b_if: str, b_ip: str):
         a.close()
         if b is not None:
             b.close()
+
+
+def http_request_bytes(frames: list, port: int) -> list[tuple[int, int]]:
+    """Per HTTP/1.1 request to `port` on one connection, from its first frame to
+    the next request's: (bytes of frames towards the port, bytes from it), whole
+    frames as TC counts them; frames without payload left out."""
+    flow = [f for f in frames if port in (f.sport, f.dport) and f.payload_len > 0]
+    starts = [i for i, f in enumerate(flow) if f.payload.startswith(b"POST ")]
+    out = []
+    for lo, hi in zip(starts, starts[1:] + [len(flow)]):
+        part = flow[lo:hi]
+        out.append((sum(f.length for f in part if f.dport == port),
+                    sum(f.length for f in part if f.sport == port)))
+    return out

@@ -4,7 +4,7 @@ prometheus-operator CRDs by their required fields), the kustomization lists
 them all, the ConfigMap's config.yaml passes the agent's own validator, the
 DaemonSet agrees with that config (ports, mounts, probes, environment) and
 holds no privileged container, every capability says why, the PrometheusRule
-is exactly daemonset/prometheus-rules.yaml, and the Dockerfile installs what
+is exactly daemonset/prometheus-rules.yaml, and the Containerfile installs what
 scripts/setup.sh installs.
 
 The PrometheusRule is generated from the rules file by scripts/prometheusrule.py."""
@@ -29,8 +29,13 @@ MANIFESTS = ["namespace.yaml", "rbac.yaml", "configmap.yaml", "daemonset.yaml", 
              "servicemonitor.yaml", "prometheusrule.yaml"]
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 # Paths the agent needs from the host (README, daemonset/README.md).
-HOST_PATHS = ["/sys/fs/bpf", "/sys/kernel/tracing", "/lib/modules", "/usr/src", "/sys/fs/cgroup"]
-CAPS = {"BPF", "PERFMON", "NET_ADMIN", "SYS_RESOURCE", "SYS_PTRACE"}
+# The kernel headers (/lib/modules, /usr/src) are an option, commented out: the
+# image carries its own.
+HOST_PATHS = ["/sys/fs/bpf", "/sys/kernel/tracing", "/sys/fs/cgroup"]
+OPTIONAL_HOST_PATHS = ["/lib/modules", "/usr/src"]
+# What privileges.check needs on a kernel that charges BPF memory to the memory
+# cgroup (>= 5.11) with tc enabled; SYS_RESOURCE only below that.
+CAPS = {"SYS_ADMIN", "NET_ADMIN", "SYS_PTRACE"}
 
 
 def docs(name: str) -> list[dict]:
@@ -286,8 +291,10 @@ def test_volume_mounts_cover_what_the_agent_needs(container, cfg):
     for path in HOST_PATHS + [cfg.data_dir, str(PurePosixPath(cfg.admin_socket).parent)]:
         m = mounts[path]
         assert vols[m["name"]]["hostPath"]["path"] == path
-    for path in ["/lib/modules", "/usr/src", "/sys/fs/cgroup"]:
+    for path in ["/sys/fs/cgroup"]:
         assert mounts[path].get("readOnly") is True, path
+    for path in OPTIONAL_HOST_PATHS:
+        assert not _mount_covers(list(mounts), path), path
     for path in ["/sys/fs/bpf", cfg.data_dir]:          # pins the map; writes the store
         assert not mounts[path].get("readOnly", False), path
     # readOnlyRootFilesystem: scratch space in an emptyDir /tmp.
@@ -305,7 +312,25 @@ def test_no_container_is_privileged_and_capabilities_are_named(daemonset, contai
     caps = container["securityContext"]["capabilities"]
     assert caps["drop"] == ["ALL"]
     assert set(caps["add"]) == CAPS
-    assert "SYS_ADMIN" not in caps["add"]
+    assert "SYS_RESOURCE" not in caps["add"]
+
+
+def test_capabilities_are_what_the_agents_check_needs(container, cfg):
+    """The set the agent's start-up check asks for on a memcg-charging kernel
+    with the ConfigMap's settings is exactly the DaemonSet's."""
+    from spanlet.probes import privileges
+    add = set(container["securityContext"]["capabilities"]["add"])
+    assert set(privileges.check(cfg.tc.enabled, caps=add, memcg=True).needed) == add
+    assert privileges.check(cfg.tc.enabled, caps=add, memcg=True).missing == []
+    # Older kernels (RLIMIT_MEMLOCK charged): SYS_RESOURCE is named as missing.
+    assert privileges.check(cfg.tc.enabled, caps=add, memcg=False).missing == ["SYS_RESOURCE"]
+
+
+def test_optional_header_mounts_are_documented_in_comments():
+    text = (DS / "daemonset.yaml").read_text()
+    for path in OPTIONAL_HOST_PATHS:
+        assert re.search(rf"^\s+#\s+mountPath: {path}$", text, re.M), path
+        assert re.search(rf"^\s+#\s+path: {path}$", text, re.M), path
     assert "privileged: true" not in (DS / "daemonset.yaml").read_text()
 
 
@@ -366,7 +391,7 @@ def test_rbac_reads_pods_only():
                                     "namespace": sa["metadata"]["namespace"]}]
 
 
-# -- Dockerfile ---------------------------------------------------------------------------
+# -- Containerfile -------------------------------------------------------------------------
 
 def _apt_packages(text: str) -> set[str]:
     joined = text.replace("\\\n", " ")
@@ -376,13 +401,18 @@ def _apt_packages(text: str) -> set[str]:
     return pkgs
 
 
-def test_dockerfile_installs_what_setup_installs():
-    text = (DS / "Dockerfile").read_text()
-    assert re.search(r"^FROM debian:bookworm", text, re.M)
-    pkgs = _apt_packages(text)
-    assert {"python3-bpfcc", "bpftool", "iproute2", "python3-venv"} <= pkgs
-    # Kernel headers come from the host mounts, not the image.
-    assert not any(p.startswith("linux-headers") for p in pkgs)
+def test_containerfile_builds_on_the_debian_base_with_its_headers_and_the_wheel():
+    text = (DS / "Containerfile").read_text()
+    image = (ROOT / "scripts" / "image.sh").read_text()
+    # No registry: the base is an mmdebstrap root file system, named by image.sh.
+    assert re.search(r"^ARG BASE$", text, re.M) and re.search(r"^FROM \$\{BASE\}$", text, re.M)
+    assert not re.search(r"^FROM (?!\$\{BASE\})", text, re.M)
+    assert "mmdebstrap" in image and "podman import" in image
+    m = re.search(r"^packages=\(([^)]*)\)", image, re.M)
+    assert {"python3-bpfcc", "bpftool", "iproute2", "python3-venv", "python3"} <= set(m.group(1).split())
+    # The headers: a merged tree in the image, named to the agent by environment.
+    assert "COPY kernel-headers /opt/spanlet/kernel-headers" in text
+    assert "SPANLET_IMAGE_KERNEL_HEADERS=/opt/spanlet/kernel-headers" in text
     # The venv as scripts/setup.sh makes it: BCC's module through a folder
     # holding only its link, named in a .pth file.
     setup = (ROOT / "scripts" / "setup.sh").read_text()
@@ -391,12 +421,13 @@ def test_dockerfile_installs_what_setup_installs():
     assert "ln -sfn /usr/lib/python3/dist-packages/bcc" in setup
     assert re.search(r"ln -sfn /usr/lib/python3/dist-packages/bcc \S+/bcc-site/bcc", text)
     assert re.search(r"spanlet-bcc\.pth", text)
-    # The span marker is compiled in the image, by the package build: a wheel of
-    # the source installed with the agent extra, not an editable tree or a copy.
-    assert re.search(r"pip wheel [^\n]*--no-deps [^\n]*/src", text)
-    assert re.search(r"pip install [^\n]*spanlet-\*\.whl\)\[agent\]", text)
+    # The wheel of HEAD (image.sh builds it as wheel_check.sh does) with the
+    # agent extra, from the wheelhouse alone; not an editable tree or a copy.
+    assert "build_wheel" in image
+    assert re.search(r"pip install [^\n]*--no-index --find-links /wheelhouse", text)
+    assert re.search(r"spanlet-\*\.whl\)\[agent\]", text)
     assert not re.search(r"pip install [^\n]*(-e|--editable) ", text)
-    assert "python3-dev" in pkgs  # Python.h, for the marker extension
     # The agent's entry point is on PATH (the DaemonSet runs `spanlet run`).
     assert re.search(r"^ENV PATH=\S*/bin:", text, re.M)
-
+    # podman only through runc and cgroupfs (scripts/podman.sh).
+    assert "spanlet_podman build" in image
