@@ -105,7 +105,8 @@ def main() -> int:
     ap.add_argument("--spans", type=float, default=1000, help="spans per second")
     ap.add_argument("--launches", type=int, default=50, help="GPU launches inside each span")
     a = agent_bench_args(ap, "the bench")
-    shutdown_timeout_s = config.load(env={}, overrides=a.agent_set).shutdown_timeout_s
+    cfg = config.load(env={}, overrides=a.agent_set)
+    shutdown_timeout_s = cfg.shutdown_timeout_s
     upstream = Upstream()
     upstream.rx.start()
     grpc_port, http_port = free_port(), free_port()
@@ -117,7 +118,8 @@ def main() -> int:
         try:
             with FactsChild(f"127.0.0.1:{grpc_port}", libs / (SOAK_DRIVER + ".1")) as child:
                 wait_traced(child, http_port)
-                time.sleep(1)
+                # the warm-up's spans reach the store at its next insert: idle starts after it
+                time.sleep(1 + cfg.store.batch_interval_s)
                 idle = measure(agent.pid, a.seconds)
                 load = threading.Thread(target=child.command,
                                         args=(f"paced {a.spans} {a.launches} {a.seconds + 1}",))
