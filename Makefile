@@ -33,7 +33,8 @@ demo: setup
 # Sets everything up, checks that a wheel built from the checkout installs and
 # works, then runs the whole test suite (root needed for the kernel tier;
 # SPANLET_REQUIRE_KERNEL=1 makes a kernel test that cannot run fail).
-test: setup wheel-check
+# The whole suite, the container test included: setup with the image's tools.
+test: setup-image wheel-check
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 # The wheel of HEAD, built from a clean copy, in fresh venvs: the client alone,
