@@ -115,7 +115,19 @@ VIEWS = {
         {"trace_id": "ab" * 16, "span_id": "cd" * 8, "name": "n" * 70, "service": "s" * 50,
          "namespace": "ns", "pod": "pod-" + "p" * 60, "start_unix_ns": 1, "duration_s": 12345.6789,
          "received_unix_ns": 2, "gpu_launches": 10 ** 9, "gpu_sync_wait_s": 1.5,
-         "rx_bytes": 10 ** 12, "tx_bytes": 5, "violations": 2}]},
+         "rx_bytes": 10 ** 12, "tx_bytes": 5, "violations": 2},
+        {"trace_id": "ab" * 16, "span_id": "ce" * 8, "name": "POST /generate", "service": "front",
+         "namespace": "ns", "pod": "front-0", "start_unix_ns": 1, "duration_s": 0.5,
+         "received_unix_ns": 2, "gpu_launches": 0, "gpu_sync_wait_s": 0.0, "rx_bytes": 0,
+         "tx_bytes": 0, "violations": 0, "links": 0, "batch_steps": 12,
+         "batch_gpu_launches": 1234.5678, "batch_gpu_graph_launches": 3.25,
+         "batch_gpu_sync_wait_s": 0.0123456},
+        {"trace_id": "ef" * 16, "span_id": "cf" * 8, "name": "engine.step", "service": "engine",
+         "namespace": "ns", "pod": "engine-0", "start_unix_ns": 1, "duration_s": 0.02,
+         "received_unix_ns": 2, "gpu_launches": 400, "gpu_sync_wait_s": 0.1, "rx_bytes": 0,
+         "tx_bytes": 0, "violations": 0, "links": 8, "batch_steps": 0,
+         "batch_gpu_launches": 0.0, "batch_gpu_graph_launches": 0.0,
+         "batch_gpu_sync_wait_s": 0.0}]},
     "flows": {"attached": True, "jss": [], "totals": [], "flows": [
         {"src": "fd00:1234:5678:9abc:def0:1234:5678:9abc", "dst": "fd00::1", "sport": 65535,
          "dport": 443, "l4proto": 6, "protocol": "websocket", "modality": "video",
@@ -158,6 +170,12 @@ def test_every_view_fits_80_columns(op):
         assert "span facts: 3 rows waiting, 1 evicted, 2 expired, 1 late" in " ".join(text.split())
     if op == "hints":
         assert "text.kv_cache_" in text
+    if op == "spans":
+        # the span column's words, top to bottom (the cells wrap)
+        words = " ".join(w for line in text.splitlines() if len(line.split("│")) > 3
+                         for w in line.split("│")[3].split())
+        assert "12 steps, share: 1.23e+03 launch, 3.25 graph, 0.0123 stall s" in words, words
+        assert "step of 8 requests" in words
 
 
 def test_ask_reports_a_missing_socket(tmp_path):
