@@ -16,11 +16,12 @@ class FactsChild:
     """One child process; `expected` collects (trace hex, span hex) → launches
     of every span it reported."""
 
-    def __init__(self, endpoint: str, libcuda: Path | str, processor: str = "batch"):
+    def __init__(self, endpoint: str, libcuda: Path | str, processor: str = "batch",
+                 script: Path = CHILD):
         # the marker extension of the package build, as an installed app loads it
         env = {k: v for k, v in os.environ.items() if k != "SPANLET_MARKER_LIB"}
         env["PYTHONPATH"] = str(ROOT)
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), endpoint, str(libcuda), processor],
+        self.proc = subprocess.Popen([sys.executable, str(script), endpoint, str(libcuda), processor],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.expected: dict[tuple[str, str], int] = {}
         line = self.proc.stdout.readline()
