@@ -17,6 +17,7 @@ out as a late record of the request's trace."""
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -157,15 +158,44 @@ class _Shares:
         self.values = [0.0] * len(BATCH_SHARES)
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _kv_prefix(key: str, value_len: int) -> bytes:
+    """The wire bytes of a Span.attributes entry (field 9) up to its AnyValue's
+    value: KeyValue{key (1), value (2): AnyValue of value_len bytes}."""
+    k = key.encode()
+    inner = b"\x0a" + _varint(len(k)) + k + b"\x12" + _varint(value_len)
+    return b"\x4a" + _varint(len(inner) + value_len) + inner
+
+
+# AnyValue double_value (field 4, fixed64): tag 0x21 and 8 bytes
+_SHARE_PREFIXES = tuple(_kv_prefix(attr, 9) + b"\x21" for attr, _ in BATCH_SHARES)
+_DOUBLES = struct.Struct("<" + "d" * len(BATCH_SHARES))
+_STEPS_WIRE = _kv_prefix(BATCH_STEPS, 2) + b"\x18"     # AnyValue int_value (field 3), < 128
+
+
 def put_shares(span: trace_pb2.Span, shares: _Shares) -> None:
-    """The kernel.batch.* attributes of a request span."""
-    span.attributes.add(key=BATCH_STEPS).value.int_value = shares.steps
-    for (attr, _), value in zip(BATCH_SHARES, shares.values):
-        span.attributes.add(key=attr).value.double_value = value
+    """The kernel.batch.* attributes of a request span: one merge of their wire
+    bytes (adding them one by one through the proto API costs ~9 µs a span)."""
+    n = shares.steps
+    steps = _STEPS_WIRE + bytes((n,)) if n < 0x80 else \
+        _kv_prefix(BATCH_STEPS, 1 + len(_varint(n))) + b"\x18" + _varint(n)
+    packed = _DOUBLES.pack(*shares.values)
+    span.MergeFromString(steps + b"".join(
+        [p + packed[8 * i:8 * i + 8] for i, p in enumerate(_SHARE_PREFIXES)]))
 
 
 def _weight(link: trace_pb2.Span.Link) -> float:
     """A link's spanlet.weight (int or double, finite, >= 0), else 1."""
+    if not link.attributes:
+        return 1.0
     for kv in link.attributes:
         if kv.key == WEIGHT_KEY:
             v = kv.value
@@ -472,9 +502,7 @@ class SpanJoin:
             acc.steps += 1
             if facts is not None:
                 frac = w / total
-                values = acc.values
-                for i, v in enumerate(facts):
-                    values[i] += v * frac
+                acc.values = [v + f * frac for v, f in zip(acc.values, facts)]
 
     def _hold_locked(self, key: SpanKey, span: trace_pb2.Span, now: float, held: list) -> None:
         acc = self._shares.pop(key, None)
