@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
+from google.protobuf.internal.encoder import _VarintBytes as _varint
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from spanlet import events
@@ -156,15 +157,6 @@ class _Shares:
     def __init__(self, born: float, first_ns: int):
         self.born, self.first_ns, self.steps = born, first_ns, 0
         self.values = [0.0] * len(BATCH_SHARES)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def _kv_prefix(key: str, value_len: int) -> bytes:

@@ -278,3 +278,16 @@ def test_the_span_path_holds_requests_for_batch_wait_s_then_exports_them_with_th
         assert len(seen) == 4 and time.monotonic() - t0 < 5
     finally:
         path.release_held()
+
+
+def test_a_request_in_many_steps_gets_them_all():
+    """More than 127 steps: the count takes two bytes on the wire."""
+    j, facts, _ = make()
+    for k in range(300):
+        facts.add(STEP_TRACE, 1000 + k, driver=3, sync_wait_ns=10)
+        j.join(rs(step(1000 + k, [(1, 1), (2, 2)])))
+    held = []
+    requests = rs(span(1))
+    j.join(requests, held)
+    j.release(held)
+    assert batch_attrs(requests[0].scope_spans[0].spans[0]) == shares(300, 300.0, 0, 1000.0)
