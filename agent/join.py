@@ -17,6 +17,7 @@ out as a late record of the request's trace."""
 from __future__ import annotations
 
 import logging
+import re
 import struct
 import threading
 import time
@@ -57,6 +58,10 @@ BATCH_SHARES = (
 BATCH_STEPS = "kernel.batch.steps"
 WEIGHT_KEY = "spanlet.weight"
 _SERVER = trace_pb2.Span.SPAN_KIND_SERVER
+# A Span.links entry on the wire: field 13 (0x6a), its length, then the link's
+# trace_id (field 1, 16 bytes: 0x0a 0x10), written first by every serializer.
+# A chance match in ids only costs a look at span.links.
+_LINK_WIRE = re.compile(rb"\x6a[\x80-\xff]{0,4}[\x00-\x7f]\x0a\x10", re.S)
 _KERNEL_FIELDS = ("launches", "launch_ns", "sync_wait_ns", "syncs", "graph_launches",
                   "graph_kernels", "violations")
 
@@ -397,10 +402,13 @@ class SpanJoin:
                 # Reading a span's attributes from Python costs ~1.5 µs each;
                 # one search of the resource's bytes says whether any span
                 # already has facts attributes (an earlier join) to add to.
-                fresh = _FACT_PREFIX not in rs.SerializeToString()
+                blob = rs.SerializeToString()
+                fresh = _FACT_PREFIX not in blob
+                # and whether any span has links (span.links costs ~0.2 µs a span)
+                linked = _LINK_WIRE.search(blob) is not None
                 for ss in rs.scope_spans:
                     for span in ss.spans:
-                        got = self._join_span_locked(span, now, fresh, held)
+                        got = self._join_span_locked(span, now, fresh, held, linked)
                         if got > 1 or not cgroup:    # a real cgroup wins over "joined" (1)
                             cgroup = got or cgroup
                 cgroups.append(cgroup)
@@ -408,7 +416,7 @@ class SpanJoin:
         return cgroups
 
     def _join_span_locked(self, span: trace_pb2.Span, now: float, fresh: bool = False,
-                          held: list | None = None) -> int:
+                          held: list | None = None, linked: bool = True) -> int:
         """Enrich one span; the cgroup id of its facts, 1 if they have none,
         0 if nothing joined."""
         trace_id = bytes(span.trace_id)
@@ -419,10 +427,15 @@ class SpanJoin:
         if len(self._done) > self.cfg.buffer_events:
             self._done.popitem(last=False)
         row = self.facts.take(*key) if self.facts is not None else None
-        if span.links:
+        if linked and span.links:
             self._step_locked(span, row, now)
         elif held is not None and span.kind == _SERVER:
             self._hold_locked(key, span, now, held)
+        elif self._shares:                   # a linked span not held: what came, now
+            acc = self._shares.pop(key, None)
+            if acc is not None:
+                put_shares(span, acc)
+                self.stats.batch_requests += 1
         sampled = self._samples.pop(key, None)
         net = self._http_bytes_locked(span) if self._http_flows or self._http_done else None
         if sampled is None and net is None:

@@ -291,3 +291,31 @@ def test_a_request_in_many_steps_gets_them_all():
     j.join(requests, held)
     j.release(held)
     assert batch_attrs(requests[0].scope_spans[0].spans[0]) == shares(300, 300.0, 0, 1000.0)
+
+
+def test_a_linked_span_that_is_not_held_gets_the_shares_that_came_before_it():
+    """A span of another kind than SERVER, and a request with the wait at 0."""
+    j, facts, _ = make(batch_wait_s=0)
+    facts.add(STEP_TRACE, 900, driver=6)
+    j.join(rs(step(900, [(1, 1), (2, 2)])))
+    held = []
+    internal = rs(span(1, kind=trace_pb2.Span.SPAN_KIND_INTERNAL), span(2), span(3))
+    j.join(internal, held)
+    assert held == []
+    a1, a2, a3 = (batch_attrs(s) for s in internal[0].scope_spans[0].spans)
+    assert a1 == shares(1, 2) and a2 == shares(1, 4) and a3 == {}
+    assert j.batch_pending() == (0, 0)
+
+
+def test_a_chance_match_of_the_link_pattern_in_ids_changes_nothing():
+    """The resource-bytes search for links may match inside ids; the span then
+    is looked at and has none."""
+    j, facts, _ = make()
+    odd = trace_pb2.Span(trace_id=b"\x6a\x05\x0a\x10" + bytes(12), span_id=(7).to_bytes(8, "big"),
+                         kind=SERVER)
+    facts.add(odd.trace_id, 7, driver=2)
+    r = rs(odd)
+    j.join(r, [])
+    assert not j.steps_seen and j.stats.batch_steps == 0
+    assert {kv.key: kv.value.int_value for kv in r[0].scope_spans[0].spans[0].attributes} == \
+        {"kernel.gpu.launches": 2}
