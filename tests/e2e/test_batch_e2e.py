@@ -17,6 +17,7 @@ import cuda_standin
 from facts_agent import LATE_SPAN_NAME, running_agent
 from facts_child import FactsChild
 from otlp_upstream import wait_for
+from spanlet import inspect
 
 pytestmark = pytest.mark.kernel
 
@@ -139,7 +140,8 @@ def check(agent, steps, req_ids, step_ids):
         step_facts.append(a)
         assert len(s.links) == len(steps[len(step_facts) - 1][1])
     launches = [a.get("kernel.gpu.launches", 0) for a in step_facts]
-    assert launches == [n for n, _ in steps], "a step span lacks its own launches"
+    assert launches == [n for n, _ in steps], (
+        f"a step span lacks its own launches: {launches}; the agent's join {agent.daemon.spans.join.stats}")
     want = expected_shares(steps, launches)
     req_spans = upstream_spans(agent, req_ids)
     got, sync_total = {}, 0.0
@@ -155,6 +157,13 @@ def check(agent, steps, req_ids, step_ids):
     step_sync = sum(a.get("kernel.gpu.sync_wait_ns", 0) for a in step_facts)
     assert step_sync > 0 and sync_total == pytest.approx(step_sync, rel=1e-9)
     assert not late_of(agent, set(req_ids))
+    # `spanlet inspect spans` (the admin socket's ring of recent spans; the
+    # requests came last) shows each request's steps and shares
+    ring = {(r["trace_id"], r["span_id"]): r for r in
+            inspect.ask(str(agent.daemon.cfg.admin_socket), "spans", {"limit": 10_000})["data"]["spans"]}
+    for i, (n, v) in want.items():
+        row = ring[req_ids[i]]
+        assert row["batch_steps"] == n and row["batch_gpu_launches"] == pytest.approx(v, abs=1e-6)
 
 
 @pytest.mark.parametrize("run", range(RUNS))
