@@ -510,6 +510,8 @@ class SpanJoin:
                 acc.values = [v + f * frac for v, f in zip(acc.values, facts)]
 
     def _hold_locked(self, key: SpanKey, span: trace_pb2.Span, now: float, held: list) -> None:
+        if key in self._held:                 # a copy of a span held already (a retry): not again
+            return
         acc = self._shares.pop(key, None)
         if len(self._held) >= self.cfg.batch_max_held_spans:
             self.stats.batch_hold_full += 1

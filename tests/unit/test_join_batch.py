@@ -319,3 +319,31 @@ def test_a_chance_match_of_the_link_pattern_in_ids_changes_nothing():
     assert not j.steps_seen and j.stats.batch_steps == 0
     assert {kv.key: kv.value.int_value for kv in r[0].scope_spans[0].spans[0].attributes} == \
         {"kernel.gpu.launches": 2}
+
+
+def test_a_copy_of_a_held_request_leaves_the_first_with_its_shares():
+    """An exporter's retry: the same request span twice while the first is held."""
+    j, facts, _ = make()
+    facts.add(STEP_TRACE, 900, driver=4)
+    j.join(rs(step(899, [(50, None)])))
+    first, again, held1, held2 = rs(span(1)), rs(span(1)), [], []
+    j.join(first, held1)
+    j.join(again, held2)
+    j.join(rs(step(900, [(1, 1)])))
+    j.release(held2)
+    j.release(held1)
+    assert held2 == [] and batch_attrs(first[0].scope_spans[0].spans[0]) == shares(1, 4)
+
+
+def test_a_flood_of_links_to_requests_that_never_come_stays_bounded_and_counted():
+    j, facts, _ = make(batch_max_pending=1000, batch_max_links=100)
+    for k in range(300):                      # 300 steps x 100 links, 30,000 requests never sent
+        j.join(rs(step(10_000 + k, [(100 * k + i + 1, 1) for i in range(100)])))
+        assert j.batch_pending()[1] <= 1000
+    assert j.stats.batch_links == 30_000 and j.stats.batch_expired == 29_000
+    # the most recent requests still get exactly theirs
+    held = []
+    last = rs(span(30_000))
+    j.join(last, held)
+    j.release(held)
+    assert batch_attrs(last[0].scope_spans[0].spans[0]) == shares(1, 0)   # the steps had no launches
