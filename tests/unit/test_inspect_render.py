@@ -99,6 +99,8 @@ SUMMARY = {
     "join": {"span_coverage": 0.5, "event_coverage": None, "pending_events": 3, "spans_in": 4,
              "spans_joined": 2, "events_in": 9, "events_joined": 6, "events_evicted": 0,
              "late_records": 0, "span_events_capped": 0, "rows_expired": 2, "rows_late": 1,
+             "batch_steps": 40, "batch_held_now": 3, "batch_pending_now": 5, "batch_requests": 77,
+             "batch_late": 4, "batch_expired": 6, "batch_links_dropped": 7,
              "span_facts": {"created": 9, "taken": 3, "swept": 2, "evicted": 1, "present": 3}},
     "exporters": [
         {"name": "otlp_receiver", "enabled": True,
@@ -168,6 +170,8 @@ def test_every_view_fits_80_columns(op):
         assert "NOT attached" in text and "slo_compliance_ratio" in text
         assert "< 0.75 (slo_class=bronze)" in text       # the breaching class is the one shown
         assert "span facts: 3 rows waiting, 1 evicted, 2 expired, 1 late" in " ".join(text.split())
+        assert ("batched steps: 40 steps, 3 requests held now, 5 waiting shares, 77 requests with "
+                "shares, 4 late, 6 expired, 7 links dropped") in " ".join(text.split())
     if op == "hints":
         assert "text.kv_cache_" in text
     if op == "spans":
