@@ -38,6 +38,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from facts_fakes import FakeFacts  # noqa: E402
 from spanlet import config  # noqa: E402
 from spanlet.exporters.otlp.receiver import OtlpReceiver  # noqa: E402
+from spanlet.join import SpanJoin  # noqa: E402
 from spanlet.pipeline.spans import SpanPath  # noqa: E402
 
 PER_STEP = 8
@@ -138,6 +139,19 @@ def throughput(linked: bool, seconds: float) -> tuple[float, dict]:
         b.stop()
 
 
+def join_alone(linked: bool, exports: int = 40) -> float:
+    """µs a span in SpanJoin.join (and release) alone, no gRPC, no export."""
+    reqs = workload(exports, linked)
+    j = SpanJoin(config.JoinConfig(buffer_events=1_000_000), facts=rows_for(reqs))
+    n, t0 = 0, time.perf_counter()
+    for req in reqs:
+        held: list = []
+        j.join(req.resource_spans, held)
+        j.release(held)
+        n += len(req.resource_spans[0].scope_spans[0].spans)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def latency(linked: bool, rate: float, seconds: float) -> list[float]:
     """Send → upstream receipt of each request span, requests paced at `rate`
     front-end exports/s (8 requests each), each after its engine's export."""
@@ -197,6 +211,9 @@ def main() -> int:
     print(f"  join with batch steps              : {steps:10,.0f} spans/s   ratio {steps / plain:.2f}; "
           f"{st['batch_steps']:,} steps, {st['batch_requests']:,} requests with shares, "
           f"{st['batch_late']} late, {st['batch_expired']} expired")
+    alone = [(join_alone(False), join_alone(True)) for _ in range(3)]
+    print("  the join alone (no gRPC, no export), 3 rounds: "
+          + ", ".join(f"{p:.1f} vs {b:.1f}" for p, b in alone) + " µs a span (plain vs with steps)")
     lp = latency(False, a.rate, a.seconds)
     lb = latency(True, a.rate, a.seconds)
     print(f"  request span latency, send → upstream, {a.rate:g} exports/s of 8 requests "
