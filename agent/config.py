@@ -247,9 +247,10 @@ class JoinConfig(_Section):
     # Individual kernel events added to a span as span events, at most.
     max_span_events: int = Field(default=32, ge=0, le=10_000)
     # Batched steps (a span with links to request spans): once the agent has
-    # seen a step span, a request (SERVER) span is held back at most this long
-    # for the steps that served it; a step that comes later goes out as a
-    # late record of the request. 0: never hold. Nodes without steps pay nothing.
+    # seen a step span with GPU facts, a request (SERVER) span is held back
+    # at most this long for the steps that served it; a step that comes later
+    # goes out as a late record of the request. 0: never hold. Nodes without
+    # steps pay nothing.
     batch_wait_s: float = Field(default=2.0, ge=0, le=60)
     # Links read per step (more are counted as dropped, their weight still in
     # the step's total); request shares waiting for their request span

@@ -466,8 +466,9 @@ class SpanJoin:
 
     # -- batched steps -------------------------------------------------------------
     def _step_locked(self, span: trace_pb2.Span, row: KernelRow | None, now: float) -> None:
-        """A step: its facts shared among the spans it links to, by weight."""
-        self.steps_seen = True
+        """A step: its facts shared among the spans it links to, by weight. The
+        first with GPU facts tells the join that this node batches (from then
+        on request spans are held): spans with links and no GPU work do not."""
         st = self.stats
         st.batch_steps += 1
         cap = self.cfg.batch_max_links
@@ -488,6 +489,8 @@ class SpanJoin:
             weights = dict.fromkeys(weights, 1.0)
             total = float(len(weights))
         facts = [float(getattr(row, f)) for _, f in BATCH_SHARES] if row is not None else None
+        if facts is not None and not self.steps_seen and any(facts):
+            self.steps_seen = True
         first_ns = span.start_time_unix_nano
         for k, w in weights.items():
             acc = self._held.get(k)

@@ -119,7 +119,8 @@ def test_nothing_is_held_before_a_step_is_seen_and_the_common_path_reads_no_attr
     j.join(requests, held)
     assert held == [] and not j.steps_seen
     assert j.stats.batch_held == 0
-    j2, _, _ = make(batch_wait_s=0)           # 0: never hold, even with steps
+    j2, facts2, _ = make(batch_wait_s=0)      # 0: never hold, even with steps
+    facts2.add(STEP_TRACE, 9, driver=1)
     j2.join(rs(step(9, [(1, 1)])))
     j2.join(rs(span(1)), held)
     assert held == [] and j2.steps_seen
@@ -186,6 +187,7 @@ def test_a_step_after_its_request_went_out_is_a_late_record_of_the_request():
     out = []
     j, facts, clock = make()
     j.on_late = out.extend
+    facts.add(STEP_TRACE, 898, driver=1)
     j.join(rs(step(898, [(77, 1)])))            # steps seen
     held = []
     requests = rs(span(1), span(2))
@@ -230,7 +232,8 @@ def test_a_request_linked_twice_in_one_step_counts_one_step_with_both_weights():
 
 
 def test_held_spans_are_bounded():
-    j, _, _ = make(batch_max_held_spans=16)
+    j, facts, _ = make(batch_max_held_spans=16)
+    facts.add(STEP_TRACE, 900, driver=1)
     j.join(rs(step(900, [(1000, 1)])))
     held = []
     j.join(rs(*(span(i) for i in range(1, 21))), held)
@@ -325,6 +328,7 @@ def test_a_copy_of_a_held_request_leaves_the_first_with_its_shares():
     """An exporter's retry: the same request span twice while the first is held."""
     j, facts, _ = make()
     facts.add(STEP_TRACE, 900, driver=4)
+    facts.add(STEP_TRACE, 899, driver=1)
     j.join(rs(step(899, [(50, None)])))
     first, again, held1, held2 = rs(span(1)), rs(span(1)), [], []
     j.join(first, held1)
@@ -347,3 +351,17 @@ def test_a_flood_of_links_to_requests_that_never_come_stays_bounded_and_counted(
     j.join(last, held)
     j.release(held)
     assert batch_attrs(last[0].scope_spans[0].spans[0]) == shares(1, 0)   # the steps had no launches
+
+
+def test_spans_with_links_and_no_gpu_work_do_not_make_the_node_hold_requests():
+    j, facts, _ = make()
+    j.join(rs(step(900, [(1, 1)])))             # links, no facts row: not a GPU step
+    facts.add(STEP_TRACE, 901, syncs=1)          # a row with nothing the shares carry
+    j.join(rs(step(901, [(1, 1)])))
+    held = []
+    j.join(rs(span(2)), held)
+    assert held == [] and not j.steps_seen and j.stats.batch_steps == 2
+    facts.add(STEP_TRACE, 902, sync_wait_ns=5)
+    j.join(rs(step(902, [(1, 1)])))
+    j.join(rs(span(3)), held)
+    assert len(held) == 1 and j.steps_seen
