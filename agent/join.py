@@ -59,8 +59,10 @@ BATCH_STEPS = "kernel.batch.steps"
 WEIGHT_KEY = "spanlet.weight"
 _SERVER = trace_pb2.Span.SPAN_KIND_SERVER
 # A Span.links entry on the wire: field 13 (0x6a), its length, then the link's
-# trace_id (field 1, 16 bytes: 0x0a 0x10), written first by every serializer.
-# A chance match in ids only costs a look at span.links.
+# trace_id (field 1, 16 bytes: 0x0a 0x10). The bytes searched are the agent's
+# own serialization (fields in number order, whatever the sender wrote); a
+# link without a 16-byte trace id gets no share anyway. A chance match in
+# ids only costs a look at span.links.
 _LINK_WIRE = re.compile(rb"\x6a[\x80-\xff]{0,4}[\x00-\x7f]\x0a\x10", re.S)
 _KERNEL_FIELDS = ("launches", "launch_ns", "sync_wait_ns", "syncs", "graph_launches",
                   "graph_kernels", "violations")
