@@ -142,7 +142,7 @@ def _span_row(s, received_unix_ns: int, resources: dict, resource) -> dict:
     res = resources.get(id(resource))
     if res is None:
         res = resources[id(resource)] = {kv.key: _any_value(kv.value) for kv in resource.attributes}
-    attrs = {kv.key: kv.value.int_value for kv in s.attributes if kv.key.startswith("kernel.")}
+    attrs = {kv.key: _any_value(kv.value) for kv in s.attributes if kv.key.startswith("kernel.")}
     return {"trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
             "name": s.name, "service": res.get("service.name") or "",
             "namespace": res.get("k8s.namespace.name") or "",
@@ -154,7 +154,13 @@ def _span_row(s, received_unix_ns: int, resources: dict, resource) -> dict:
             "gpu_sync_wait_s": attrs.get("kernel.gpu.sync_wait_ns", 0) / 1e9,
             "rx_bytes": attrs.get("kernel.net.rx_bytes", 0),
             "tx_bytes": attrs.get("kernel.net.tx_bytes", 0),
-            "violations": attrs.get("kernel.sandbox.violations", 0)}
+            "violations": attrs.get("kernel.sandbox.violations", 0),
+            # batched steps: a step's links to its requests; a request's steps and shares
+            "links": len(s.links),
+            "batch_steps": attrs.get("kernel.batch.steps", 0),
+            "batch_gpu_launches": attrs.get("kernel.batch.gpu.launches", 0.0),
+            "batch_gpu_graph_launches": attrs.get("kernel.batch.gpu.graph_launches", 0.0),
+            "batch_gpu_sync_wait_s": attrs.get("kernel.batch.gpu.sync_wait_ns", 0.0) / 1e9}
 
 
 class AdminState:
@@ -401,7 +407,9 @@ class AdminServer:
             "nvml": {"available": nv.available, "reason": nv.reason, "gpus": nv.gpus},
             "join": {"span_coverage": span_cov, "event_coverage": event_cov,
                      "pending_events": self.join.pending_events(),
-                     **self.join.stats.as_dict(), "span_facts": self._span_facts()},
+                     **self.join.stats.as_dict(), "span_facts": self._span_facts(),
+                     **dict(zip(("batch_held_now", "batch_pending_now"),
+                                self.join.batch_pending()))},
             "exporters": exporters,
             "metrics": metric_rows(self.families()),
         }

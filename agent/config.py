@@ -255,6 +255,18 @@ class JoinConfig(_Section):
     sweep_interval_s: float = Field(default=2.0, gt=0, le=60)
     # Individual kernel events added to a span as span events, at most.
     max_span_events: int = Field(default=32, ge=0, le=10_000)
+    # Batched steps (a span with links to request spans): once the agent has
+    # seen a step span with GPU facts, a request (SERVER) span is held back
+    # at most this long for the steps that served it; a step that comes later
+    # goes out as a late record of the request. 0: never hold. Nodes without
+    # steps pay nothing.
+    batch_wait_s: float = Field(default=2.0, ge=0, le=60)
+    # Links read per step (more are counted as dropped, their weight still in
+    # the step's total); request shares waiting for their request span
+    # (bounded in count and join.ttl_s in age); spans held back at most.
+    batch_max_links: int = Field(default=1024, ge=1, le=1_000_000)
+    batch_max_pending: int = Field(default=65_536, ge=16, le=10_000_000)
+    batch_max_held_spans: int = Field(default=100_000, ge=16, le=10_000_000)
 
 
 class StoreConfig(_Section):

@@ -175,7 +175,11 @@ def _join_line(j: dict):
         f"{j['spans_in']} spans in, {j['events_evicted']} events evicted"
         + (f"; span facts: {sf['present']} rows waiting, {sf['evicted']} evicted, "
            f"{j.get('rows_expired', 0)} expired, {j.get('rows_late', 0)} late"
-           if (sf := j.get("span_facts")) else ""))
+           if (sf := j.get("span_facts")) else "")
+        + (f"; batched steps: {j['batch_steps']} steps, {j.get('batch_held_now', 0)} requests "
+           f"held now, {j.get('batch_pending_now', 0)} waiting shares, {j['batch_requests']} "
+           f"requests with shares, {j['batch_late']} late, {j['batch_expired']} expired, "
+           f"{j['batch_links_dropped']} links dropped" if j.get("batch_steps") else ""))
 
 
 def _exporters_table(exporters: list):
@@ -220,10 +224,24 @@ def _spans(d: dict) -> list:
     t = _table(f"Recent spans (from the agent's ring of the last {d['ring_size']})",
                "time", "pod / service", "span", "dur s", "launch", "stall s", "rx/tx", "viol")
     for s in d["spans"]:
-        t.add_row(_when(s["received_unix_ns"]), s["pod"] or s["service"] or "-", s["name"],
+        t.add_row(_when(s["received_unix_ns"]), s["pod"] or s["service"] or "-",
+                  s["name"] + _batch(s),
                   f"{s['duration_s']:.3f}", str(s["gpu_launches"]), f"{s['gpu_sync_wait_s']:.3f}",
                   f"{_bytes(s['rx_bytes'])}/{_bytes(s['tx_bytes'])}", str(s["violations"]))
     return [t]
+
+
+def _batch(s: dict) -> str:
+    """Lines under a span's name: a step's requests; a request's steps and its
+    shares of their launches, graph launches and stall."""
+    out = ""
+    if s.get("links"):
+        out += f"\nstep of {s['links']} requests"
+    if s.get("batch_steps"):
+        out += (f"\n{s['batch_steps']} steps, share: {_num(s['batch_gpu_launches'])} launch, "
+                f"{_num(s['batch_gpu_graph_launches'])} graph, "
+                f"{_num(s['batch_gpu_sync_wait_s'])} stall s")
+    return out
 
 
 def _flows(d: dict) -> list:

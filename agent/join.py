@@ -4,17 +4,28 @@ the moment of each event) and put on the span as `kernel.*` attributes; the
 sampled individual events that came for it become span events. A periodic
 sweep sends facts that came after their span was passed on (within join.ttl_s
 of it) as their own record (a child span with the same trace id), and deletes
-rows whose span never came."""
+rows whose span never came.
+
+Batched steps (DESIGN.md): a span with links is a step; it gets its own facts
+like any span, and each span it links to (a request) gets its weighted share of
+them as `kernel.batch.*` attributes. Once a step has been seen, request (SERVER)
+spans are held back (join(..., held=[]), released by release()) at most
+join.batch_wait_s for their steps; shares waiting for their request are kept in
+a table bounded in count and age; a share for a request already passed on goes
+out as a late record of the request's trace."""
 
 from __future__ import annotations
 
 import logging
+import re
+import struct
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
+from google.protobuf.internal.encoder import _VarintBytes as _varint
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from spanlet import events
@@ -37,6 +48,22 @@ FACT_ATTRIBUTES = (
     ("kernel.net.tx_bytes", "tx_bytes"),
     ("kernel.sandbox.violations", "violations"),
 )
+# A step's facts shared among its requests, as (request attribute, row field).
+# (Graph kernels: one more line here, ("kernel.batch.gpu.graph_kernels", "graph_kernels").)
+BATCH_SHARES = (
+    ("kernel.batch.gpu.launches", "launches"),
+    ("kernel.batch.gpu.graph_launches", "graph_launches"),
+    ("kernel.batch.gpu.sync_wait_ns", "sync_wait_ns"),
+)
+BATCH_STEPS = "kernel.batch.steps"
+WEIGHT_KEY = "spanlet.weight"
+_SERVER = trace_pb2.Span.SPAN_KIND_SERVER
+# A Span.links entry on the wire: field 13 (0x6a), its length, then the link's
+# trace_id (field 1, 16 bytes: 0x0a 0x10). The bytes searched are the agent's
+# own serialization (fields in number order, whatever the sender wrote); a
+# link without a 16-byte trace id gets no share anyway. A chance match in
+# ids only costs a look at span.links.
+_LINK_WIRE = re.compile(rb"\x6a[\x80-\xff]{0,4}[\x00-\x7f]\x0a\x10", re.S)
 _KERNEL_FIELDS = ("launches", "launch_ns", "sync_wait_ns", "syncs", "graph_launches",
                   "graph_kernels", "violations")
 
@@ -117,9 +144,64 @@ class JoinStats:
     events_joined: int = 0        # put on their span
     events_evicted: int = 0       # not: their span never came, came first, or the buffer was full
     span_events_capped: int = 0
+    batch_steps: int = 0          # step spans (spans with links) joined
+    batch_links: int = 0          # their links read (one share each)
+    batch_links_dropped: int = 0  # not: past join.batch_max_links, or not a span's ids
+    batch_held: int = 0           # request spans held back for their steps
+    batch_hold_full: int = 0      # not held: join.batch_max_held_spans were
+    batch_requests: int = 0       # request spans sent with their shares on them
+    batch_late: int = 0           # request shares sent as late records (request went first)
+    batch_expired: int = 0        # request shares whose request never came (age or bound)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+class _Shares:
+    """A request's shares of its steps so far."""
+    __slots__ = ("born", "first_ns", "steps", "values")
+
+    def __init__(self, born: float, first_ns: int):
+        self.born, self.first_ns, self.steps = born, first_ns, 0
+        self.values = [0.0] * len(BATCH_SHARES)
+
+
+def _kv_prefix(key: str, value_len: int) -> bytes:
+    """The wire bytes of a Span.attributes entry (field 9) up to its AnyValue's
+    value: KeyValue{key (1), value (2): AnyValue of value_len bytes}."""
+    k = key.encode()
+    inner = b"\x0a" + _varint(len(k)) + k + b"\x12" + _varint(value_len)
+    return b"\x4a" + _varint(len(inner) + value_len) + inner
+
+
+# AnyValue double_value (field 4, fixed64): tag 0x21 and 8 bytes
+_SHARE_PREFIXES = tuple(_kv_prefix(attr, 9) + b"\x21" for attr, _ in BATCH_SHARES)
+_DOUBLES = struct.Struct("<" + "d" * len(BATCH_SHARES))
+_STEPS_WIRE = _kv_prefix(BATCH_STEPS, 2) + b"\x18"     # AnyValue int_value (field 3), < 128
+
+
+def put_shares(span: trace_pb2.Span, shares: _Shares) -> None:
+    """The kernel.batch.* attributes of a request span: one merge of their wire
+    bytes (adding them one by one through the proto API costs ~9 µs a span)."""
+    n = shares.steps
+    steps = _STEPS_WIRE + bytes((n,)) if n < 0x80 else \
+        _kv_prefix(BATCH_STEPS, 1 + len(_varint(n))) + b"\x18" + _varint(n)
+    packed = _DOUBLES.pack(*shares.values)
+    span.MergeFromString(steps + b"".join(
+        [p + packed[8 * i:8 * i + 8] for i, p in enumerate(_SHARE_PREFIXES)]))
+
+
+def _weight(link: trace_pb2.Span.Link) -> float:
+    """A link's spanlet.weight (int or double, finite, >= 0), else 1."""
+    if not link.attributes:
+        return 1.0
+    for kv in link.attributes:
+        if kv.key == WEIGHT_KEY:
+            v = kv.value
+            w = v.double_value if v.HasField("double_value") else \
+                float(v.int_value) if v.HasField("int_value") else 1.0
+            return w if 0.0 <= w < float("inf") else 1.0
+    return 1.0
 
 
 def _add_event_attributes(attrs, ev: events._Event) -> None:
@@ -223,6 +305,11 @@ class SpanJoin:
         self._http_flows: OrderedDict[tuple[bytes, int], events.FlowKey] = OrderedDict()
         self._http_done: OrderedDict[tuple[bytes, int], tuple[int, int]] = OrderedDict()
         self.http_bytes_reader: HttpBytesReader | None = None
+        # batched steps: nothing here until a step span is seen
+        self.steps_seen = False
+        self._held: dict[SpanKey, _Shares] = {}                   # requests held back
+        self._shares: OrderedDict[SpanKey, _Shares] = OrderedDict()  # waiting for their request
+        self._late_shares: dict[SpanKey, _Shares] = {}            # for requests passed on
 
     # -- kernel side: the sampled event stream -----------------------------------
     def add_event(self, ev: events._Event) -> None:
@@ -281,6 +368,10 @@ class SpanJoin:
         done = self._done
         while done and next(iter(done.values())) < deadline:
             done.popitem(last=False)
+        shares = self._shares
+        while shares and next(iter(shares.values())).born < deadline:
+            shares.popitem(last=False)
+            self.stats.batch_expired += 1
         while self._samples:
             key, (born, evs) = next(iter(self._samples.items()))
             if self._buffered <= self.cfg.buffer_events and born >= deadline:
@@ -295,28 +386,39 @@ class SpanJoin:
             return self._buffered
 
     # -- span side ---------------------------------------------------------------
-    def join(self, resource_spans: Iterable[trace_pb2.ResourceSpans]) -> list[int]:
+    def join(self, resource_spans: Iterable[trace_pb2.ResourceSpans],
+             held: list | None = None) -> list[int]:
         """Enrich the spans in place. Returns, per ResourceSpans, the cgroup id
-        its kernel facts came from (0 when none joined), for the resource."""
+        its kernel facts came from (0 when none joined), for the resource.
+        `held`: a list the caller will hold these spans back for (batched
+        steps): once a step has been seen (and join.batch_wait_s > 0), each
+        request span is appended to it as (key, span) and waits for its steps
+        until the caller passes the list to release()."""
         cgroups = []
         with self._lock:
+            if held is not None and not (self.steps_seen and self.cfg.batch_wait_s > 0):
+                held = None
             now = self.clock()           # one read per request: its spans arrived together
             for rs in resource_spans:
                 cgroup = 0
                 # Reading a span's attributes from Python costs ~1.5 µs each;
                 # one search of the resource's bytes says whether any span
                 # already has facts attributes (an earlier join) to add to.
-                fresh = _FACT_PREFIX not in rs.SerializeToString()
+                blob = rs.SerializeToString()
+                fresh = _FACT_PREFIX not in blob
+                # and whether any span has links (span.links costs ~0.2 µs a span)
+                linked = _LINK_WIRE.search(blob) is not None
                 for ss in rs.scope_spans:
                     for span in ss.spans:
-                        got = self._join_span_locked(span, now, fresh)
+                        got = self._join_span_locked(span, now, fresh, held, linked)
                         if got > 1 or not cgroup:    # a real cgroup wins over "joined" (1)
                             cgroup = got or cgroup
                 cgroups.append(cgroup)
             self._evict_locked()
         return cgroups
 
-    def _join_span_locked(self, span: trace_pb2.Span, now: float, fresh: bool = False) -> int:
+    def _join_span_locked(self, span: trace_pb2.Span, now: float, fresh: bool = False,
+                          held: list | None = None, linked: bool = True) -> int:
         """Enrich one span; the cgroup id of its facts, 1 if they have none,
         0 if nothing joined."""
         trace_id = bytes(span.trace_id)
@@ -327,6 +429,15 @@ class SpanJoin:
         if len(self._done) > self.cfg.buffer_events:
             self._done.popitem(last=False)
         row = self.facts.take(*key) if self.facts is not None else None
+        if linked and span.links:
+            self._step_locked(span, row, now)
+        elif held is not None and span.kind == _SERVER:
+            self._hold_locked(key, span, now, held)
+        elif self._shares:                   # a linked span not held: what came, now
+            acc = self._shares.pop(key, None)
+            if acc is not None:
+                put_shares(span, acc)
+                self.stats.batch_requests += 1
         sampled = self._samples.pop(key, None)
         net = self._http_bytes_locked(span) if self._http_flows or self._http_done else None
         if sampled is None and net is None:
@@ -354,6 +465,83 @@ class SpanJoin:
         self.stats.spans_joined += 1
         self.stats.span_events_capped += facts.samples_capped
         return facts.cgroup_id or 1
+
+    # -- batched steps -------------------------------------------------------------
+    def _step_locked(self, span: trace_pb2.Span, row: KernelRow | None, now: float) -> None:
+        """A step: its facts shared among the spans it links to, by weight. The
+        first with GPU facts tells the join that this node batches (from then
+        on request spans are held): spans with links and no GPU work do not."""
+        st = self.stats
+        st.batch_steps += 1
+        cap = self.cfg.batch_max_links
+        weights: dict[SpanKey, float] = {}
+        total = 0.0
+        for i, link in enumerate(span.links):
+            w = _weight(link)
+            total += w            # every link's weight: the kept ones get their true share
+            if i >= cap or len(link.trace_id) != 16 or len(link.span_id) != 8:
+                st.batch_links_dropped += 1
+                continue
+            k = (bytes(link.trace_id), int.from_bytes(link.span_id, "big"))
+            weights[k] = weights.get(k, 0.0) + w
+        st.batch_links += len(weights)
+        if not weights:
+            return
+        if total <= 0.0:          # every weight 0: equal shares
+            weights = dict.fromkeys(weights, 1.0)
+            total = float(len(weights))
+        facts = [float(getattr(row, f)) for _, f in BATCH_SHARES] if row is not None else None
+        if facts is not None and not self.steps_seen and any(facts):
+            self.steps_seen = True
+        first_ns = span.start_time_unix_nano
+        for k, w in weights.items():
+            acc = self._held.get(k)
+            if acc is None:
+                if k in self._done:       # the request went out already: a late record
+                    acc = self._late_shares.get(k)
+                    if acc is None:
+                        acc = self._late_shares[k] = _Shares(now, first_ns)
+                        st.batch_late += 1
+                else:
+                    acc = self._shares.get(k)
+                    if acc is None:
+                        acc = self._shares[k] = _Shares(now, first_ns)
+                        if len(self._shares) > self.cfg.batch_max_pending:
+                            self._shares.popitem(last=False)
+                            st.batch_expired += 1
+            acc.steps += 1
+            if facts is not None:
+                frac = w / total
+                acc.values = [v + f * frac for v, f in zip(acc.values, facts)]
+
+    def _hold_locked(self, key: SpanKey, span: trace_pb2.Span, now: float, held: list) -> None:
+        if key in self._held:                 # a copy of a span held already (a retry): not again
+            return
+        acc = self._shares.pop(key, None)
+        if len(self._held) >= self.cfg.batch_max_held_spans:
+            self.stats.batch_hold_full += 1
+            if acc is not None:               # what came already goes on it now
+                put_shares(span, acc)
+                self.stats.batch_requests += 1
+            return
+        self._held[key] = acc if acc is not None else _Shares(now, 0)
+        held.append((key, span))
+        self.stats.batch_held += 1
+
+    def release(self, held: list) -> None:
+        """The request spans join() held back get the shares of their steps so
+        far (those that come later go out as late records)."""
+        with self._lock:
+            for key, span in held:
+                acc = self._held.pop(key, None)
+                if acc is not None and acc.steps:
+                    put_shares(span, acc)
+                    self.stats.batch_requests += 1
+
+    def batch_pending(self) -> tuple[int, int]:
+        """(request spans held back, request shares waiting for their request)."""
+        with self._lock:
+            return len(self._held), len(self._shares)
 
     # -- the sweep: late and expired rows -------------------------------------------
     def sweep(self, force: bool = False) -> int:
@@ -393,8 +581,9 @@ class SpanJoin:
         ResourceSpans per cgroup (resource attributes are the caller's)."""
         with self._lock:
             late, self._late = self._late, {}
+            late_shares, self._late_shares = self._late_shares, {}
             self._evict_locked()
-        if not late:
+        if not late and not late_shares:
             return 0
         by_cgroup: dict[int, list[trace_pb2.Span]] = {}
         for (trace_id, span_id), facts in late.items():
@@ -406,16 +595,25 @@ class SpanJoin:
                                                                            time.time_ns()))
             apply_facts(span, facts)
             by_cgroup.setdefault(facts.cgroup_id, []).append(span)
+        for (trace_id, span_id), shares in late_shares.items():
+            span = trace_pb2.Span(
+                trace_id=trace_id, parent_span_id=span_id.to_bytes(8, "big"),
+                span_id=_late_span_id(span_id ^ _BATCH_LATE_MIX, shares.first_ns),
+                name=LATE_SPAN_NAME, kind=trace_pb2.Span.SPAN_KIND_INTERNAL,
+                start_time_unix_nano=shares.first_ns,
+                end_time_unix_nano=max(shares.first_ns, time.time_ns()))
+            put_shares(span, shares)
+            by_cgroup.setdefault(0, []).append(span)
         records = []
         for cgroup, spans in by_cgroup.items():
             rs = trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=spans)])
             rs.scope_spans[0].scope.name = "spanlet"
             records.append((cgroup, rs))
         with self._lock:
-            self.stats.late_records += len(late)
+            self.stats.late_records += len(late) + len(late_shares)
         if self.on_late is not None:
             self.on_late(records)
-        return len(late)
+        return len(late) + len(late_shares)
 
     def facts_stats(self):
         """The span facts map's counts (SpanFactsStats), None without one."""
@@ -436,6 +634,9 @@ def _bounded_put(d: OrderedDict, key, value, limit: int) -> None:
     d.move_to_end(key)
     while len(d) > limit:
         d.popitem(last=False)
+
+
+_BATCH_LATE_MIX = 0x5BA7C4ED5BA7C4ED   # a request's late shares: another id than its late facts
 
 
 def _late_span_id(span_id: int, first_ns: int) -> bytes:

@@ -58,9 +58,23 @@ def self_metrics(src: MetricEngine) -> list[Family]:
             _single("spanlet_join_buffer_events", join.pending_events()),
             _single("spanlet_join_evicted_events_total", join.stats.events_evicted),
             _single("spanlet_join_late_records_total", join.stats.late_records),
+            *batch_metrics(join),
             *span_facts_metrics(join),
             _single("spanlet_export_queue_spans", exp.get("queue_spans", 0)),
             _single("spanlet_nvml_available", 1 if src.nvml.status.available else 0)]
+
+
+def batch_metrics(join) -> list[Family]:
+    """Batched steps: steps joined, request spans held back and shares waiting
+    for their request now, shares that went late, expired or were dropped."""
+    held, pending = join.batch_pending()
+    st = join.stats
+    return [_single("spanlet_join_batch_steps_total", st.batch_steps),
+            _single("spanlet_join_batch_held_spans", held),
+            _single("spanlet_join_batch_pending_shares", pending),
+            _single("spanlet_join_batch_late_shares_total", st.batch_late),
+            _single("spanlet_join_batch_expired_shares_total", st.batch_expired),
+            _single("spanlet_join_batch_dropped_links_total", st.batch_links_dropped)]
 
 
 def span_facts_metrics(join) -> list[Family]:
@@ -193,10 +207,11 @@ class CgroupNames(Protocol):
 
 
 class JoinStats(Protocol):
-    stats: object             # events_evicted, late_records, rows_expired
+    stats: object             # events_evicted, late_records, rows_expired, batch_*
 
     def coverage(self) -> tuple[float | None, float | None]: ...
     def pending_events(self) -> int: ...
+    def batch_pending(self) -> tuple[int, int]: ...   # (held request spans, shares waiting)
     def facts_stats(self) -> object | None: ...   # SpanFactsStats: present, evicted
 
 

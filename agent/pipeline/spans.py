@@ -4,7 +4,9 @@ threads, named after their Kubernetes workload, and exported upstream."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from typing import Callable
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -32,6 +34,11 @@ class SpanPath:
         self.pods = PodWatcher(cfg.node_name)
         self.enricher = K8sEnricher(cfg.node_name, pods=self.pods)
         self.receiver = OtlpReceiver(cfg.otlp, self.on_request)
+        # requests held back for their batched steps: (due, request, cgroups, held), in due order
+        self._held: deque = deque()
+        self._held_cv = threading.Condition()
+        self._releaser: threading.Thread | None = None
+        self._stopping = False
 
     def start(self) -> None:
         self.pods.start()
@@ -46,13 +53,74 @@ class SpanPath:
                  "on" if self.exporter.enabled else "off (no endpoint configured)")
 
     def on_request(self, request: ExportTraceServiceRequest) -> int:
-        cgroups = self.join.join(request.resource_spans)
+        held: list = []
+        cgroups = self.join.join(request.resource_spans, held)
+        if held:
+            self._hold(request, cgroups, held)
+        else:
+            self._finish(request, cgroups)
+        return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+
+    def _finish(self, request: ExportTraceServiceRequest, cgroups: list[int]) -> None:
         for rs, cgroup in zip(request.resource_spans, cgroups):
             self._name_resource(rs, cgroup)
         if self.on_joined is not None:
             self.on_joined(request.resource_spans)
         self.exporter.export(request.resource_spans)
-        return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+
+    # -- requests held back for their batched steps (only once a step was seen) ------
+    def _hold(self, request, cgroups: list[int], held: list) -> None:
+        """The whole export request waits join.batch_wait_s (its request spans
+        for their steps), then goes on as any other; one thread releases them,
+        started on the first hold."""
+        with self._held_cv:
+            if self._stopping:
+                due = 0.0
+            else:
+                due = time.monotonic() + self.cfg.join.batch_wait_s
+            self._held.append((due, request, cgroups, held))
+            if self._releaser is None:
+                self._releaser = threading.Thread(target=self._release_loop, name="spanlet-batch-hold",
+                                                  daemon=True)
+                self._releaser.start()
+            self._held_cv.notify()
+
+    def _release_loop(self) -> None:
+        while True:
+            with self._held_cv:
+                while True:
+                    if self._held and (self._stopping or self._held[0][0] <= time.monotonic()):
+                        _, request, cgroups, held = self._held.popleft()
+                        break
+                    if self._stopping:
+                        return
+                    self._held_cv.wait(self._held[0][0] - time.monotonic() if self._held else None)
+            self._release(request, cgroups, held)
+
+    def _release(self, request, cgroups: list[int], held: list) -> None:
+        try:
+            self.join.release(held)
+            self._finish(request, cgroups)
+        except Exception:
+            log.exception("releasing held spans failed")
+
+    def held_requests(self) -> int:
+        """Export requests held back for their steps now."""
+        with self._held_cv:
+            return len(self._held)
+
+    def release_held(self) -> None:
+        """Every held request goes on now (the agent's stop)."""
+        with self._held_cv:
+            self._stopping = True
+            self._held_cv.notify()
+            releaser = self._releaser
+        if releaser is not None:
+            releaser.join(5.0)
+        with self._held_cv:                   # what the thread did not reach
+            rest, self._held = list(self._held), deque()
+        for _, request, cgroups, held in rest:
+            self._release(request, cgroups, held)
 
     def _name_resource(self, rs: trace_pb2.ResourceSpans, cgroup_id: int) -> None:
         """Kubernetes names of where the kernel events came from, unless the
@@ -79,6 +147,7 @@ class SpanPath:
         """Receiver first (no new spans), then what is late, then the export queue."""
         self.receiver.stop(grace=min(1.0, max(0.0, deadline - time.monotonic())))
         self.pods.stop()
+        self.release_held()
         self.join.flush_late()
         remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
         self.exporter.shutdown(timeout_millis=remaining_ms)

@@ -17,13 +17,14 @@ class FactsChild:
     of every span it reported."""
 
     def __init__(self, endpoint: str, libcuda: Path | str, processor: str = "batch",
-                 command: list[str] | None = None):
-        """`command`: what runs the child, given the same three arguments
-        (default: this interpreter on span_facts_child.py, the checkout's spanlet)."""
+                 script: Path = CHILD, command: list[str] | None = None):
+        """`script`: the child program (default span_facts_child.py); `command`:
+        what runs it, given the same three arguments (default: this interpreter
+        on `script`, the checkout's spanlet)."""
         # the marker extension of the package build, as an installed app loads it
         env = {k: v for k, v in os.environ.items() if k != "SPANLET_MARKER_LIB"}
         env["PYTHONPATH"] = str(ROOT)
-        self.proc = subprocess.Popen([*(command or [sys.executable, str(CHILD)]), endpoint,
+        self.proc = subprocess.Popen([*(command or [sys.executable, str(script)]), endpoint,
                                       str(libcuda), processor],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.expected: dict[tuple[str, str], int] = {}

@@ -30,7 +30,6 @@ span it ended (N: the launches made inside it), then "done":
 import asyncio
 import contextvars
 import ctypes
-import os
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
+import child_loop
 from spanlet import SpanletSpanProcessor
 
 endpoint, libcuda, processor = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -241,15 +241,4 @@ COMMANDS = {
 }
 
 assert marker.active, "marker library not loaded"
-print(f"ready {os.getpid()}", flush=True)
-for line in sys.stdin:
-    cmd, *args = line.split()
-    if cmd == "flush":
-        provider.force_flush()
-        print("flushed", flush=True)
-    elif cmd == "exit":
-        break
-    else:
-        COMMANDS[cmd](args)
-        print("done", flush=True)
-provider.shutdown()
+child_loop.serve(provider, COMMANDS)

@@ -99,6 +99,8 @@ SUMMARY = {
     "join": {"span_coverage": 0.5, "event_coverage": None, "pending_events": 3, "spans_in": 4,
              "spans_joined": 2, "events_in": 9, "events_joined": 6, "events_evicted": 0,
              "late_records": 0, "span_events_capped": 0, "rows_expired": 2, "rows_late": 1,
+             "batch_steps": 40, "batch_held_now": 3, "batch_pending_now": 5, "batch_requests": 77,
+             "batch_late": 4, "batch_expired": 6, "batch_links_dropped": 7,
              "span_facts": {"created": 9, "taken": 3, "swept": 2, "evicted": 1, "present": 3}},
     "exporters": [
         {"name": "otlp_receiver", "enabled": True,
@@ -115,7 +117,19 @@ VIEWS = {
         {"trace_id": "ab" * 16, "span_id": "cd" * 8, "name": "n" * 70, "service": "s" * 50,
          "namespace": "ns", "pod": "pod-" + "p" * 60, "start_unix_ns": 1, "duration_s": 12345.6789,
          "received_unix_ns": 2, "gpu_launches": 10 ** 9, "gpu_sync_wait_s": 1.5,
-         "rx_bytes": 10 ** 12, "tx_bytes": 5, "violations": 2}]},
+         "rx_bytes": 10 ** 12, "tx_bytes": 5, "violations": 2},
+        {"trace_id": "ab" * 16, "span_id": "ce" * 8, "name": "POST /generate", "service": "front",
+         "namespace": "ns", "pod": "front-0", "start_unix_ns": 1, "duration_s": 0.5,
+         "received_unix_ns": 2, "gpu_launches": 0, "gpu_sync_wait_s": 0.0, "rx_bytes": 0,
+         "tx_bytes": 0, "violations": 0, "links": 0, "batch_steps": 12,
+         "batch_gpu_launches": 1234.5678, "batch_gpu_graph_launches": 3.25,
+         "batch_gpu_sync_wait_s": 0.0123456},
+        {"trace_id": "ef" * 16, "span_id": "cf" * 8, "name": "engine.step", "service": "engine",
+         "namespace": "ns", "pod": "engine-0", "start_unix_ns": 1, "duration_s": 0.02,
+         "received_unix_ns": 2, "gpu_launches": 400, "gpu_sync_wait_s": 0.1, "rx_bytes": 0,
+         "tx_bytes": 0, "violations": 0, "links": 8, "batch_steps": 0,
+         "batch_gpu_launches": 0.0, "batch_gpu_graph_launches": 0.0,
+         "batch_gpu_sync_wait_s": 0.0}]},
     "flows": {"attached": True, "jss": [], "totals": [], "flows": [
         {"src": "fd00:1234:5678:9abc:def0:1234:5678:9abc", "dst": "fd00::1", "sport": 65535,
          "dport": 443, "l4proto": 6, "protocol": "websocket", "modality": "video",
@@ -156,8 +170,16 @@ def test_every_view_fits_80_columns(op):
         assert "NOT attached" in text and "slo_compliance_ratio" in text
         assert "< 0.75 (slo_class=bronze)" in text       # the breaching class is the one shown
         assert "span facts: 3 rows waiting, 1 evicted, 2 expired, 1 late" in " ".join(text.split())
+        assert ("batched steps: 40 steps, 3 requests held now, 5 waiting shares, 77 requests with "
+                "shares, 4 late, 6 expired, 7 links dropped") in " ".join(text.split())
     if op == "hints":
         assert "text.kv_cache_" in text
+    if op == "spans":
+        # the span column's words, top to bottom (the cells wrap)
+        words = " ".join(w for line in text.splitlines() if len(line.split("│")) > 3
+                         for w in line.split("│")[3].split())
+        assert "12 steps, share: 1.23e+03 launch, 3.25 graph, 0.0123 stall s" in words, words
+        assert "step of 8 requests" in words
 
 
 def test_ask_reports_a_missing_socket(tmp_path):

@@ -190,3 +190,29 @@ def test_the_schema_names_the_otlp_field_numbers():
         assert declared, message
         for name, number in declared.items():
             assert proto.DESCRIPTOR.fields_by_name[name].number == number, (message, name)
+
+
+def test_a_request_span_keeps_its_batch_shares_in_span_attributes(backend):
+    """Batched steps: the request's kernel.batch.* (an int and doubles, put on
+    the span as wire bytes by the join) are stored with its other attributes,
+    and a step span keeps its links with their weights."""
+    from spanlet.join import _Shares, put_shares
+
+    req = ExportTraceServiceRequest()
+    ss = req.resource_spans.add().scope_spans.add()
+    request = ss.spans.add(name="POST /generate", trace_id=bytes(range(16)), span_id=b"\x01" * 8, kind=2,
+                           start_time_unix_nano=T0, end_time_unix_nano=T0 + 5)
+    shares = _Shares(0.0, 0)
+    shares.steps, shares.values = 3, [12.5, 0.25, 1500.0]
+    put_shares(request, shares)
+    step = ss.spans.add(name="engine.step", trace_id=bytes(range(1, 17)), span_id=b"\x02" * 8, kind=1,
+                        start_time_unix_nano=T0, end_time_unix_nano=T0 + 5)
+    lk = step.links.add(trace_id=request.trace_id, span_id=request.span_id)
+    lk.attributes.add(key="spanlet.weight").value.double_value = 2.0
+    got, want = _both_ways(backend, req)
+    assert got == want
+    attrs = dict(backend.query("SELECT SpanAttributes FROM spanlet.otel_traces "
+                               "WHERE SpanName = 'POST /generate'")[0][0])
+    assert {k: v for k, v in attrs.items() if k.startswith("kernel.batch.")} == {
+        "kernel.batch.steps": "3", "kernel.batch.gpu.launches": "12.5",
+        "kernel.batch.gpu.graph_launches": "0.25", "kernel.batch.gpu.sync_wait_ns": "1500"}
