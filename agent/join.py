@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 LATE_SPAN_NAME = "spanlet.kernel.late_events"
 
 # The kernel facts a span gets, as (attribute, Facts field); only non-zero ones.
-# (Graph launches are kept in the rows, always 0 until their probes exist.)
 FACT_ATTRIBUTES = (
     ("kernel.gpu.launches", "launches"),
+    ("kernel.gpu.graph_launches", "graph_launches"),
+    ("kernel.gpu.graph_kernels", "graph_kernels"),
     ("kernel.gpu.launch_ns", "launch_ns"),
     ("kernel.gpu.sync_wait_ns", "sync_wait_ns"),
     ("kernel.gpu.syncs", "syncs"),
@@ -155,7 +156,7 @@ def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
     message is copied, which costs as much again."""
     f = facts
     _add_counts(span, f.launches, f.launch_ns, f.sync_wait_ns, f.syncs, f.rx_bytes, f.tx_bytes,
-                f.violations)
+                f.violations, f.graph_launches, f.graph_kernels)
     for ev in facts.samples:
         e = span.events.add(time_unix_nano=ev.epoch_ns,
                             name=_EVENT_NAMES.get(ev.hdr.kind, "kernel.event"))
@@ -165,12 +166,15 @@ def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
 
 
 def _add_counts(span: trace_pb2.Span, launches: int, launch_ns: int, sync_wait_ns: int, syncs: int,
-                rx_bytes: int, tx_bytes: int, violations: int) -> None:
+                rx_bytes: int, tx_bytes: int, violations: int, graph_launches: int = 0,
+                graph_kernels: int = 0) -> None:
     """The FACT_ATTRIBUTES of a span, in that order, the non-zero ones (summed
     with any already there). Values passed one by one: on the span path a
     getattr by name per attribute costs more than the attribute."""
     existing = None
-    for attr, value in (("kernel.gpu.launches", launches), ("kernel.gpu.launch_ns", launch_ns),
+    for attr, value in (("kernel.gpu.launches", launches),
+                        ("kernel.gpu.graph_launches", graph_launches),
+                        ("kernel.gpu.graph_kernels", graph_kernels), ("kernel.gpu.launch_ns", launch_ns),
                         ("kernel.gpu.sync_wait_ns", sync_wait_ns), ("kernel.gpu.syncs", syncs),
                         ("kernel.net.rx_bytes", rx_bytes), ("kernel.net.tx_bytes", tx_bytes),
                         ("kernel.sandbox.violations", violations)):
@@ -328,7 +332,7 @@ class SpanJoin:
             # the common case, a facts row alone: straight onto the span (as
             # Facts.add_row + apply_facts would put it, without building Facts)
             _add_counts(span, row.launches, row.launch_ns, row.sync_wait_ns, row.syncs, 0, 0,
-                        row.violations)
+                        row.violations, row.graph_launches, row.graph_kernels)
             self.stats.rows_taken += 1
             self.stats.spans_joined += 1
             return row.cgroup_id or 1

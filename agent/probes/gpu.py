@@ -23,46 +23,81 @@ WAIT_BUCKETS = 32
 
 @dataclass(frozen=True)
 class Hook:
-    """One hooked function: its BPF entry program and the return program of
-    its family (launch or sync); `driver_launch` marks the hooks that need no
-    return program unless launches are timed (gpu.launch_timing)."""
+    """One hooked function: its BPF entry program (gpu_<symbol>, or `fn` where
+    several symbols share one) and the return program it needs, if any.
+    `kind` says when the return probe is attached: "launch" (a driver launch:
+    only when launches are timed, gpu.launch_timing), "call" (always: runtime
+    launches, syncs, and the rare graph calls whose result is read at
+    return), "entry" (never)."""
 
     symbol: str
-    entry_fn: str
-    return_fn: str
-    required: bool = True
+    return_fn: str = ""
+    kind: str = "entry"
+    required: bool = False
+    fn: str = ""
 
     @property
-    def driver_launch(self) -> bool:
-        return self.symbol.startswith("cuLaunch")
+    def entry_fn(self) -> str:
+        return self.fn or f"gpu_{self.symbol}"
 
 
-def _hooks(*base: tuple[str, str, str]) -> tuple[Hook, ...]:
+def _twins(sym: str, return_fn: str = "", kind: str = "entry", required: bool = True,
+           fn: str = "", twin_fn: str = "") -> tuple[Hook, Hook]:
     # CUDA also exports a per-thread-default-stream twin (_ptsz) of these
     # calls, with the same arguments; older releases lack some of them.
-    out = []
-    for sym, entry, ret in base:
-        out.append(Hook(sym, entry, ret))
-        out.append(Hook(sym + "_ptsz", entry, ret, required=False))
-    return tuple(out)
+    return (Hook(sym, return_fn, kind, required, fn),
+            Hook(sym + "_ptsz", return_fn, kind, False, twin_fn))
 
 
-DRIVER_HOOKS = _hooks(
-    ("cuLaunchKernel", "gpu_cu_launch_kernel", "gpu_launch_return"),
-    ("cuLaunchKernelEx", "gpu_cu_launch_kernel_ex", "gpu_launch_return"),
-    ("cuStreamSynchronize", "gpu_cu_stream_sync", "gpu_sync_return"),
+LAUNCH, SYNC, GRAPH = "gpu_launch_return", "gpu_sync_return", "gpu_graph_return"
+# Every driver entry point that launches (../shared/CUDA.md): one entry-only
+# uprobe each, so that a launch is one trap however it was called.
+DRIVER_LAUNCH_HOOKS = (
+    *_twins("cuLaunchKernel", LAUNCH, "launch"),
+    *_twins("cuLaunchKernelEx", LAUNCH, "launch"),
+    *_twins("cuLaunchCooperativeKernel", LAUNCH, "launch"),
+    Hook("cuLaunch", LAUNCH, "launch"),
+    Hook("cuLaunchGrid", LAUNCH, "launch"),
+    Hook("cuLaunchGridAsync", LAUNCH, "launch"),
 )
-RUNTIME_LAUNCH_HOOKS = _hooks(
-    ("cudaLaunchKernel", "gpu_cuda_launch_kernel", "gpu_launch_return"),
+# Graph replays (entry only), and how graphs are made: capture and
+# instantiation read their result at return (rare calls); nodes added and
+# graphs destroyed are entry only.
+_BEGIN, _BEGIN_PTSZ, _INST = "gpu_cuStreamBeginCapture", "gpu_cuStreamBeginCapture_ptsz", \
+    "gpu_cuGraphInstantiate"
+DRIVER_GRAPH_HOOKS = (
+    *_twins("cuGraphLaunch"),
+    *_twins("cuStreamBeginCapture", GRAPH, "call", required=False),
+    *_twins("cuStreamBeginCapture_v2", GRAPH, "call", fn=_BEGIN, twin_fn=_BEGIN_PTSZ),
+    Hook("cuStreamBeginCaptureToGraph", GRAPH, "call"),
+    *_twins("cuStreamEndCapture", GRAPH, "call"),
+    Hook("cuGraphCreate", GRAPH, "call"),
+    Hook("cuGraphInstantiate", GRAPH, "call", fn=_INST),
+    Hook("cuGraphInstantiate_v2", GRAPH, "call", fn=_INST),
+    Hook("cuGraphInstantiateWithFlags", GRAPH, "call", True, fn=_INST),
+    *_twins("cuGraphInstantiateWithParams", GRAPH, "call", False, _INST, _INST),
+    Hook("cuGraphAddKernelNode", fn="gpu_cuGraphAddKernelNode"),
+    Hook("cuGraphAddKernelNode_v2", fn="gpu_cuGraphAddKernelNode"),
+    Hook("cuGraphExecDestroy", required=True),
+    Hook("cuGraphDestroy", required=True),
 )
-# Sync calls are hooked on both layers in every mode: a sync is a wait, and
-# its entry and return are the fact (cudaDeviceSynchronize, for one, reaches
-# no hooked driver call).
-RUNTIME_SYNC_HOOKS = _hooks(
-    ("cudaStreamSynchronize", "gpu_cuda_stream_sync", "gpu_sync_return"),
-    ("cudaDeviceSynchronize", "gpu_cuda_device_sync", "gpu_sync_return"),
+# The driver's waits: every runtime sync reaches one of them.
+DRIVER_SYNC_HOOKS = (
+    *_twins("cuStreamSynchronize", SYNC, "call"),
+    Hook("cuCtxSynchronize", SYNC, "call", True),
+    Hook("cuEventSynchronize", SYNC, "call", True),
 )
-RUNTIME_HOOKS = RUNTIME_LAUNCH_HOOKS + RUNTIME_SYNC_HOOKS
+DRIVER_HOOKS = DRIVER_LAUNCH_HOOKS + DRIVER_GRAPH_HOOKS + DRIVER_SYNC_HOOKS
+# gpu.runtime_hooks: the runtime's launches and syncs too (api="runtime"); the
+# driver call each makes is then nested and not counted again.
+RUNTIME_HOOKS = (
+    *_twins("cudaLaunchKernel", LAUNCH, "call"),
+    *_twins("cudaLaunchKernelExC", LAUNCH, "call"),
+    *_twins("cudaLaunchCooperativeKernel", LAUNCH, "call"),
+    *_twins("cudaStreamSynchronize", SYNC, "call"),
+    Hook("cudaDeviceSynchronize", SYNC, "call", True),
+    Hook("cudaEventSynchronize", SYNC, "call", True),
+)
 
 CountKey = tuple[int, events.Modality, events.Api]
 
@@ -124,12 +159,14 @@ class GpuProbe(Probe):
                  clock: events.MonotonicClock | None = None, proc: str = "/proc"):
         super().__init__(cfg, sink, clock)
         gpu = cfg.gpu
-        self._api_of = {n: events.Api.runtime for n in gpu.runtime_libraries}
+        # The runtime's files are looked for only when it is hooked: every
+        # runtime call reaches the driver's exported functions.
+        self._api_of = {n: events.Api.runtime for n in gpu.runtime_libraries} \
+            if gpu.runtime_hooks else {}
         self._api_of.update({n: events.Api.driver for n in gpu.driver_libraries})
         self.finder = LibraryFinder(self._api_of, proc=proc,
                                     full_rescan_s=cfg.discovery.full_rescan_s)
         self._libraries: dict[tuple[int, int], AttachedLibrary] = {}
-        self._runtime_hooks = RUNTIME_HOOKS if gpu.runtime_hooks else RUNTIME_SYNC_HOOKS
 
     def cflags(self) -> list[str]:
         gpu = self.cfg.gpu
@@ -179,7 +216,7 @@ class GpuProbe(Probe):
 
     def _attach_library(self, lib: MappedLibrary) -> None:
         api = self._api_of[lib.name]
-        hooks = DRIVER_HOOKS if api == events.Api.driver else self._runtime_hooks
+        hooks = DRIVER_HOOKS if api == events.Api.driver else RUNTIME_HOOKS
         att = AttachedLibrary(lib, api)
         self._libraries[lib.key] = att
         try:
@@ -226,7 +263,9 @@ class GpuProbe(Probe):
     def _needs_return(self, hook: Hook) -> bool:
         # Mirrors SPANLET_GPU_TRACK_LAUNCHES in the C: an untimed driver
         # launch is counted at entry and leaves nothing to clear.
-        return not (hook.driver_launch and not self.cfg.gpu.launch_timing)
+        if hook.kind == "launch":
+            return self.cfg.gpu.launch_timing
+        return hook.kind == "call"
 
     def _attach_hook(self, path: str, hook: Hook) -> tuple[list[bytes], str | None]:
         """Attach one function's return then entry probe. Returns BCC's names
@@ -264,7 +303,7 @@ class GpuProbe(Probe):
     def _reap_calls(self) -> None:
         """Delete the call records of threads that no longer exist: a thread
         killed inside a call never reaches its return probe."""
-        for name in (b"gpu_launch_calls", b"gpu_sync_calls"):
+        for name in (b"gpu_launch_calls", b"gpu_sync_calls", b"gpu_graph_calls"):
             table = self.bpf[name]
             for key, call in list(table.items()):
                 pid, tid = call.pid_tgid >> 32, call.pid_tgid & 0xFFFFFFFF
@@ -286,14 +325,31 @@ class GpuProbe(Probe):
         return [a for a in list(self._libraries.values()) if a.settled]
 
     def launches(self) -> dict[CountKey, int]:
-        """Outermost launch calls per (cgroup id, modality, api)."""
+        """Kernel launches per (cgroup id, modality, api): outermost launch
+        calls (api driver or runtime; attempts, counted at entry, whether
+        they succeed or not), and kernels run by replays of known graphs
+        (api graph). Launches recorded during a stream capture are not here."""
+        return self._per_cpu_counts(b"spanlet_gpu_kernel_launches_total")
+
+    def _per_cpu_counts(self, name: bytes) -> dict[CountKey, int]:
         out: dict[CountKey, int] = {}
         if self.bpf is None:
             return out
-        for k, per_cpu in self.bpf[b"spanlet_gpu_kernel_launches_total"].items():
+        for k, per_cpu in self.bpf[name].items():
             key = (k.cgroup_id, _modality(k.modality), events.Api(k.api))
             out[key] = out.get(key, 0) + sum(int(v) for v in per_cpu)
         return out
+
+    def graph_launches(self) -> dict[CountKey, int]:
+        """Graph replays (cuGraphLaunch*) per (cgroup id, modality, api graph)."""
+        return self._per_cpu_counts(b"spanlet_gpu_graph_launches_total")
+
+    def unknown_graph_launches(self) -> dict[CountKey, int]:
+        """Replays of executable graphs whose making the agent did not see
+        (made before it attached, or pushed out of its bounded maps), per
+        (cgroup id, modality, api graph): counted as graph launches, their
+        kernels unknown."""
+        return self._per_cpu_counts(b"spanlet_gpu_unknown_graph_launches_total")
 
     def sync_wait(self) -> dict[CountKey, tuple[int, int]]:
         """Outermost sync calls per (cgroup id, modality, api): (count, total ns)."""

@@ -18,77 +18,13 @@ from spanlet import config, events
 from spanlet.events import Api, Entry, Modality
 
 import cuda_standin
-from gpu_harness import cgroup_id, counts
+from gpu_harness import cgroup_id, counts, launch_line, launches, mine, read_events
 
 pytestmark = pytest.mark.kernel
 
 DRIVER, RUNTIME = Api.driver, Api.runtime
 OTHER = Modality.other
 FUNC = 0xF00D  # the "kernel" the workload names in every launch
-
-
-@pytest.fixture
-def probes():
-    """Start probes (GPU ones with a config tweak); stopped at teardown, last first."""
-    from spanlet.probes.gpu import GpuProbe
-
-    started = []
-
-    def gpu(launch_events: str = "all", pin_dir: str | None = None,
-            unmapped_grace_s: float = 600.0, timing: bool = True, runtime_hooks: bool = True,
-            **kw) -> GpuProbe:
-        # timing and runtime hooks on: both layers, both probes per launch
-        # (the defaults, one entry-only driver probe, are tested below)
-        cfg = config.load(env={})
-        cfg.gpu.launch_events = launch_events
-        cfg.gpu.launch_timing, cfg.gpu.runtime_hooks = timing, runtime_hooks
-        cfg.discovery.unmapped_grace_s = unmapped_grace_s
-        seen: list[events._Event] = []
-        p = GpuProbe(cfg, sink=seen.append, **kw)
-        p.seen = seen
-        started.append(p)
-        st = p.start(pin_dir=pin_dir)
-        assert st.attached, st.reason
-        return p
-
-    def span_ctx():
-        from spanlet.probes.span_ctx import SpanCtxProbe
-
-        p = SpanCtxProbe(config.load(env={}))
-        started.append(p)
-        assert p.start().attached, p.status.reason
-        return p
-
-    gpu.span_ctx = span_ctx
-    yield gpu
-    for p in reversed(started):
-        p.stop()
-
-
-def mine(libs, folder: Path) -> list:
-    """The attached libraries under `folder` (other processes on the host may
-    map a libcuda of their own)."""
-    return [lib for lib in libs if lib.path.startswith(str(folder) + "/")]
-
-
-def read_events(probe, pid: int, n: int, timeout_s: float = 10.0) -> list[events._Event]:
-    """Poll until `n` records of `pid` arrived, then a little more to catch extras."""
-    deadline = time.monotonic() + timeout_s
-    of_pid = lambda: [e for e in probe.seen if e.hdr.pid == pid]  # noqa: E731
-    while len(of_pid()) < n and time.monotonic() < deadline:
-        probe.poll(50)
-    probe.poll(50)
-    probe.drain()
-    return of_pid()
-
-
-def launch_line(api: str, n: int, grid, block, shmem: int, stream: int) -> str:
-    return f"{api} {n} {' '.join(map(str, grid))} {' '.join(map(str, block))} {shmem} {stream:#x}"
-
-
-def launches(api: str, n: int) -> str:
-    """`n` launches through `api` (cu, cuex, cuda) with unit dims."""
-    return launch_line(api, n, (1, 1, 1), (1, 1, 1), 0, 0)
 
 
 # -- counts, arguments and sync times --------------------------------------------
@@ -332,11 +268,14 @@ def _prog_ids(bpf) -> set[int]:
 
 @pytest.mark.skipif(shutil.which("bpftool") is None, reason="bpftool missing")
 @pytest.mark.parametrize("timed, programs, uprobes, uretprobes", [
-    # default: one entry-only uprobe per driver launch call, no runtime launch
-    # hook; the three sync calls keep entry and return
-    (False, 6, 5, 3),
-    # timing and runtime hooks: six entry programs, two return programs
-    (True, 8, 6, 6)], ids=["default", "timed-runtime"])
+    # default: on the driver only, 32 functions: an entry-only uprobe on each
+    # of the 9 launch, 2 graph-launch, 2 graph-node and 2 destroy calls; entry
+    # and return on the 4 syncs and on the 13 capture, create and instantiate
+    # calls (25 entry programs, some shared by a call's variants, and 2 return)
+    (False, 27, 32, 17),
+    # timing and runtime hooks: the 9 driver launches get their return probe,
+    # and 10 runtime calls (6 launches, 4 syncs) are hooked on both ends
+    (True, 38, 42, 36)], ids=["default", "timed-runtime"])
 def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, programs, uprobes,
                                            uretprobes):
     w = spawn(standin.workload)
