@@ -140,3 +140,163 @@ def test_a_failed_launch_is_counted_as_the_attempt_it_was(traced, rep):
     cg = cgroup_id(w.pid)
     assert counts(gpu.launches(), cg) == {(cg, Modality.text, DRIVER): 9}
     assert span.facts.take(trace_id, span_id).launches == 9
+
+
+# -- graphs and stream capture ------------------------------------------------------
+def handle(line: str) -> int:
+    """The handle an "end"/"create"/"inst" line printed (its call succeeded)."""
+    word, rc, h = line.split()
+    assert rc == "0", line
+    return int(h, 16)
+
+
+def graph_counts(gpu, cg: int) -> tuple[dict, dict, dict]:
+    """(metric #1, graph launches, unknown graph launches) of one cgroup."""
+    return (counts(gpu.launches(), cg), counts(gpu.graph_launches(), cg),
+            counts(gpu.unknown_graph_launches(), cg))
+
+
+# (begin, end, instantiate, replay, capturing stream, a launch entry that lands
+# on that stream with stream argument 0 or None)
+CAPTURES = {
+    "driver": ("cuStreamBeginCapture", "cuStreamEndCapture", "cuGraphInstantiate", "cuGraphLaunch",
+               0x51),
+    "v2": ("cuStreamBeginCapture_v2", "cuStreamEndCapture", "cuGraphInstantiateWithFlags",
+           "cuGraphLaunch_ptsz", 0x52),
+    # the per-thread default stream: NULL in _ptsz calls, CU_STREAM_PER_THREAD (0x2) in others
+    "ptsz": ("cuStreamBeginCapture_ptsz", "cuStreamEndCapture_ptsz", "cuGraphInstantiate_v2",
+             "cuGraphLaunch_ptsz", 0),
+    "v2_ptsz": ("cuStreamBeginCapture_v2_ptsz", "cuStreamEndCapture_ptsz",
+                "cuGraphInstantiateWithParams", "cuGraphLaunch", 0x2),
+    "runtime": ("cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaGraphInstantiate",
+                "cudaGraphLaunch", 0x55),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("calls", CAPTURES)
+def test_capture_instantiate_replays_count_graph_kernels_not_launches(traced, calls, mode):
+    begin, end, inst, replay, s = CAPTURES[calls]
+    w, span, gpu = traced(launch_events="off", **MODES[mode])
+    cg = cgroup_id(w.pid)
+    per_thread = calls.endswith("ptsz")
+    # In span A: 7 launches recorded on the capturing stream (through four entry
+    # points, one of them the runtime), 4 run on another stream meanwhile.
+    a = in_span(span, w)
+    out = w.run(f"begin {begin} {s:#x} 0",
+                launches("cuLaunchKernel_ptsz" if per_thread else "cuLaunchKernel", 2, s),
+                launches("cuLaunchKernelEx_ptsz" if s == 0 else "cuLaunchKernelEx", 3, s or 0x2),
+                launches("cudaLaunchKernel", 1, s or 0x2),
+                launches("cuLaunchCooperativeKernel", 1, s or 0x2),
+                launches("cuLaunchKernel", 4, 0x99),
+                f"end {end} {s:#x}")
+    assert out[0] == "begin 0"
+    graph = handle(out[1])
+    assert graph_counts(gpu, cg) == ({(cg, Modality.text, DRIVER): 4}, {}, {})
+    row = span.facts.take(*a)
+    assert (row.launches, row.graph_launches, row.graph_kernels) == (4, 0, 0)
+
+    (line,) = w.run(f"inst {inst} {graph:#x}")
+    exec_ = handle(line)
+    # In span B: 5 replays of the 7 kernels.
+    b = in_span(span, w, Modality.image)
+    assert w.run(f"replay {replay} {exec_:#x} 5 0x77") == ["replay 0"]
+    launched, graph_launches, unknown = graph_counts(gpu, cg)
+    assert launched == {(cg, Modality.text, DRIVER): 4, (cg, Modality.image, GRAPH): 35}
+    assert graph_launches == {(cg, Modality.image, GRAPH): 5} and unknown == {}
+    row = span.facts.take(*b)
+    assert (row.launches, row.graph_launches, row.graph_kernels) == (0, 5, 35)
+
+    # Destroyed: forgotten. The same handle replayed again (a stale one the
+    # stand-in still runs) is a graph launch whose kernels are unknown.
+    w.run(f"destroy cuGraphExecDestroy {exec_:#x}", f"destroy cuGraphDestroy {graph:#x}")
+    c = in_span(span, w, Modality.image)
+    assert w.run(f"replay {replay} {exec_:#x} 2 0x77") == ["replay 0"]
+    launched, graph_launches, unknown = graph_counts(gpu, cg)
+    assert launched[(cg, Modality.image, GRAPH)] == 35
+    assert graph_launches == {(cg, Modality.image, GRAPH): 7}
+    assert unknown == {(cg, Modality.image, GRAPH): 2}
+    row = span.facts.take(*c)
+    assert (row.launches, row.graph_launches, row.graph_kernels) == (0, 2, 0)
+    # every capture ended: none left behind for the launches to look at
+    assert not [k for k in gpu.bpf[b"gpu_captures"].keys() if k.tgid == w.pid]
+
+
+@pytest.mark.parametrize("rep", REPEATS)
+def test_several_streams_capture_at_once_and_graphs_built_node_by_node(traced, rep):
+    w, span, gpu = traced(launch_events="off", **MODES["default"])
+    cg = cgroup_id(w.pid)
+    s1, s2, s3, s4, other = 0x61, 0x62, 0x63, 0x64, 0x99
+    # Two captures interleaved on one thread, launches on a third stream run.
+    out = w.run(f"begin cuStreamBeginCapture_v2 {s1:#x} 0", f"begin cuStreamBeginCapture_v2 {s2:#x} 0",
+                launches("cuLaunchKernel", 3, s1), launches("cuLaunchKernel", 2, s2),
+                launches("cuLaunchKernel", 4, other), launches("cuLaunchKernelEx", 1, s1),
+                launches("cuLaunchKernelEx_ptsz", 3, s2),
+                f"end cuStreamEndCapture {s2:#x}", f"end cuStreamEndCapture {s1:#x}",
+                # built node by node: 3 kernel nodes
+                "create cuGraphCreate", )
+    assert out[:2] == ["begin 0", "begin 0"]
+    g2, g1, g3 = handle(out[2]), handle(out[3]), handle(out[4])
+    out = w.run(f"addnode cuGraphAddKernelNode {g3:#x} 2", f"addnode cuGraphAddKernelNode_v2 {g3:#x} 1",
+                f"inst cuGraphInstantiateWithFlags {g1:#x}", f"inst cuGraphInstantiateWithFlags {g2:#x}",
+                f"inst cuGraphInstantiateWithParams_ptsz {g3:#x}")
+    e1, e2, e3 = (handle(line) for line in out[2:])
+    # Captured into an existing graph (3 nodes + 2 launches), and a capture
+    # that records a replay of e1 (4 kernels, a child graph) and 1 launch.
+    out = w.run(f"begin cuStreamBeginCaptureToGraph {s3:#x} {g3:#x}", launches("cuLaunchKernel", 2, s3),
+                f"end cuStreamEndCapture {s3:#x}",
+                f"begin cuStreamBeginCapture {s4:#x}", f"replay cuGraphLaunch {e1:#x} 1 {s4:#x}",
+                launches("cuLaunchKernel", 1, s4), f"end cuStreamEndCapture {s4:#x}")
+    assert handle(out[1]) == g3
+    g4 = handle(out[4])
+    out = w.run(f"inst cuGraphInstantiateWithFlags {g3:#x}", f"inst cuGraphInstantiateWithFlags {g4:#x}")
+    e3b, e4 = (handle(line) for line in out)
+    assert graph_counts(gpu, cg) == ({(cg, Modality.other, DRIVER): 4}, {}, {})
+
+    sp = in_span(span, w)
+    assert w.run(f"replay cuGraphLaunch {e1:#x} 2", f"replay cuGraphLaunch {e2:#x} 3",
+                 f"replay cuGraphLaunch_ptsz {e3:#x} 1", f"replay cuGraphLaunch {e3b:#x} 1",
+                 f"replay cuGraphLaunch {e4:#x} 2") == ["replay 0"] * 5
+    kernels = 2 * 4 + 3 * 5 + 1 * 3 + 1 * 5 + 2 * 5
+    launched, graph_launches, unknown = graph_counts(gpu, cg)
+    assert launched == {(cg, Modality.other, DRIVER): 4, (cg, Modality.text, GRAPH): kernels}
+    assert graph_launches == {(cg, Modality.text, GRAPH): 9} and unknown == {}
+    row = span.facts.take(*sp)
+    assert (row.launches, row.graph_launches, row.graph_kernels) == (0, 9, kernels)
+    w.run(*(f"destroy cuGraphExecDestroy {e:#x}" for e in (e1, e2, e3, e3b, e4)),
+          *(f"destroy cuGraphDestroy {g:#x}" for g in (g1, g2, g3, g4)))
+    assert not [k for k in gpu.bpf[b"gpu_graphs"].keys() if k.tgid == w.pid]
+    assert not [k for k in gpu.bpf[b"gpu_execs"].keys() if k.tgid == w.pid]
+
+
+@pytest.mark.parametrize("rep", REPEATS)
+def test_a_graph_made_before_the_agent_and_failed_capture_calls(standin, spawn, probes, rep):
+    w = spawn(standin.workload)
+    w.load(standin.lib_dir)
+    out = w.run("begin cuStreamBeginCapture 0x71", launches("cuLaunchKernel", 6, 0x71),
+                "end cuStreamEndCapture 0x71")
+    (line,) = w.run(f"inst cuGraphInstantiateWithFlags {handle(out[1]):#x}")
+    early = handle(line)
+
+    span = probes.span_ctx()
+    gpu = probes(launch_events="off", pin_dir=span.shared_pin_dir(), timing=False,
+                 runtime_hooks=False)
+    cg = cgroup_id(w.pid)
+    sp = in_span(span, w)
+    # A capture the driver refuses (the legacy stream cannot capture) and an
+    # end on a stream that is not capturing change nothing: the launches on
+    # that stream run, and count.
+    out = w.run(f"replay cuGraphLaunch {early:#x} 6", "begin cuStreamBeginCapture 0x0",
+                launches("cuLaunchKernel", 3, 0), "end cuStreamEndCapture 0x0",
+                "end cuStreamEndCapture 0x72")
+    assert out[0] == "replay 0" and out[1] != "begin 0"
+    assert [line.split()[1] for line in out[2:]] == ["401", "401"]   # CUDA_ERROR_ILLEGAL_STATE
+    assert graph_counts(gpu, cg) == ({(cg, Modality.text, DRIVER): 3},
+                                     {(cg, Modality.text, GRAPH): 6}, {(cg, Modality.text, GRAPH): 6})
+    row = span.facts.take(*sp)
+    assert (row.launches, row.graph_launches, row.graph_kernels) == (3, 6, 0)
+    workload = lambda c: {"namespace": "ns", "pod": f"pod-{c}", "container": "c"}  # noqa: E731
+    fams = {f.name: f for f in kernel_metrics.spanlet_gpu_graph_launches_total(gpu, workload)}
+    for name in ("spanlet_gpu_graph_launches_total", "spanlet_gpu_unknown_graph_launches_total"):
+        (sample,) = [s for s in fams[name].samples if dict(s.labels)["pod"] == f"pod-{cg}"]
+        assert dict(sample.labels)["modality"] == "text" and sample.value == 6
