@@ -300,3 +300,43 @@ def test_a_graph_made_before_the_agent_and_failed_capture_calls(standin, spawn, 
     for name in ("spanlet_gpu_graph_launches_total", "spanlet_gpu_unknown_graph_launches_total"):
         (sample,) = [s for s in fams[name].samples if dict(s.labels)["pod"] == f"pod-{cg}"]
         assert dict(sample.labels)["modality"] == "text" and sample.value == 6
+
+
+# -- synchronisation ----------------------------------------------------------------
+# (call, µs "waited", the driver entry it reaches, stream or event recorded)
+SYNCS = [
+    ("cuStreamSynchronize", 20_000, Entry.cuStreamSynchronize, 20_000),
+    ("cuStreamSynchronize_ptsz", 21_000, Entry.cuStreamSynchronize_ptsz, 21_000),
+    ("cuCtxSynchronize", 22_000, Entry.cuCtxSynchronize, 0),
+    ("cuEventSynchronize", 23_000, Entry.cuEventSynchronize, 23_000),
+    ("cudaStreamSynchronize", 24_000, Entry.cuStreamSynchronize, 24_000),
+    ("cudaStreamSynchronize_ptsz", 25_000, Entry.cuStreamSynchronize_ptsz, 25_000),
+    ("cudaDeviceSynchronize", 26_000, Entry.cuCtxSynchronize, 0),
+    ("cudaEventSynchronize", 27_000, Entry.cuEventSynchronize, 27_000),
+]
+
+
+@pytest.mark.parametrize("rep", range(2))
+@pytest.mark.parametrize("mode", MODES)
+def test_every_sync_entry_point_is_one_wait_on_the_span(traced, mode, rep):
+    w, span, gpu = traced(launch_events="all", **MODES[mode])
+    sp = in_span(span, w)
+    out = w.run(*(f"{name} {us}" for name, us, *_ in SYNCS))
+    took = {line.split()[1]: int(line.split()[2]) for line in out}
+    runtime = mode != "default"
+    got = sorted((e for e in read_events(gpu, w.pid, len(SYNCS)) if e.kind == events.Kind.GPU_SYNC),
+                 key=lambda e: e.hdr.ts_ns)
+    # one record per call (a runtime call and the driver call it makes: once)
+    assert len(got) == len(SYNCS)
+    for e, (name, us, driver_entry, stream) in zip(got, SYNCS):
+        on_runtime = runtime and name.startswith("cuda")
+        assert (Entry(e.entry), Api(e.api)) == ((Entry[name], RUNTIME) if on_runtime
+                                                 else (driver_entry, DRIVER)), name
+        assert e.stream == stream and e.hdr.span_id == sp[1]
+        assert us * 1000 <= e.duration_ns <= took[name], name
+    cg = cgroup_id(w.pid)
+    n_rt = sum(name.startswith("cuda") for name, *_ in SYNCS) if runtime else 0
+    waits = {k[2]: n for k, (n, _) in counts(gpu.sync_wait(), cg).items()}
+    assert waits == ({DRIVER: len(SYNCS) - n_rt, RUNTIME: n_rt} if runtime else {DRIVER: len(SYNCS)})
+    row = span.facts.take(*sp)
+    assert row.syncs == len(SYNCS) and row.sync_wait_ns == sum(e.duration_ns for e in got)
