@@ -1,8 +1,11 @@
-/* gpu_launch.bpf.c: uprobes on the CUDA driver (and optionally runtime) launch
- * calls and entry/return probes on the synchronisation calls. Counts launches
- * and sync wait per (cgroup, modality, api) in per-CPU maps, adds them to the
- * span facts row of the calling thread's span, and sends a sampled side
- * stream of launch/sync records through the ring buffer. */
+/* gpu_launch.bpf.c: uprobes on every CUDA driver launch entry point (and
+ * optionally the runtime's), on graph replays and the calls that make graphs
+ * (stream capture, kernel nodes, instantiation, destroy), and entry/return
+ * probes on the synchronisation calls. Counts launches (api driver/runtime),
+ * the kernels graph replays run (api graph), graph replays and sync wait per
+ * (cgroup, modality, api) in per-CPU maps, adds them to the span facts row of
+ * the calling thread's span, and sends a sampled side stream of launch/sync
+ * records through the ring buffer. */
 #include <uapi/linux/ptrace.h>  /* struct pt_regs, as every BCC uprobe tool uses it */
 #include "spanlet.h"
 
@@ -13,8 +16,8 @@
  *   neither                       none: counts and span facts only.
  * -DSPANLET_GPU_LAUNCH_TIMING: driver launches get a return probe and their
  * call time is measured (launch_ns); without it a driver launch is one
- * entry-only uprobe. -DSPANLET_GPU_RUNTIME_HOOKS: cudaLaunchKernel is hooked
- * too (the driver call it makes is then nested and not counted again).
+ * entry-only uprobe. -DSPANLET_GPU_RUNTIME_HOOKS: the runtime's launches are
+ * hooked too (the driver call each makes is then nested and not counted again).
  * The per-CPU counts and the span facts are kept in every mode. */
 #if defined(SPANLET_GPU_EVENTS_ALL) && defined(SPANLET_GPU_EVENTS_SAMPLED)
 #error "SPANLET_GPU_EVENTS_ALL and SPANLET_GPU_EVENTS_SAMPLED are exclusive"
@@ -61,7 +64,8 @@ struct gpu_count_key {
     __u8 _pad[6];
 };
 
-/* Metric 1: outermost launch calls. */
+/* Metric 1: outermost launch calls (attempts, counted at entry), and with
+ * api graph the kernels run by replays of known graphs. */
 BPF_PERCPU_HASH(spanlet_gpu_kernel_launches_total, struct gpu_count_key, __u64, SPANLET_GPU_KEYS_MAX);
 
 /* Metric 2. Named after the metric (seconds) but kept in nanoseconds: sum_ns

@@ -1,7 +1,8 @@
-"""Loader of bpf/gpu_launch.bpf.c: finds the CUDA driver and runtime libraries
-in every process (agent/discovery.py), attaches the launch and sync uprobes to
-each library file once (by default one entry-only uprobe per driver launch),
-and reads the launch counts and sync wait maps."""
+"""Loader of bpf/gpu_launch.bpf.c: finds the CUDA driver (and, with
+gpu.runtime_hooks, runtime) libraries in every process (agent/discovery.py),
+attaches the launch, graph and sync uprobes to each library file once (by
+default one entry-only uprobe per driver launch entry point), and reads the
+launch, graph launch and sync wait maps."""
 
 from __future__ import annotations
 
