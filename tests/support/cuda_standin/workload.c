@@ -252,8 +252,10 @@ static void sync_call(const char *name, unsigned long us)
         return;
     uint64_t t0 = now_ns();
     if (!strcmp(sym, "cudaDeviceSynchronize") || !strcmp(sym, "cuCtxSynchronize")) {
-        if (!set_device_sync_us)
-            set_device_sync_us = lookup("standin_set_device_sync_us");
+        if (!set_device_sync_us && rt_lib)   /* stand-ins only: a real driver has no setter */
+            set_device_sync_us = dlsym(rt_lib, "standin_set_device_sync_us");
+        if (!set_device_sync_us && cu_lib)
+            set_device_sync_us = dlsym(cu_lib, "standin_set_ctx_sync_us");
         if (set_device_sync_us)
             set_device_sync_us(us);
         ((void_fn)fn)();
