@@ -7,6 +7,7 @@ arguments of each; stream capture, graphs and their replays; the sync calls."""
 from __future__ import annotations
 
 import secrets
+import shutil
 
 import pytest
 
@@ -340,3 +341,35 @@ def test_every_sync_entry_point_is_one_wait_on_the_span(traced, mode, rep):
     assert waits == ({DRIVER: len(SYNCS) - n_rt, RUNTIME: n_rt} if runtime else {DRIVER: len(SYNCS)})
     row = span.facts.take(*sp)
     assert row.syncs == len(SYNCS) and row.sync_wait_ns == sum(e.duration_ns for e in got)
+
+
+# -- where the libraries are -------------------------------------------------------
+RUNTIME_LAYOUTS = {
+    # pip's nvidia-cuda-runtime-cu12 wheel, and a wheel whose copy auditwheel renamed
+    "wheel": "site-packages/nvidia/cuda_runtime/lib/libcudart.so.12",
+    "cu13-wheel": "site-packages/nvidia/cu13/lib/libcudart.so.13",
+    "hash-renamed": "site-packages/somepkg.libs/libcudart-1a2b3c4d.so.12",
+}
+
+
+@pytest.mark.parametrize("layout", RUNTIME_LAYOUTS)
+def test_runtime_hooks_find_the_runtime_where_wheels_put_it(standin, spawn, probes, tmp_path, layout):
+    rt = tmp_path / RUNTIME_LAYOUTS[layout]
+    rt.parent.mkdir(parents=True)
+    shutil.copy2(standin.lib_dir / "libcudart.so.12", rt)
+    drv = tmp_path / "driver" / "libcuda.so.1"          # the host's driver, mounted elsewhere
+    drv.parent.mkdir()
+    shutil.copy2(standin.lib_dir / "libcuda.so.1", drv)
+    w = spawn(standin.workload)
+    for what, path in (("driver", drv), ("runtime", rt)):
+        w.send(f"load-{what} {path}")
+        w.expect("loaded")
+    gpu = probes(launch_events="off", timing=False, runtime_hooks=True)
+    found = {lib.path: lib for lib in gpu.libraries() if lib.pid == w.pid}
+    assert set(found) == {str(drv), str(rt)}
+    assert found[str(rt)].library.name == "libcudart.so" and not found[str(rt)].missing
+    w.run(launches("cudaLaunchKernel", 5), launches("cudaLaunchKernelExC_ptsz", 2),
+          launches("cuLaunchKernel", 3))
+    cg = cgroup_id(w.pid)
+    assert counts(gpu.launches(), cg) == {(cg, Modality.other, RUNTIME): 7,
+                                          (cg, Modality.other, DRIVER): 3}
