@@ -5,11 +5,15 @@ exported function's entry ran, so its uprobe fires. What is shown: the agent
 finds and attaches to the real symbols, and counts what reaches them. A
 launch the driver refuses launched nothing and is counted as the launch
 attempt it was (metric #1's help says so); a capture the driver refuses is no
-capture."""
+capture. Real CUDA C++ programs built here with nvcc (shared and static
+runtime) show what the runtime does before the driver."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +101,67 @@ def test_the_real_driver_symbols_are_hooked_and_what_reaches_them_counted(libcud
             for e in launched] == expected
     assert all(e.func == FUNC for e in launched)
     assert [Entry(e.entry).name for e in got if e.kind == events.Kind.GPU_SYNC] == SYNCS
+
+
+# -- real CUDA C++ programs (nvcc, <<<>>>) ----------------------------------------
+PROGRAMS = Path(__file__).resolve().parent.parent / "support" / "cuda_programs"
+
+
+@pytest.fixture(scope="module")
+def nvcc_programs(tmp_path_factory):
+    """launch.cu built against the shared and the static runtime."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        if os.environ.get("SPANLET_REQUIRE_KERNEL") == "1":
+            pytest.fail("nvcc is not on the PATH (these machines carry the CUDA toolkit)")
+        pytest.skip("nvcc is not on the PATH")
+    out = tmp_path_factory.mktemp("cuda_programs")
+    built = {}
+    for cudart in ("shared", "static"):
+        exe = out / f"launch_{cudart}"
+        subprocess.run([nvcc, "-cudart", cudart, "-o", str(exe), str(PROGRAMS / "launch.cu")],
+                       check=True, capture_output=True, timeout=300)
+        built[cudart] = exe
+    return built
+
+
+def _start(exe: Path, n: int, libcuda_dir: Path, cgroup: Path) -> subprocess.Popen:
+    env = {**os.environ, "LD_LIBRARY_PATH": str(libcuda_dir)}
+    p = subprocess.Popen([str(exe), str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env=env)
+    (cgroup / "cgroup.procs").write_text(str(p.pid))
+    return p
+
+
+@pytest.mark.parametrize("cudart, runtime_hooks", [
+    ("shared", True), ("shared", False), ("static", True), ("static", False)])
+def test_nvcc_programs_count_what_reaches_the_hooked_entry_points(nvcc_programs, libcuda, cgroup,
+                                                                   probes, cudart, runtime_hooks):
+    # Without a GPU the runtime (CUDA 13) refuses the host's driver (535):
+    # every launch returns cudaErrorInsufficientDriver (35) from the runtime's
+    # entry point, before any driver call; the runtime has closed the driver.
+    n = 6
+    p = _start(nvcc_programs[cudart], n, libcuda, cgroup)
+    try:
+        assert p.stdout.readline().split() == ["ready", "35"]
+        gpu = probes(launch_events="off", timing=False, runtime_hooks=runtime_hooks)
+        libs = {lib.library.name: lib for lib in gpu.libraries() if lib.pid == p.pid}
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert p.stdout.readline().split() == ["launched", str(n), "35", "35"]
+        cg = cgroup_id(p.pid)
+        if cudart == "shared" and runtime_hooks:
+            # the real libcudart.so.13's entry points hooked: the <<<>>> stub
+            # tail-jumps into cudaLaunchKernel, each attempt counted once
+            rt = libs["libcudart.so"]
+            assert rt.missing == [] and {"cudaLaunchKernel", "cudaLaunchKernelExC",
+                                         "cudaStreamSynchronize"} <= set(rt.symbols)
+            assert counts(gpu.launches(), cg) == {(cg, Modality.other, Api.runtime): n}
+        else:
+            # nothing reached a hooked function: the driver was never called,
+            # and a runtime linked into the executable is not hooked
+            assert "libcuda.so" not in libs
+            assert counts(gpu.launches(), cg) == {}
+    finally:
+        p.stdin.close()
+        p.wait(10)
