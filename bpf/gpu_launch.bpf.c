@@ -303,11 +303,14 @@ BPF_TABLE("lru_hash", struct gpu_stream_key, struct gpu_capture, gpu_captures, S
 /* Kernels of each graph (by CUgraph) and executable graph (by CUgraphExec). */
 BPF_TABLE("lru_hash", struct gpu_graph_key, __u64, gpu_graphs, SPANLET_GPU_GRAPHS_MAX);
 BPF_TABLE("lru_hash", struct gpu_graph_key, __u64, gpu_execs, SPANLET_GPU_GRAPHS_MAX);
-/* Captures begun and not yet ended, node-wide: while 0, a launch reads
- * neither its stream nor the capture map. An entry lost to the LRU or to a
- * process that died capturing keeps it above 0: launches then take the
- * slower path, and still count right. */
+/* Captures begun and not yet ended, node-wide, as two counters: begun minus
+ * ended (kernel-written) and the captures of processes that died capturing,
+ * which the agent removed (agent-written, GpuProbe._reap_captures). While
+ * they are equal, a launch reads neither its stream nor the capture map. An
+ * entry lost to the LRU keeps them apart: launches then take the slower path,
+ * and still count right. */
 BPF_ARRAY(gpu_captures_active, __u64, 1);
+BPF_ARRAY(gpu_captures_reaped, __u64, 1);
 
 /* Metric 1's companion (graph replays) and the replays of graphs whose making
  * the agent did not see (their kernels are unknown: a self-metric). */
@@ -328,7 +331,10 @@ static __always_inline int gpu_capturing(void)
 {
     int zero = 0;
     __u64 *n = gpu_captures_active.lookup(&zero);
-    return n && *n;
+    if (!n || !*n)
+        return 0;
+    __u64 *reaped = gpu_captures_reaped.lookup(&zero);
+    return !reaped || *n != *reaped;
 }
 
 /* Whether `stream` is capturing; if so, `kernels` are added to its capture. */

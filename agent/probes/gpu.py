@@ -203,6 +203,7 @@ class GpuProbe(Probe):
                 self._detach_library(self._libraries[lib.key])
                 log.info("%s: detached from %s: no process maps it any more", self.name, lib.path)
             self._reap_calls()
+            self._reap_captures()
 
     def _attach_new(self) -> None:
         for lib in self.finder.refresh():
@@ -300,6 +301,24 @@ class GpuProbe(Probe):
             self.status.failed_attachments.remove(att.report)
         self._libraries.pop(att.library.key, None)
         self.finder.forget(att.library.key)
+
+    def _reap_captures(self) -> None:
+        """Delete the stream captures of processes that no longer exist (a
+        process that died capturing never ends its capture) and count them in
+        gpu_captures_reaped, which only the agent writes: while the kernel's
+        open-capture count equals it, launches skip the capture lookup."""
+        table, reaped = self.bpf[b"gpu_captures"], self.bpf[b"gpu_captures_reaped"]
+        gone = 0
+        for key in list(table.keys()):
+            if not os.path.exists(f"{self.finder.proc}/{key.tgid}"):
+                try:
+                    del table[key]
+                    gone += 1
+                except KeyError:
+                    pass   # ended (or evicted) meanwhile
+        if gone:
+            zero = reaped.Key(0)
+            reaped[zero] = reaped.Leaf(reaped[zero].value + gone)
 
     def _reap_calls(self) -> None:
         """Delete the call records of threads that no longer exist: a thread

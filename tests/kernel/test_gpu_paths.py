@@ -373,3 +373,30 @@ def test_runtime_hooks_find_the_runtime_where_wheels_put_it(standin, spawn, prob
     cg = cgroup_id(w.pid)
     assert counts(gpu.launches(), cg) == {(cg, Modality.other, RUNTIME): 7,
                                           (cg, Modality.other, DRIVER): 3}
+
+
+def test_a_process_that_dies_capturing_leaves_no_capture_behind(standin, spawn, probes):
+    gpu = probes(launch_events="off", timing=False, runtime_hooks=False)
+    dying, other = spawn(standin.workload), spawn(standin.workload)
+    for w in (dying, other):
+        w.load(standin.lib_dir)
+    gpu.refresh()
+    active, reaped = gpu.bpf[b"gpu_captures_active"], gpu.bpf[b"gpu_captures_reaped"]
+    open_captures = lambda: active[0].value - reaped[0].value  # noqa: E731
+    assert dying.run("begin cuStreamBeginCapture 0x81", "begin cuStreamBeginCapture 0x82",
+                     launches("cuLaunchKernel", 2, 0x81)) == ["begin 0", "begin 0"]
+    assert other.run("begin cuStreamBeginCapture 0x81") == ["begin 0"]
+    assert open_captures() == 3
+    dying.proc.kill()
+    dying.proc.wait(5)
+    gpu.refresh()
+    assert [k.tgid for k in gpu.bpf[b"gpu_captures"].keys()] == [other.pid]
+    assert open_captures() == 1 and reaped[0].value == 2
+    # the other process's capture still records its launches; once it ends,
+    # no capture is open and launches take the fast path again
+    out = other.run(launches("cuLaunchKernel", 3, 0x81), launches("cuLaunchKernel", 1, 0x82),
+                    "end cuStreamEndCapture 0x81")
+    assert out[0].startswith("end 0 ")
+    cg = cgroup_id(other.pid)
+    assert counts(gpu.launches(), cg) == {(cg, Modality.other, DRIVER): 1}
+    assert open_captures() == 0
