@@ -12,7 +12,10 @@ Run as root: .venv/bin/python bench/uprobe_bench.py [--calls N] [--repeat R] [--
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -126,6 +129,18 @@ def measure(w, standin, overrides: list[str] | None, calls: dict[str, int],
                 p.stop()
 
 
+def foreign_probes(lib_dir: Path) -> int:
+    """Uprobes that other processes (another agent on the machine) hold on the
+    bench's own library files: they are in every figure, "no agent" too."""
+    try:
+        out = subprocess.run(["bpftool", "-j", "perf"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for p in json.loads(out or "[]")
+               if p.get("pid") != os.getpid() and str(lib_dir) in p.get("filename", ""))
+
+
 def table(results: dict, labels, modes, width: int = 34) -> None:
     base = results["no agent"]
     print(f"{'call':<{width}}{'setting':<17}{'calls/s':>14}{'ns/call':>10}{'ratio':>9}{'ns added':>10}")
@@ -136,6 +151,17 @@ def table(results: dict, labels, modes, width: int = 34) -> None:
                   f"{base[label] / ns:>9.4f}{ns - base[label]:>10.0f}")
 
 
+def print_main(results: dict, args: argparse.Namespace, expected: int) -> None:
+    print(f"GPU launch uprobe cost, stand-in libraries, median of {args.repeat} runs "
+          f"({args.calls} driver / {args.runtime_calls} runtime calls each)")
+    print("every call inside one span; ratio: calls/s with the agent over calls/s without")
+    table(results, LOOPS, MODES, 18)
+    for mode in list(MODES)[1:]:
+        r = results[mode]
+        print(f"{mode}: span row {r['row_launches']} launches of {expected} made; "
+              f"{r['read']} records decoded, {r['dropped']} dropped")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200_000, help="cuLaunchKernel calls per run")
@@ -144,6 +170,7 @@ def main() -> int:
                     help="calls per run of each entry point in the second table")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-entries", action="store_true", help="skip the per-entry-point table")
+    ap.add_argument("--only-entries", action="store_true", help="only the per-entry-point table")
     args = ap.parse_args()
     calls = {"cuLaunchKernel": args.calls, "cudaLaunchKernel": args.runtime_calls}
     entry_calls = {label: args.entry_calls for label in loops_of(True)}
@@ -153,20 +180,19 @@ def main() -> int:
         with cuda_standin.Workload(standin.workload) as w:
             w.load(standin.lib_dir)
             ns_per_call(w, "bench", 10_000, 1)  # warm up (page faults, PLT binding)
-            results = {mode: measure(w, standin, overrides, calls, args.repeat)
-                       for mode, overrides in MODES.items()}
+            results = {} if args.only_entries else {
+                mode: measure(w, standin, overrides, calls, args.repeat)
+                for mode, overrides in MODES.items()}
             per_entry = {} if args.no_entries else {
                 mode: measure(w, standin, MODES[mode], entry_calls, args.repeat, entries=True)
                 for mode in ENTRY_MODES}
+            foreign = foreign_probes(standin.lib_dir)
             expected = args.repeat * sum(calls.values())
-    print(f"GPU launch uprobe cost, stand-in libraries, median of {args.repeat} runs "
-          f"({args.calls} driver / {args.runtime_calls} runtime calls each)")
-    print("every call inside one span; ratio: calls/s with the agent over calls/s without")
-    table(results, LOOPS, MODES, 18)
-    for mode in list(MODES)[1:]:
-        r = results[mode]
-        print(f"{mode}: span row {r['row_launches']} launches of {expected} made; "
-              f"{r['read']} records decoded, {r['dropped']} dropped")
+    if foreign:
+        print(f"WARNING: {foreign} uprobes of other processes were on the bench's libraries at "
+              "the end (another agent on this machine): every figure includes their cost")
+    if results:
+        print_main(results, args, expected)
     if per_entry:
         print(f"\nevery entry point, {args.entry_calls} calls each, defaults against no agent")
         table(per_entry, loops_of(True), ENTRY_MODES)
