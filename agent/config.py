@@ -191,6 +191,11 @@ class GpuConfig(_Section):
     # the runtime makes: ../shared/CUDA.md); the driver call each makes is
     # then nested, not counted again. Off: libcudart is not looked for.
     runtime_hooks: bool = False
+    # Attach the hooks of each library as uprobe_multi links (Linux 6.6+; a
+    # few links per library, each detached in one grace period) instead of a
+    # perf-event uprobe per hook (one grace period each at stop); older
+    # kernels fall back to the latter by themselves.
+    uprobe_multi: bool = True
 
     @field_validator("launch_events", mode="before")
     @classmethod

@@ -6,6 +6,7 @@ launch, graph launch and sync wait maps."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from spanlet import events
 from spanlet.config import Config
 from spanlet.discovery import LibraryFinder, MappedLibrary
+from spanlet.probes import uprobe_multi
 from spanlet.probes.base import EventSink, Probe
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ def _twins(sym: str, return_fn: str = "", kind: str = "entry", required: bool = 
 
 
 LAUNCH, SYNC, GRAPH = "gpu_launch_return", "gpu_sync_return", "gpu_graph_return"
+BPF_KPROBE = 2   # BPF_PROG_TYPE_KPROBE (bcc.BPF.KPROBE), the type of uprobe programs
 # Every driver entry point that launches (../shared/CUDA.md): one entry-only
 # uprobe each, so that a launch is one trap however it was called.
 DRIVER_LAUNCH_HOOKS = (
@@ -112,6 +115,7 @@ class AttachedLibrary:
     hooks: list[Hook] = field(default_factory=list)    # attached
     missing: list[str] = field(default_factory=list)   # required but absent, or refused
     probe_events: list[bytes] = field(default_factory=list)  # BCC's names of its uprobes
+    links: list[int] = field(default_factory=list)     # its uprobe_multi link fds
     report: str | None = None                          # its entry in failed_attachments
     settled: bool = False                              # every hook tried: nothing in flight
 
@@ -136,6 +140,14 @@ def _functions(path: str, hooks: tuple[Hook, ...]) -> dict[str, int]:
     pattern = "^(" + "|".join(re.escape(h.symbol) for h in hooks) + ")$"
     return {name.decode(): addr for name, addr in
             BPF.get_user_functions_and_addresses(os.fsencode(path), pattern.encode())}
+
+
+def _close_links(att: AttachedLibrary) -> None:
+    while att.links:
+        try:
+            os.close(att.links.pop())
+        except OSError as e:
+            log.debug("gpu_launch: close link: %s", e)
 
 
 def _where(lib: MappedLibrary) -> str:
@@ -168,6 +180,8 @@ class GpuProbe(Probe):
         self.finder = LibraryFinder(self._api_of, proc=proc,
                                     full_rescan_s=cfg.discovery.full_rescan_s)
         self._libraries: dict[tuple[int, int], AttachedLibrary] = {}
+        self._multi = False   # uprobe_multi links (decided at attach)
+        self._perf_funcs: dict[bytes, object] = {}   # perf-event copies of programs (fallback)
 
     def cflags(self) -> list[str]:
         gpu = self.cfg.gpu
@@ -187,9 +201,20 @@ class GpuProbe(Probe):
     def _attach(self) -> None:
         """Attach to the libraries mapped now. None being mapped is not a
         failure: refresh() attaches to libraries as processes load them."""
+        self._multi = self.cfg.gpu.uprobe_multi and self._multi_supported()
         self._attach_new()
         if not self._libraries:
             log.info("%s: no process maps %s yet", self.name, ", ".join(self._api_of))
+
+    def _multi_supported(self) -> bool:
+        """Whether this kernel loads programs for uprobe_multi links (Linux 6.6+)."""
+        try:
+            self.bpf.load_func(b"gpu_cuLaunchKernel", BPF_KPROBE,
+                               attach_type=uprobe_multi.BPF_TRACE_UPROBE_MULTI)
+            return True
+        except Exception as e:  # BCC raises bare Exception
+            log.info("%s: no uprobe_multi links (%s): one perf-event uprobe per hook", self.name, e)
+            return False
 
     def refresh(self) -> None:
         """New processes and libraries; libraries no process has mapped for
@@ -226,16 +251,22 @@ class GpuProbe(Probe):
         except Exception as e:  # BCC raises bare Exception
             present, att.missing = {}, [f"symbols unreadable: {e}"]
         hooked_at: set[int] = set()
+        todo = []
         for hook in hooks:
             addr = present.get(hook.symbol)
             if addr is None:
                 if hook.required:
                     att.missing.append(hook.symbol)
             elif addr not in hooked_at:  # an alias of a hooked function: one probe per address
+                hooked_at.add(addr)
+                todo.append((hook, addr))
+        if self._multi:
+            self._attach_links(att, todo)
+        else:
+            for hook, _ in todo:
                 names, err = self._attach_hook(lib.open_path, hook)
                 att.probe_events += names
                 if err is None:
-                    hooked_at.add(addr)
                     att.hooks.append(hook)
                     self.status.attachments.append(_label(lib, hook))
                 else:
@@ -247,6 +278,75 @@ class GpuProbe(Probe):
             return
         self._report(att, hooks)
         att.settled = True
+
+    def _attach_links(self, att: AttachedLibrary, todo: list[tuple[Hook, int]]) -> None:
+        """uprobe_multi: one link per program and direction for the whole file
+        (the return links first, as _attach_hook orders its probes)."""
+        path = att.library.open_path
+        try:
+            offsets = dict(zip((h.symbol for h, _ in todo),
+                               uprobe_multi.file_offsets(path, [a for _, a in todo])))
+        except OSError as e:
+            att.missing += [f"{h.symbol} ({e})" for h, _ in todo]
+            return
+        groups: dict[tuple[str, bool], list[Hook]] = {}
+        for hook, _ in todo:
+            groups.setdefault((hook.entry_fn, False), []).append(hook)
+            if self._needs_return(hook):
+                groups.setdefault((hook.return_fn, True), []).append(hook)
+        failed: dict[str, str] = {}
+        for (fn, ret), members in sorted(groups.items(), key=lambda g: not g[0][1]):
+            members = [h for h in members if h.symbol not in failed]
+            if not members:
+                continue
+            try:
+                prog = self.bpf.load_func(fn.encode(), BPF_KPROBE,
+                                          attach_type=uprobe_multi.BPF_TRACE_UPROBE_MULTI)
+                att.links.append(uprobe_multi.link(prog.fd, path, [offsets[h.symbol] for h in members], ret))
+                continue
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    failed.update((h.symbol, str(e)) for h in members)
+                    continue
+            except Exception as e:  # BCC raises bare Exception
+                failed.update((h.symbol, str(e)) for h in members)
+                continue
+            # EINVAL: another tool's perf-event uprobe is at one of these
+            # functions (the kernel then refuses a multi link there): one
+            # perf-event uprobe per function instead
+            for h in members:
+                names, err = self._attach_perf(path, h.symbol, fn, ret)
+                att.probe_events += names
+                if err is not None:
+                    failed[h.symbol] = err
+        for hook, _ in todo:
+            if hook.symbol in failed:
+                att.missing.append(f"{hook.symbol} ({failed[hook.symbol]})")
+            else:
+                att.hooks.append(hook)
+                self.status.attachments.append(_label(att.library, hook))
+
+    def _attach_perf(self, path: str, sym: str, fn: str, ret: bool) -> tuple[list[bytes], str | None]:
+        """One perf-event uprobe of `fn`, a program loaded for perf events (BCC
+        caches one program per name: the uprobe_multi one is set aside while
+        BCC attaches this one)."""
+        name = fn.encode()
+        multi = self.bpf.funcs.pop(name, None)
+        if name in self._perf_funcs:
+            self.bpf.funcs[name] = self._perf_funcs[name]
+        before = set(self.bpf.uprobe_fds)
+        try:
+            attach = self.bpf.attach_uretprobe if ret else self.bpf.attach_uprobe
+            attach(name=os.fsencode(path), sym=sym.encode(), fn_name=name)
+            err = None
+        except Exception as e:  # BCC raises bare Exception
+            err = str(e)
+        finally:
+            if name in self.bpf.funcs:
+                self._perf_funcs[name] = self.bpf.funcs[name]
+            if multi is not None:
+                self.bpf.funcs[name] = multi
+        return sorted(set(self.bpf.uprobe_fds) - before), err
 
     def _report(self, att: AttachedLibrary, hooks: tuple[Hook, ...]) -> None:
         where = _where(att.library)
@@ -286,6 +386,16 @@ class GpuProbe(Probe):
             return [], str(e)
         return sorted(set(self.bpf.uprobe_fds) - before), None
 
+    def _close_perf_funcs(self) -> None:
+        """Close the perf-event copies of programs (BCC's cleanup closes only
+        its own); a program stays loaded while a uprobe still holds it."""
+        for fn in self._perf_funcs.values():
+            try:
+                os.close(fn.fd)
+            except OSError:
+                pass
+        self._perf_funcs.clear()
+
     def _close_probes(self, names) -> None:
         for name in names:
             try:
@@ -295,6 +405,7 @@ class GpuProbe(Probe):
 
     def _detach_library(self, att: AttachedLibrary) -> None:
         self._close_probes(att.probe_events)
+        _close_links(att)
         for hook in att.hooks:
             self.status.attachments.remove(_label(att.library, hook))
         if att.report in self.status.failed_attachments:
@@ -334,8 +445,11 @@ class GpuProbe(Probe):
                         pass
 
     def _detach(self) -> None:
-        # BCC's cleanup() closes every uprobe; what remains is our bookkeeping.
+        # BCC's cleanup() closes every perf-event uprobe; the links are ours.
+        for att in self._libraries.values():
+            _close_links(att)
         self._libraries.clear()
+        self._close_perf_funcs()
         self.status.attachments.clear()
 
     # -- reading -----------------------------------------------------------------

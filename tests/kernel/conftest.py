@@ -47,10 +47,11 @@ def probes():
 
     def gpu(launch_events: str = "all", pin_dir: str | None = None,
             unmapped_grace_s: float = 600.0, timing: bool = True, runtime_hooks: bool = True,
-            **kw) -> GpuProbe:
+            uprobe_multi: bool = True, **kw) -> GpuProbe:
         cfg = config.load(env={})
         cfg.gpu.launch_events = launch_events
         cfg.gpu.launch_timing, cfg.gpu.runtime_hooks = timing, runtime_hooks
+        cfg.gpu.uprobe_multi = uprobe_multi
         cfg.discovery.unmapped_grace_s = unmapped_grace_s
         seen: list[events._Event] = []
         p = GpuProbe(cfg, sink=seen.append, **kw)

@@ -6,6 +6,7 @@ processes, and a clean detach."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -229,9 +230,9 @@ def test_unmapped_libraries_are_detached_and_dead_calls_reaped(standin, spawn, p
     w = spawn(standin.workload)
     w.load(copy_dir)
     gpu.refresh()
-    paths = {lib.library.open_path for lib in mine(gpu.libraries(), copy_dir)}
+    paths = {lib.path for lib in mine(gpu.libraries(), copy_dir)}
     assert len(paths) == 2
-    assert {p.get("filename") for p in _bpftool("perf")} >= paths
+    assert {path for _, path, _ in _probes_on(paths)} == paths
 
     # Killed inside a 5 s sync: its return probe never runs.
     w.send("cudasync 5000000", "go")
@@ -247,11 +248,30 @@ def test_unmapped_libraries_are_detached_and_dead_calls_reaped(standin, spawn, p
     assert not any(c.pid_tgid >> 32 == w.pid for c in calls.values())
     assert mine(gpu.libraries(), copy_dir) == []
     assert not any(str(copy_dir) in a for a in gpu.status.attachments)
-    assert not {p.get("filename") for p in _bpftool("perf")} & paths
+    assert _probes_on(paths) == []
     assert counts(gpu.sync_wait(), cgroup_id(os.getpid())) == {}  # nothing was timed
 
 
 # -- detach ---------------------------------------------------------------------
+def _probes_on(paths: set[str]) -> list[tuple[str, str, int]]:
+    """This process's uprobes on `paths` (as the libraries' processes see
+    them): (kind, path, uprobes) per perf-event uprobe (bpftool perf, opened
+    through /proc/PID/root) and per uprobe_multi link (its fdinfo, which
+    shows the file's own path); kind is uprobe or uretprobe."""
+    strip = lambda f: re.sub(r"^/proc/\d+/root", "", f)  # noqa: E731
+    out = [(p["fd_type"], strip(p["filename"]), 1) for p in _bpftool("perf")
+           if p.get("pid") == os.getpid() and strip(p.get("filename", "")) in paths]
+    for fd in os.listdir("/proc/self/fdinfo"):
+        try:
+            info = dict(line.split(":\t", 1) for line in
+                        Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        if info.get("link_type", "").endswith("probe_multi") and info.get("path") in paths:
+            out.append((info["link_type"].removesuffix("_multi"), info["path"], int(info["uprobe_cnt"])))
+    return out
+
+
 def _bpftool(*args: str):
     out = subprocess.run(["bpftool", "-j", *args], check=True, capture_output=True, text=True).stdout
     return json.loads(out or "[]")
@@ -267,28 +287,39 @@ def _prog_ids(bpf) -> set[int]:
 
 
 @pytest.mark.skipif(shutil.which("bpftool") is None, reason="bpftool missing")
-@pytest.mark.parametrize("timed, programs, uprobes, uretprobes", [
+@pytest.mark.parametrize("multi", [True, False], ids=["uprobe_multi", "perf-events"])
+@pytest.mark.parametrize("timed, programs, uprobes, uretprobes, links", [
     # default: on the driver only, 32 functions: an entry-only uprobe on each
     # of the 9 launch, 2 graph-launch, 2 graph-node and 2 destroy calls; entry
     # and return on the 4 syncs and on the 13 capture, create and instantiate
-    # calls (25 entry programs, some shared by a call's variants, and 2 return)
-    (False, 27, 32, 17),
+    # calls (25 entry programs, some shared by a call's variants, and 2
+    # return); as uprobe_multi links: one per program and direction
+    (False, 27, 32, 17, 27),
     # timing and runtime hooks: the 9 driver launches get their return probe,
     # and 10 runtime calls (6 launches, 4 syncs) are hooked on both ends
-    (True, 38, 42, 36)], ids=["default", "timed-runtime"])
+    (True, 38, 42, 36, 28 + 12)], ids=["default", "timed-runtime"])
 def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, programs, uprobes,
-                                           uretprobes):
+                                           uretprobes, links, multi):
     w = spawn(standin.workload)
     w.load(standin.lib_dir)
-    gpu = probes("all", timing=timed, runtime_hooks=timed)
+    gpu = probes("all", timing=timed, runtime_hooks=timed, uprobe_multi=multi)
     ids = _prog_ids(gpu.bpf)
     assert len(ids) == programs
     libs = mine(gpu.libraries(), standin.lib_dir)
-    paths = {lib.library.open_path for lib in libs}
-    ours = [p for p in _bpftool("perf") if p.get("prog_id") in ids and p.get("filename") in paths]
-    assert sorted(p["fd_type"] for p in ours) == ["uprobe"] * uprobes + ["uretprobe"] * uretprobes
+    paths = {lib.path for lib in libs}
+    ours = _probes_on(paths)
+    assert sum(n for kind, _, n in ours if kind == "uprobe") == uprobes
+    assert sum(n for kind, _, n in ours if kind == "uretprobe") == uretprobes
+    if multi:
+        # (another tool's perf uprobe on one of these functions makes the
+        # kernel refuse a link there: those become perf-event uprobes)
+        assert len(ours) >= links and sum(lib.links != [] for lib in libs) == len(libs)
+    else:
+        assert len(ours) == uprobes + uretprobes and all(lib.links == [] for lib in libs)
 
+    t0 = time.monotonic()
     gpu.stop()
+    stop_s = time.monotonic() - t0
     gpu.stop()  # safe twice
     deadline = time.monotonic() + 5   # programs are freed from deferred work, late under load
     while ids & {p["id"] for p in _bpftool("prog", "show")} and time.monotonic() < deadline:
@@ -297,6 +328,7 @@ def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, progra
     # (another agent on the machine may probe these libraries too: only ours count)
     assert not [p for p in _bpftool("perf") if p.get("prog_id") in ids
                 or (p.get("pid") == os.getpid() and str(standin.lib_dir) in p.get("filename", ""))]
+    assert _probes_on(paths) == []
     tracefs = Path("/sys/kernel/tracing/uprobe_events")
     if tracefs.exists():
         assert str(standin.lib_dir).replace("/", "_") not in tracefs.read_text()
@@ -304,3 +336,4 @@ def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, progra
     assert gpu.launches() == {}
     # The process runs on, unprobed.
     assert w.run(launches("cu", 3)) == []
+    print(f"stop with {'links' if multi else 'perf-event uprobes'}: {stop_s:.2f} s")
