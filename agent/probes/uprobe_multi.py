@@ -31,13 +31,17 @@ class _LinkAttr(C.Structure):
                 ("multi_flags", C.c_uint32), ("pid", C.c_uint32), ("_pad", C.c_uint8 * 44)]
 
 
-def link(prog_fd: int, path: str, offsets: list[int], retprobe: bool) -> int:
+def link(prog_fd: int, path: str, offsets: list[int], retprobe: bool,
+         cookies: list[int] | None = None) -> int:
     """A link of `prog_fd` at the file offsets of `path` (every process that
-    maps it); its fd, closed to detach. Raises OSError."""
+    maps it), each with its attach cookie (bpf_get_attach_cookie) if given;
+    its fd, closed to detach. Raises OSError."""
     path_b = C.create_string_buffer(os.fsencode(path))
     offs = (C.c_uint64 * len(offsets))(*offsets)
+    cks = (C.c_uint64 * len(offsets))(*(cookies or [0] * len(offsets)))
     attr = _LinkAttr(prog_fd=prog_fd, attach_type=BPF_TRACE_UPROBE_MULTI,
                      path=C.addressof(path_b), offsets=C.addressof(offs), cnt=len(offsets),
+                     cookies=C.addressof(cks) if cookies else 0,
                      multi_flags=BPF_F_UPROBE_MULTI_RETURN if retprobe else 0)
     fd = _syscall(_SYS_BPF[platform.machine()], BPF_LINK_CREATE, C.addressof(attr), C.sizeof(attr))
     if fd < 0:

@@ -6,10 +6,11 @@ processes, and a clean detach."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -292,19 +293,21 @@ def _prog_ids(bpf) -> set[int]:
     # default: on the driver only, 32 functions: an entry-only uprobe on each
     # of the 9 launch, 2 graph-launch, 2 graph-node and 2 destroy calls; entry
     # and return on the 4 syncs and on the 13 capture, create and instantiate
-    # calls (25 entry programs, some shared by a call's variants, and 2
-    # return); as uprobe_multi links: one per program and direction
-    (False, 27, 32, 17, 27),
+    # calls. Perf-event uprobes: 25 entry programs (some shared by a call's
+    # variants) and 2 return ones. uprobe_multi: 3 links (gpu_entry, which
+    # tells the function by the attach cookie, and the 2 return programs).
+    (False, 27, 32, 17, 3),
     # timing and runtime hooks: the 9 driver launches get their return probe,
-    # and 10 runtime calls (6 launches, 4 syncs) are hooked on both ends
-    (True, 38, 42, 36, 28 + 12)], ids=["default", "timed-runtime"])
+    # and 10 runtime calls (6 launches, 4 syncs) are hooked on both ends;
+    # links: 4 on the driver, 3 on the runtime, of 4 programs
+    (True, 38, 42, 36, 4 + 3)], ids=["default", "timed-runtime"])
 def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, programs, uprobes,
                                            uretprobes, links, multi):
     w = spawn(standin.workload)
     w.load(standin.lib_dir)
     gpu = probes("all", timing=timed, runtime_hooks=timed, uprobe_multi=multi)
     ids = _prog_ids(gpu.bpf)
-    assert len(ids) == programs
+    assert len(ids) == ((4 if timed else 3) if multi else programs)
     libs = mine(gpu.libraries(), standin.lib_dir)
     paths = {lib.path for lib in libs}
     ours = _probes_on(paths)
@@ -337,3 +340,37 @@ def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, progra
     # The process runs on, unprobed.
     assert w.run(launches("cu", 3)) == []
     print(f"stop with {'links' if multi else 'perf-event uprobes'}: {stop_s:.2f} s")
+
+
+FOREIGN_PROBE = """
+import sys
+from bcc import BPF
+b = BPF(text="int other(struct pt_regs *ctx) { return 0; }")
+b.attach_uprobe(name=sys.argv[1].encode(), sym=b"cuLaunchKernel", fn_name=b"other")
+print("attached", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_function_another_tool_probes_gets_its_own_uprobe(standin, spawn, probes, tmp_path):
+    # The kernel refuses a uprobe_multi link at an offset that already has
+    # another tool's perf-event uprobe: that function is hooked on its own,
+    # the others stay in links, and every launch still counts once.
+    lib_dir = standin.copy_libs(tmp_path / "probed")
+    other = subprocess.Popen([sys.executable, "-c", FOREIGN_PROBE, str(lib_dir / "libcuda.so.1")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "attached"
+        w = spawn(standin.workload)
+        w.load(lib_dir)
+        gpu = probes("off", timing=False, runtime_hooks=False)
+        (lib,) = mine(gpu.libraries(), lib_dir)
+        assert lib.missing == [] and len(lib.symbols) == 32
+        assert lib.links and lib.probe_events   # the rest in links, cuLaunchKernel on its own
+        w.run(launches("cuLaunchKernel", 4), launches("cuLaunchKernelEx", 3),
+              launches("cuLaunchCooperativeKernel", 2))
+        cg = cgroup_id(w.pid)
+        assert counts(gpu.launches(), cg) == {(cg, OTHER, DRIVER): 9}
+    finally:
+        other.stdin.close()
+        other.wait(10)
