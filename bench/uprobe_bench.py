@@ -2,7 +2,8 @@
 calls per second of the stand-in cuLaunchKernel (and cudaLaunchKernel, which
 reaches it) in a tight C loop, with no agent and with the span_ctx and GPU
 programs in several settings (default: one entry-only driver uprobe), side by
-side; then, with no agent and with the defaults, every launch entry point and
+side; then, with no agent, with the defaults (uprobe_multi links) and with a
+perf-event uprobe per hook (gpu.uprobe_multi=false), every launch entry point and
 a graph replay (cuGraphLaunch of a 7-kernel graph captured after the agent
 attached).
 
@@ -47,7 +48,8 @@ ENTRIES = ["cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunc
            "cudaLaunchKernelExC_ptsz", "cudaLaunchCooperativeKernel",
            "cudaLaunchCooperativeKernel_ptsz"]
 GRAPH = "cuGraphLaunch (7 kernels)"
-ENTRY_MODES = ("no agent", "default")
+ENTRY_MODES = ("no agent", "default", "perf uprobes")
+MODES_ALL = {**MODES, "perf uprobes": ["gpu.uprobe_multi=false"]}   # one perf-event uprobe per hook
 TRACE_ID, SPAN_ID = bytes(range(1, 17)), 0x5EED
 
 
@@ -184,7 +186,7 @@ def main() -> int:
                 mode: measure(w, standin, overrides, calls, args.repeat)
                 for mode, overrides in MODES.items()}
             per_entry = {} if args.no_entries else {
-                mode: measure(w, standin, MODES[mode], entry_calls, args.repeat, entries=True)
+                mode: measure(w, standin, MODES_ALL[mode], entry_calls, args.repeat, entries=True)
                 for mode in ENTRY_MODES}
             foreign = foreign_probes(standin.lib_dir)
             expected = args.repeat * sum(calls.values())
@@ -194,7 +196,8 @@ def main() -> int:
     if results:
         print_main(results, args, expected)
     if per_entry:
-        print(f"\nevery entry point, {args.entry_calls} calls each, defaults against no agent")
+        print(f"\nevery entry point, {args.entry_calls} calls each, defaults (uprobe_multi links) and "
+              "perf-event uprobes against no agent")
         table(per_entry, loops_of(True), ENTRY_MODES)
         r = per_entry["default"]
         n = args.repeat * args.entry_calls
