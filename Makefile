@@ -46,7 +46,7 @@ wheel-check:
 # span marker is no target here: every build of the package compiles it.
 native: agent/_native/standin/libnvidia-ml.so.1
 
-agent/_native/standin/libnvidia-ml.so.1: agent/demo/standin/cuda.c agent/demo/standin/cudart.c agent/demo/standin/nvml.c agent/demo/standin/__init__.py
+agent/_native/standin/libnvidia-ml.so.1: agent/demo/standin/cuda.c agent/demo/standin/cuda_types.h agent/demo/standin/cudart.c agent/demo/standin/nvml.c agent/demo/standin/__init__.py
 	$(PY) -m spanlet.demo.standin agent/_native/standin
 
 unit:

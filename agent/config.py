@@ -187,10 +187,15 @@ class GpuConfig(_Section):
     # Time inside launch calls (kernel.gpu.launch_ns): a return probe on
     # every launch, a second trap per launch. Off: one entry-only uprobe.
     launch_timing: bool = False
-    # Also hook the runtime's cudaLaunchKernel (the driver sees every launch
-    # the runtime makes: ../shared/CUDA.md); its nested driver call is not
-    # counted again. Runtime sync calls are hooked in every mode.
+    # Also hook libcudart's launch and sync calls (the driver sees every call
+    # the runtime makes: ../shared/CUDA.md); the driver call each makes is
+    # then nested, not counted again. Off: libcudart is not looked for.
     runtime_hooks: bool = False
+    # Attach the hooks of each library as uprobe_multi links (Linux 6.6+; a
+    # few links per library, each detached in one grace period) instead of a
+    # perf-event uprobe per hook (one grace period each at stop); older
+    # kernels fall back to the latter by themselves.
+    uprobe_multi: bool = True
 
     @field_validator("launch_events", mode="before")
     @classmethod

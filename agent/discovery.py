@@ -54,11 +54,24 @@ class _Seen:
     keys: set = field(default_factory=set)
 
 
+# auditwheel's copies of a library bundled into a wheel: libcudart-<8 hex>.so.12
+_HASHED = re.compile(r"-[0-9a-f]{8}(?=\.so)")
+
+
+def _name_alt(name: str) -> str:
+    stem, dot, rest = name.partition(".so")
+    if not dot:
+        return re.escape(name)
+    return re.escape(stem) + r"(?:-[0-9a-f]{8})?" + re.escape(dot + rest)
+
+
 def library_pattern(names: Iterable[str]) -> re.Pattern:
     """A /proc/<pid>/maps line whose file's base name is one of `names` or
     starts with one of them followed by a dot (libcuda.so matches libcuda.so,
-    libcuda.so.1 and libcuda.so.535.104, not libcudart.so)."""
-    alts = "|".join(re.escape(n) for n in sorted(set(names), key=len, reverse=True))
+    libcuda.so.1 and libcuda.so.535.104, not libcudart.so), also under the
+    hash-renamed name auditwheel gives a copy bundled into a wheel
+    (libcudart-1a2b3c4d.so.12 for libcudart.so)."""
+    alts = "|".join(_name_alt(n) for n in sorted(set(names), key=len, reverse=True))
     return re.compile(
         r"^([0-9a-f]+)-([0-9a-f]+) \S+ [0-9a-f]+ ([0-9a-f]+):([0-9a-f]+) (\d+) +"
         r"(/(?:[^\n]*/)?(" + alts + r")(?:\.[^/\n]*?)?)(" + re.escape(_DELETED) + r")?$",
@@ -90,6 +103,7 @@ class LibraryFinder:
         self.full_rescan_s = full_rescan_s
         self.clock = clock
         self._pattern = library_pattern(self.names) if self.names else None
+        self._stems = [n.partition(".so")[0] for n in self.names]   # a cheap first filter
         self._seen: dict[int, _Seen] = {}
         self._found: dict[tuple[int, int], MappedLibrary] = {}
         self._unmapped_since: dict[tuple[int, int], float] = {}
@@ -178,7 +192,7 @@ class LibraryFinder:
         return self._libraries_in(pid, maps, seen)
 
     def _libraries_in(self, pid: int, maps: str, seen: _Seen) -> list[MappedLibrary]:
-        if not any(n in maps for n in self.names):
+        if not any(n in maps for n in self._stems):
             return []
         new = []
         for m in self._pattern.finditer(maps):
@@ -190,7 +204,7 @@ class LibraryFinder:
             open_path = self._open_path(pid, path, bool(deleted), start, end, key[1])
             if open_path is None:
                 continue  # gone between the read of maps and now
-            lib = MappedLibrary(key, name, path, open_path, pid)
+            lib = MappedLibrary(key, _HASHED.sub("", name, count=1), path, open_path, pid)
             self._found[key] = lib
             new.append(lib)
         return new

@@ -24,6 +24,7 @@ class Kind(enum.IntEnum):
 class Api(enum.IntEnum):
     driver = 1
     runtime = 2
+    graph = 3      # kernels run by replays of graphs the agent saw made
 
 
 class Entry(enum.IntEnum):
@@ -33,6 +34,25 @@ class Entry(enum.IntEnum):
     cuStreamSynchronize = 4
     cudaStreamSynchronize = 5
     cudaDeviceSynchronize = 6
+    cuLaunchKernel_ptsz = 7
+    cuLaunchKernelEx_ptsz = 8
+    cuLaunchCooperativeKernel = 9
+    cuLaunchCooperativeKernel_ptsz = 10
+    cuLaunch = 11
+    cuLaunchGrid = 12
+    cuLaunchGridAsync = 13
+    cudaLaunchKernel_ptsz = 14
+    cudaLaunchKernelExC = 15
+    cudaLaunchKernelExC_ptsz = 16
+    cudaLaunchCooperativeKernel = 17
+    cudaLaunchCooperativeKernel_ptsz = 18
+    cuGraphLaunch = 19
+    cuGraphLaunch_ptsz = 20
+    cuStreamSynchronize_ptsz = 21
+    cuCtxSynchronize = 22
+    cuEventSynchronize = 23
+    cudaStreamSynchronize_ptsz = 24
+    cudaEventSynchronize = 25
 
 
 class Rule(enum.IntEnum):

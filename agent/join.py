@@ -36,11 +36,12 @@ log = logging.getLogger(__name__)
 LATE_SPAN_NAME = "spanlet.kernel.late_events"
 
 # The kernel facts a span gets, as (attribute, Facts field); only non-zero ones.
-# (Graph launches are kept in the rows, always 0 until their probes exist.)
 # every facts attribute's key starts so (SpanJoin.join searches a resource's bytes for it)
 _FACT_PREFIX = b"kernel."
 FACT_ATTRIBUTES = (
     ("kernel.gpu.launches", "launches"),
+    ("kernel.gpu.graph_launches", "graph_launches"),
+    ("kernel.gpu.graph_kernels", "graph_kernels"),
     ("kernel.gpu.launch_ns", "launch_ns"),
     ("kernel.gpu.sync_wait_ns", "sync_wait_ns"),
     ("kernel.gpu.syncs", "syncs"),
@@ -49,10 +50,10 @@ FACT_ATTRIBUTES = (
     ("kernel.sandbox.violations", "violations"),
 )
 # A step's facts shared among its requests, as (request attribute, row field).
-# (Graph kernels: one more line here, ("kernel.batch.gpu.graph_kernels", "graph_kernels").)
 BATCH_SHARES = (
     ("kernel.batch.gpu.launches", "launches"),
     ("kernel.batch.gpu.graph_launches", "graph_launches"),
+    ("kernel.batch.gpu.graph_kernels", "graph_kernels"),
     ("kernel.batch.gpu.sync_wait_ns", "sync_wait_ns"),
 )
 BATCH_STEPS = "kernel.batch.steps"
@@ -239,7 +240,7 @@ def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
     message is copied, which costs as much again."""
     f = facts
     _add_counts(span, f.launches, f.launch_ns, f.sync_wait_ns, f.syncs, f.rx_bytes, f.tx_bytes,
-                f.violations)
+                f.violations, f.graph_launches, f.graph_kernels)
     for ev in facts.samples:
         e = span.events.add(time_unix_nano=ev.epoch_ns,
                             name=_EVENT_NAMES.get(ev.hdr.kind, "kernel.event"))
@@ -249,13 +250,16 @@ def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
 
 
 def _add_counts(span: trace_pb2.Span, launches: int, launch_ns: int, sync_wait_ns: int, syncs: int,
-                rx_bytes: int, tx_bytes: int, violations: int, fresh: bool = False) -> None:
+                rx_bytes: int, tx_bytes: int, violations: int, graph_launches: int = 0,
+                graph_kernels: int = 0, fresh: bool = False) -> None:
     """The FACT_ATTRIBUTES of a span, in that order, the non-zero ones (summed
     with any already there; `fresh`: the caller knows there are none). Values
     passed one by one: on the span path a getattr by name per attribute costs
     more than the attribute."""
     existing = {} if fresh else None
-    for attr, value in (("kernel.gpu.launches", launches), ("kernel.gpu.launch_ns", launch_ns),
+    for attr, value in (("kernel.gpu.launches", launches),
+                        ("kernel.gpu.graph_launches", graph_launches),
+                        ("kernel.gpu.graph_kernels", graph_kernels), ("kernel.gpu.launch_ns", launch_ns),
                         ("kernel.gpu.sync_wait_ns", sync_wait_ns), ("kernel.gpu.syncs", syncs),
                         ("kernel.net.rx_bytes", rx_bytes), ("kernel.net.tx_bytes", tx_bytes),
                         ("kernel.sandbox.violations", violations)):
@@ -446,7 +450,7 @@ class SpanJoin:
             # the common case, a facts row alone: straight onto the span (as
             # Facts.add_row + apply_facts would put it, without building Facts)
             _add_counts(span, row.launches, row.launch_ns, row.sync_wait_ns, row.syncs, 0, 0,
-                        row.violations, fresh)
+                        row.violations, row.graph_launches, row.graph_kernels, fresh)
             self.stats.rows_taken += 1
             self.stats.spans_joined += 1
             return row.cgroup_id or 1

@@ -1,15 +1,22 @@
 """Cost of the GPU launch uprobes to the application, per launch inside a span:
 calls per second of the stand-in cuLaunchKernel (and cudaLaunchKernel, which
 reaches it) in a tight C loop, with no agent and with the span_ctx and GPU
-programs in several settings (default: one entry-only driver uprobe), side by side.
+programs in several settings (default: one entry-only driver uprobe), side by
+side; then, with no agent, with the defaults (uprobe_multi links) and with a
+perf-event uprobe per hook (gpu.uprobe_multi=false), every launch entry point and
+a graph replay (cuGraphLaunch of a 7-kernel graph captured after the agent
+attached).
 
-Run as root: .venv/bin/python bench/uprobe_bench.py [--calls N] [--repeat R]
+Run as root: .venv/bin/python bench/uprobe_bench.py [--calls N] [--repeat R] [--no-entries]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +40,16 @@ MODES = {
     "timed+runtime": ["gpu.launch_timing=true", "gpu.runtime_hooks=true"],
     "all, timed+rt": ["gpu.launch_events=all", "gpu.launch_timing=true", "gpu.runtime_hooks=true"],
 }
+# Every launch entry point of the stand-ins, called straight (the runtime's
+# reach their driver twin), and a graph replay.
+ENTRIES = ["cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
+           "cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel_ptsz", "cuLaunch", "cuLaunchGrid",
+           "cuLaunchGridAsync", "cudaLaunchKernel", "cudaLaunchKernel_ptsz", "cudaLaunchKernelExC",
+           "cudaLaunchKernelExC_ptsz", "cudaLaunchCooperativeKernel",
+           "cudaLaunchCooperativeKernel_ptsz"]
+GRAPH = "cuGraphLaunch (7 kernels)"
+ENTRY_MODES = ("no agent", "default", "perf uprobes")
+MODES_ALL = {**MODES, "perf uprobes": ["gpu.uprobe_multi=false"]}   # one perf-event uprobe per hook
 TRACE_ID, SPAN_ID = bytes(range(1, 17)), 0x5EED
 
 
@@ -63,8 +80,23 @@ class Reader:
         self.thread.join()
 
 
+def graph_exec(w: cuda_standin.Workload) -> int:
+    """A 7-kernel graph captured and instantiated now; its executable graph."""
+    out = w.run("begin cuStreamBeginCapture_v2 0x5 0", "cuLaunchKernel 7 1 1 1 1 1 1 0 0x5",
+                "end cuStreamEndCapture 0x5")
+    (line,) = w.run(f"inst cuGraphInstantiateWithFlags {out[1].split()[2]}")
+    return int(line.split()[2], 16)
+
+
+def loops_of(entries: bool) -> dict[str, str]:
+    """label → the workload command of its loop (without the count)."""
+    if not entries:
+        return dict(LOOPS)
+    return {name: f"benchx {name}" for name in ENTRIES} | {GRAPH: "benchgraph cuGraphLaunch {exec}"}
+
+
 def measure(w, standin, overrides: list[str] | None, calls: dict[str, int],
-            repeat: int) -> dict[str, float]:
+            repeat: int, entries: bool = False) -> dict[str, float]:
     """ns per call of each loop, the workload's thread inside one span."""
     span = probe = reader = None
     if overrides is not None:
@@ -79,13 +111,17 @@ def measure(w, standin, overrides: list[str] | None, calls: dict[str, int],
         span.set(w.tid, TRACE_ID, SPAN_ID, events.Modality.text)
         reader = Reader(probe)
     try:
-        out = {api: ns_per_call(w, LOOPS[api], calls[api], repeat) for api in LOOPS}
+        loops = loops_of(entries)
+        if entries:
+            loops[GRAPH] = loops[GRAPH].format(exec=f"{graph_exec(w):#x}")
+        out = {label: ns_per_call(w, loop, calls[label], repeat) for label, loop in loops.items()}
         if probe is not None:
             probe.drain()
             out["dropped"] = probe.events_dropped()
             out["read"] = probe.events_read
             row = span.facts.take(TRACE_ID, SPAN_ID)
             out["row_launches"] = row.launches if row else 0
+            out["row_graph"] = (row.graph_launches, row.graph_kernels) if row else (0, 0)
         return out
     finally:
         if reader:
@@ -95,37 +131,79 @@ def measure(w, standin, overrides: list[str] | None, calls: dict[str, int],
                 p.stop()
 
 
+def foreign_probes(lib_dir: Path) -> int:
+    """Uprobes that other processes (another agent on the machine) hold on the
+    bench's own library files: they are in every figure, "no agent" too."""
+    try:
+        out = subprocess.run(["bpftool", "-j", "perf"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for p in json.loads(out or "[]")
+               if p.get("pid") != os.getpid() and str(lib_dir) in p.get("filename", ""))
+
+
+def table(results: dict, labels, modes, width: int = 34) -> None:
+    base = results["no agent"]
+    print(f"{'call':<{width}}{'setting':<17}{'calls/s':>14}{'ns/call':>10}{'ratio':>9}{'ns added':>10}")
+    for label in labels:
+        for mode in modes:
+            ns = results[mode][label]
+            print(f"{label:<{width}}{mode:<17}{1e9 / ns:>14,.0f}{ns:>10.1f}"
+                  f"{base[label] / ns:>9.4f}{ns - base[label]:>10.0f}")
+
+
+def print_main(results: dict, args: argparse.Namespace, expected: int) -> None:
+    print(f"GPU launch uprobe cost, stand-in libraries, median of {args.repeat} runs "
+          f"({args.calls} driver / {args.runtime_calls} runtime calls each)")
+    print("every call inside one span; ratio: calls/s with the agent over calls/s without")
+    table(results, LOOPS, MODES, 18)
+    for mode in list(MODES)[1:]:
+        r = results[mode]
+        print(f"{mode}: span row {r['row_launches']} launches of {expected} made; "
+              f"{r['read']} records decoded, {r['dropped']} dropped")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200_000, help="cuLaunchKernel calls per run")
     ap.add_argument("--runtime-calls", type=int, default=40_000, help="cudaLaunchKernel calls per run")
+    ap.add_argument("--entry-calls", type=int, default=50_000,
+                    help="calls per run of each entry point in the second table")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-entries", action="store_true", help="skip the per-entry-point table")
+    ap.add_argument("--only-entries", action="store_true", help="only the per-entry-point table")
     args = ap.parse_args()
     calls = {"cuLaunchKernel": args.calls, "cudaLaunchKernel": args.runtime_calls}
+    entry_calls = {label: args.entry_calls for label in loops_of(True)}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="spanlet-uprobe-bench-") as tmp:
         standin = cuda_standin.build(Path(tmp))
         with cuda_standin.Workload(standin.workload) as w:
             w.load(standin.lib_dir)
             ns_per_call(w, "bench", 10_000, 1)  # warm up (page faults, PLT binding)
-            results = {mode: measure(w, standin, overrides, calls, args.repeat)
-                       for mode, overrides in MODES.items()}
+            results = {} if args.only_entries else {
+                mode: measure(w, standin, overrides, calls, args.repeat)
+                for mode, overrides in MODES.items()}
+            per_entry = {} if args.no_entries else {
+                mode: measure(w, standin, MODES_ALL[mode], entry_calls, args.repeat, entries=True)
+                for mode in ENTRY_MODES}
+            foreign = foreign_probes(standin.lib_dir)
             expected = args.repeat * sum(calls.values())
-    base = results["no agent"]
-    print(f"GPU launch uprobe cost, stand-in libraries, median of {args.repeat} runs "
-          f"({args.calls} driver / {args.runtime_calls} runtime calls each)")
-    print("every call inside one span; ratio: calls/s with the agent over calls/s without")
-    print(f"{'api':<18}{'setting':<17}{'calls/s':>14}{'ns/call':>10}{'ratio':>9}{'ns added':>10}")
-    for api in LOOPS:
-        for mode in MODES:
-            ns = results[mode][api]
-            print(f"{api:<18}{mode:<17}{1e9 / ns:>14,.0f}{ns:>10.1f}"
-                  f"{base[api] / ns:>9.4f}{ns - base[api]:>10.0f}")
-    for mode in list(MODES)[1:]:
-        r = results[mode]
-        print(f"{mode}: span row {r['row_launches']} launches of {expected} made; "
-              f"{r['read']} records decoded, {r['dropped']} dropped")
-    print(f"goal: <= 1000 ns added per launch (driver and runtime path); "
+    if foreign:
+        print(f"WARNING: {foreign} uprobes of other processes were on the bench's libraries at "
+              "the end (another agent on this machine): every figure includes their cost")
+    if results:
+        print_main(results, args, expected)
+    if per_entry:
+        print(f"\nevery entry point, {args.entry_calls} calls each, defaults (uprobe_multi links) and "
+              "perf-event uprobes against no agent")
+        table(per_entry, loops_of(True), ENTRY_MODES)
+        r = per_entry["default"]
+        n = args.repeat * args.entry_calls
+        print(f"default: span row {r['row_launches']} launches of {n * len(ENTRIES)} made; "
+              f"graph launches, kernels {r['row_graph']} of {(n, 7 * n)}")
+    print(f"goal: <= 1000 ns added per launch (each entry point) and per graph replay; "
           f"wall time {time.monotonic() - t0:.1f} s")
     return 0
 

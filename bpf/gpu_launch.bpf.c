@@ -1,8 +1,11 @@
-/* gpu_launch.bpf.c: uprobes on the CUDA driver (and optionally runtime) launch
- * calls and entry/return probes on the synchronisation calls. Counts launches
- * and sync wait per (cgroup, modality, api) in per-CPU maps, adds them to the
- * span facts row of the calling thread's span, and sends a sampled side
- * stream of launch/sync records through the ring buffer. */
+/* gpu_launch.bpf.c: uprobes on every CUDA driver launch entry point (and
+ * optionally the runtime's), on graph replays and the calls that make graphs
+ * (stream capture, kernel nodes, instantiation, destroy), and entry/return
+ * probes on the synchronisation calls. Counts launches (api driver/runtime),
+ * the kernels graph replays run (api graph), graph replays and sync wait per
+ * (cgroup, modality, api) in per-CPU maps, adds them to the span facts row of
+ * the calling thread's span, and sends a sampled side stream of launch/sync
+ * records through the ring buffer. */
 #include <uapi/linux/ptrace.h>  /* struct pt_regs, as every BCC uprobe tool uses it */
 #include "spanlet.h"
 
@@ -13,8 +16,8 @@
  *   neither                       none: counts and span facts only.
  * -DSPANLET_GPU_LAUNCH_TIMING: driver launches get a return probe and their
  * call time is measured (launch_ns); without it a driver launch is one
- * entry-only uprobe. -DSPANLET_GPU_RUNTIME_HOOKS: cudaLaunchKernel is hooked
- * too (the driver call it makes is then nested and not counted again).
+ * entry-only uprobe. -DSPANLET_GPU_RUNTIME_HOOKS: the runtime's launches are
+ * hooked too (the driver call each makes is then nested and not counted again).
  * The per-CPU counts and the span facts are kept in every mode. */
 #if defined(SPANLET_GPU_EVENTS_ALL) && defined(SPANLET_GPU_EVENTS_SAMPLED)
 #error "SPANLET_GPU_EVENTS_ALL and SPANLET_GPU_EVENTS_SAMPLED are exclusive"
@@ -61,7 +64,8 @@ struct gpu_count_key {
     __u8 _pad[6];
 };
 
-/* Metric 1: outermost launch calls. */
+/* Metric 1: outermost launch calls (attempts, counted at entry), and with
+ * api graph the kernels run by replays of known graphs. */
 BPF_PERCPU_HASH(spanlet_gpu_kernel_launches_total, struct gpu_count_key, __u64, SPANLET_GPU_KEYS_MAX);
 
 /* Metric 2. Named after the metric (seconds) but kept in nanoseconds: sum_ns
@@ -259,12 +263,107 @@ static __always_inline __u64 gpu_stack_arg(struct pt_regs *ctx, int slot)
     return v;
 }
 
+static __always_inline __u64 gpu_user_u64(__u64 addr)
+{
+    __u64 v = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+    return v;
+}
+
+/* -- stream capture and graphs ----------------------------------------------------
+ * A launch on a stream that is capturing is recorded into the capture's graph,
+ * not run: it is added to the capture here and not counted as a launch. The
+ * kernels a capture recorded, or kernel nodes added to a graph the agent saw
+ * created, follow the graph through instantiation to its executable graph;
+ * each replay adds them (api graph). Handles are per process, keyed with the
+ * tgid. Every map is an LRU: a graph pushed out is replayed as "unknown". */
+#ifndef SPANLET_GPU_CAPTURES_MAX
+#define SPANLET_GPU_CAPTURES_MAX 1024
+#endif
+#ifndef SPANLET_GPU_GRAPHS_MAX
+#define SPANLET_GPU_GRAPHS_MAX 16384
+#endif
+#define GPU_CU_STREAM_PER_THREAD 0x2
+
+struct gpu_stream_key {
+    __u32 tgid;
+    __u32 tid;        /* the per-thread default stream is one per thread; 0 for others */
+    __u64 stream;
+};
+struct gpu_capture {
+    __u64 kernels;    /* launches recorded so far */
+    __u64 into;       /* cuStreamBeginCaptureToGraph's graph, else 0 */
+};
+struct gpu_graph_key {
+    __u32 tgid;
+    __u32 _pad;
+    __u64 handle;     /* CUgraph or CUgraphExec */
+};
+BPF_TABLE("lru_hash", struct gpu_stream_key, struct gpu_capture, gpu_captures, SPANLET_GPU_CAPTURES_MAX);
+/* Kernels of each graph (by CUgraph) and executable graph (by CUgraphExec). */
+BPF_TABLE("lru_hash", struct gpu_graph_key, __u64, gpu_graphs, SPANLET_GPU_GRAPHS_MAX);
+BPF_TABLE("lru_hash", struct gpu_graph_key, __u64, gpu_execs, SPANLET_GPU_GRAPHS_MAX);
+/* Captures begun and not yet ended, node-wide, as two counters: begun minus
+ * ended (kernel-written) and the captures of processes that died capturing,
+ * which the agent removed (agent-written, GpuProbe._reap_captures). While
+ * they are equal, a launch reads neither its stream nor the capture map. An
+ * entry lost to the LRU keeps them apart: launches then take the slower path,
+ * and still count right. */
+BPF_ARRAY(gpu_captures_active, __u64, 1);
+BPF_ARRAY(gpu_captures_reaped, __u64, 1);
+
+/* Metric 1's companion (graph replays) and the replays of graphs whose making
+ * the agent did not see (their kernels are unknown: a self-metric). */
+BPF_PERCPU_HASH(spanlet_gpu_graph_launches_total, struct gpu_count_key, __u64, SPANLET_GPU_KEYS_MAX);
+BPF_PERCPU_HASH(spanlet_gpu_unknown_graph_launches_total, struct gpu_count_key, __u64, SPANLET_GPU_KEYS_MAX);
+
+static __always_inline void gpu_stream_key_of(struct gpu_stream_key *k, __u64 stream, int ptsz)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    if (ptsz && stream == 0)
+        stream = GPU_CU_STREAM_PER_THREAD;   /* NULL in a _ptsz call */
+    k->tgid = pid_tgid >> 32;
+    k->tid = stream == GPU_CU_STREAM_PER_THREAD ? (__u32)pid_tgid : 0;
+    k->stream = stream;
+}
+
+static __always_inline int gpu_capturing(void)
+{
+    int zero = 0;
+    __u64 *n = gpu_captures_active.lookup(&zero);
+    if (!n || !*n)
+        return 0;
+    __u64 *reaped = gpu_captures_reaped.lookup(&zero);
+    return !reaped || *n != *reaped;
+}
+
+/* Whether `stream` is capturing; if so, `kernels` are added to its capture. */
+static __always_inline int gpu_capture_add(__u64 stream, int ptsz, __u64 kernels)
+{
+    struct gpu_stream_key k = {};
+    gpu_stream_key_of(&k, stream, ptsz);
+    struct gpu_capture *cap = gpu_captures.lookup(&k);
+    if (!cap)
+        return 0;
+    if (kernels)
+        __sync_fetch_and_add(&cap->kernels, kernels);
+    return 1;
+}
+
+/* Captured rather than launched: for a launch on `stream` (read only while a
+ * capture is active anywhere). */
+#define GPU_CAPTURED(stream_expr, ptsz) (gpu_capturing() && gpu_capture_add((stream_expr), (ptsz), 1))
+
+/* -- driver launches ------------------------------------------------------------- */
 /* CUresult cuLaunchKernel(CUfunction f, unsigned gridDimX, gridDimY, gridDimZ,
  *     blockDimX, blockDimY, blockDimZ, unsigned sharedMemBytes, CUstream hStream,
  *     void **kernelParams, void **extra)
- * rdi=f rsi/rdx/rcx=grid r8/r9=blockX/Y, stack: blockZ, sharedMemBytes, hStream. */
-static __always_inline int gpu_cu_launch(struct pt_regs *ctx, __u8 entry)
+ * rdi=f rsi/rdx/rcx=grid r8/r9=blockX/Y, stack: blockZ, sharedMemBytes, hStream.
+ * cuLaunchCooperativeKernel takes the same arguments, without `extra`. */
+static __always_inline int gpu_cu_launch(struct pt_regs *ctx, __u8 entry, int ptsz)
 {
+    if (GPU_CAPTURED(gpu_stack_arg(ctx, 3), ptsz))
+        return 0;
     struct gpu_call c = {};
     if (!gpu_launch_begin(ctx, &c, SPANLET_API_DRIVER, entry))
         return 0;
@@ -281,9 +380,24 @@ static __always_inline int gpu_cu_launch(struct pt_regs *ctx, __u8 entry)
     return 0;
 }
 
-int gpu_cu_launch_kernel(struct pt_regs *ctx)
+int gpu_cuLaunchKernel(struct pt_regs *ctx)
 {
-    return gpu_cu_launch(ctx, SPANLET_ENTRY_CU_LAUNCH_KERNEL);
+    return gpu_cu_launch(ctx, SPANLET_ENTRY_CU_LAUNCH_KERNEL, 0);
+}
+
+int gpu_cuLaunchKernel_ptsz(struct pt_regs *ctx)
+{
+    return gpu_cu_launch(ctx, SPANLET_ENTRY_CU_LAUNCH_KERNEL_PTSZ, 1);
+}
+
+int gpu_cuLaunchCooperativeKernel(struct pt_regs *ctx)
+{
+    return gpu_cu_launch(ctx, SPANLET_ENTRY_CU_LAUNCH_COOPERATIVE, 0);
+}
+
+int gpu_cuLaunchCooperativeKernel_ptsz(struct pt_regs *ctx)
+{
+    return gpu_cu_launch(ctx, SPANLET_ENTRY_CU_LAUNCH_COOPERATIVE_PTSZ, 1);
 }
 
 /* The head of CUlaunchConfig (cuda.h, CUDA >= 11.8). */
@@ -297,13 +411,16 @@ struct gpu_cu_launch_config {
 
 /* CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f,
  *     void **kernelParams, void **extra): rdi=config (user memory), rsi=f. */
-int gpu_cu_launch_kernel_ex(struct pt_regs *ctx)
+static __always_inline int gpu_cu_launch_ex(struct pt_regs *ctx, __u8 entry, int ptsz)
 {
+    __u64 cfg_p = PT_REGS_PARM1(ctx);
+    if (GPU_CAPTURED(gpu_user_u64(cfg_p + __builtin_offsetof(struct gpu_cu_launch_config, stream)), ptsz))
+        return 0;
     struct gpu_call c = {};
-    if (!gpu_launch_begin(ctx, &c, SPANLET_API_DRIVER, SPANLET_ENTRY_CU_LAUNCH_KERNEL_EX))
+    if (!gpu_launch_begin(ctx, &c, SPANLET_API_DRIVER, entry))
         return 0;
     struct gpu_cu_launch_config cfg = {};
-    bpf_probe_read_user(&cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
+    bpf_probe_read_user(&cfg, sizeof(cfg), (void *)cfg_p);
     c.func = PT_REGS_PARM2(ctx);
     __builtin_memcpy(c.grid, cfg.grid, sizeof(c.grid));
     __builtin_memcpy(c.block, cfg.block, sizeof(c.block));
@@ -313,15 +430,67 @@ int gpu_cu_launch_kernel_ex(struct pt_regs *ctx)
     return 0;
 }
 
+int gpu_cuLaunchKernelEx(struct pt_regs *ctx)
+{
+    return gpu_cu_launch_ex(ctx, SPANLET_ENTRY_CU_LAUNCH_KERNEL_EX, 0);
+}
+
+int gpu_cuLaunchKernelEx_ptsz(struct pt_regs *ctx)
+{
+    return gpu_cu_launch_ex(ctx, SPANLET_ENTRY_CU_LAUNCH_KERNEL_EX_PTSZ, 1);
+}
+
+/* The legacy launches: cuLaunch(f) runs a 1x1 grid, cuLaunchGrid(f, w, h) and
+ * cuLaunchGridAsync(f, w, h, hStream) a w x h one, with the block shape set
+ * before by cuFuncSetBlockShape (not known here: block 0). */
+static __always_inline int gpu_cu_launch_legacy(struct pt_regs *ctx, __u8 entry, __u32 gx, __u32 gy,
+                                                __u64 stream)
+{
+    struct gpu_call c = {};
+    if (!gpu_launch_begin(ctx, &c, SPANLET_API_DRIVER, entry))
+        return 0;
+    c.func = PT_REGS_PARM1(ctx);
+    c.grid[0] = gx;
+    c.grid[1] = gy;
+    c.grid[2] = 1;
+    c.stream = stream;
+    gpu_launch_commit(&c);
+    return 0;
+}
+
+int gpu_cuLaunch(struct pt_regs *ctx)
+{
+    return gpu_cu_launch_legacy(ctx, SPANLET_ENTRY_CU_LAUNCH, 1, 1, 0);
+}
+
+int gpu_cuLaunchGrid(struct pt_regs *ctx)
+{
+    return gpu_cu_launch_legacy(ctx, SPANLET_ENTRY_CU_LAUNCH_GRID, (__u32)PT_REGS_PARM2(ctx),
+                                (__u32)PT_REGS_PARM3(ctx), 0);
+}
+
+int gpu_cuLaunchGridAsync(struct pt_regs *ctx)
+{
+    if (GPU_CAPTURED(PT_REGS_PARM4(ctx), 0))
+        return 0;
+    return gpu_cu_launch_legacy(ctx, SPANLET_ENTRY_CU_LAUNCH_GRID_ASYNC, (__u32)PT_REGS_PARM2(ctx),
+                                (__u32)PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx));
+}
+
+/* -- runtime launches (gpu.runtime_hooks) ------------------------------------------
+ * A captured runtime launch is left to the driver call it makes, which adds it
+ * to the capture: it is neither counted nor tracked here. */
 /* cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim,
  *     void **args, size_t sharedMem, cudaStream_t stream)
  * dim3 (12 bytes) by value is two INTEGER eightbytes: gridDim arrives as
  * rsi = x | y << 32 and rdx = z, blockDim as rcx and r8; args in r9,
- * sharedMem and stream on the stack. */
-int gpu_cuda_launch_kernel(struct pt_regs *ctx)
+ * sharedMem and stream on the stack. cudaLaunchCooperativeKernel: the same. */
+static __always_inline int gpu_cuda_launch(struct pt_regs *ctx, __u8 entry, int ptsz)
 {
+    if (gpu_capturing() && gpu_capture_add(gpu_stack_arg(ctx, 2), ptsz, 0))
+        return 0;
     struct gpu_call c = {};
-    if (!gpu_launch_begin(ctx, &c, SPANLET_API_RUNTIME, SPANLET_ENTRY_CUDA_LAUNCH_KERNEL))
+    if (!gpu_launch_begin(ctx, &c, SPANLET_API_RUNTIME, entry))
         return 0;
     __u64 grid_xy = PT_REGS_PARM2(ctx), block_xy = PT_REGS_PARM4(ctx);
     c.func = PT_REGS_PARM1(ctx);
@@ -335,6 +504,66 @@ int gpu_cuda_launch_kernel(struct pt_regs *ctx)
     c.stream = gpu_stack_arg(ctx, 2);
     gpu_launch_commit(&c);
     return 0;
+}
+
+int gpu_cudaLaunchKernel(struct pt_regs *ctx)
+{
+    return gpu_cuda_launch(ctx, SPANLET_ENTRY_CUDA_LAUNCH_KERNEL, 0);
+}
+
+int gpu_cudaLaunchKernel_ptsz(struct pt_regs *ctx)
+{
+    return gpu_cuda_launch(ctx, SPANLET_ENTRY_CUDA_LAUNCH_KERNEL_PTSZ, 1);
+}
+
+int gpu_cudaLaunchCooperativeKernel(struct pt_regs *ctx)
+{
+    return gpu_cuda_launch(ctx, SPANLET_ENTRY_CUDA_LAUNCH_COOPERATIVE, 0);
+}
+
+int gpu_cudaLaunchCooperativeKernel_ptsz(struct pt_regs *ctx)
+{
+    return gpu_cuda_launch(ctx, SPANLET_ENTRY_CUDA_LAUNCH_COOPERATIVE_PTSZ, 1);
+}
+
+/* cudaLaunchConfig_t: dim3 gridDim, dim3 blockDim, size_t dynamicSmemBytes,
+ * cudaStream_t stream, attrs, numAttrs. */
+struct gpu_cuda_launch_config {
+    __u32 grid[3];
+    __u32 block[3];
+    __u64 shared_mem;
+    __u64 stream;
+};
+
+/* cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *config,
+ *     const void *func, void **args): rdi=config, rsi=func. */
+static __always_inline int gpu_cuda_launch_ex(struct pt_regs *ctx, __u8 entry, int ptsz)
+{
+    __u64 cfg_p = PT_REGS_PARM1(ctx);
+    struct gpu_cuda_launch_config cfg = {};
+    bpf_probe_read_user(&cfg, sizeof(cfg), (void *)cfg_p);
+    if (gpu_capturing() && gpu_capture_add(cfg.stream, ptsz, 0))
+        return 0;
+    struct gpu_call c = {};
+    if (!gpu_launch_begin(ctx, &c, SPANLET_API_RUNTIME, entry))
+        return 0;
+    c.func = PT_REGS_PARM2(ctx);
+    __builtin_memcpy(c.grid, cfg.grid, sizeof(c.grid));
+    __builtin_memcpy(c.block, cfg.block, sizeof(c.block));
+    c.shared_mem = (__u32)cfg.shared_mem;
+    c.stream = cfg.stream;
+    gpu_launch_commit(&c);
+    return 0;
+}
+
+int gpu_cudaLaunchKernelExC(struct pt_regs *ctx)
+{
+    return gpu_cuda_launch_ex(ctx, SPANLET_ENTRY_CUDA_LAUNCH_KERNEL_EXC, 0);
+}
+
+int gpu_cudaLaunchKernelExC_ptsz(struct pt_regs *ctx)
+{
+    return gpu_cuda_launch_ex(ctx, SPANLET_ENTRY_CUDA_LAUNCH_KERNEL_EXC_PTSZ, 1);
 }
 
 /* The outermost call of this thread in *calls returns: SP is then above the
@@ -370,6 +599,248 @@ int gpu_launch_return(struct pt_regs *ctx)
     return 0;
 }
 
+/* -- graph replays ----------------------------------------------------------------
+ * CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream): one entry-
+ * only probe. A replay is a graph launch; the kernels of its graph, when known,
+ * are kernel launches with api graph. A replay on a capturing stream is
+ * recorded as a child graph: its kernels go to the capture, nothing counts. */
+static __always_inline int gpu_graph_launch(struct pt_regs *ctx, __u8 entry, int ptsz)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tid = (__u32)pid_tgid;
+    struct gpu_graph_key gk = {};
+    gk.tgid = pid_tgid >> 32;
+    gk.handle = PT_REGS_PARM1(ctx);
+    __u64 *known = gpu_execs.lookup(&gk);
+    __u64 kernels = known ? *known : 0;
+    if (gpu_capturing() && gpu_capture_add(PT_REGS_PARM2(ctx), ptsz, kernels))
+        return 0;
+    struct span_ctx_val *span = span_ctx.lookup(&tid);
+    struct gpu_count_key k = {};
+    k.cgroup_id = bpf_get_current_cgroup_id();
+    k.modality = span ? span->modality : SPANLET_MOD_OTHER;
+    k.api = SPANLET_API_GRAPH;
+    /* (BCC rewrites map calls only outside macros: written out twice) */
+    __u64 one = 1;
+    __u64 *n = spanlet_gpu_graph_launches_total.lookup(&k);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+    else
+        spanlet_gpu_graph_launches_total.update(&k, &one);
+    if (!known) {
+        n = spanlet_gpu_unknown_graph_launches_total.lookup(&k);
+        if (n)
+            __sync_fetch_and_add(n, 1);
+        else
+            spanlet_gpu_unknown_graph_launches_total.update(&k, &one);
+    } else if (kernels) {
+        n = spanlet_gpu_kernel_launches_total.lookup(&k);
+        if (n)
+            __sync_fetch_and_add(n, kernels);
+        else
+            spanlet_gpu_kernel_launches_total.update(&k, &kernels);
+    }
+    struct span_facts_val *row = span ? spanlet_span_row(span) : 0;
+    if (row) {
+        __sync_fetch_and_add(&row->graph_launches, 1);
+        if (kernels)
+            __sync_fetch_and_add(&row->graph_kernels, kernels);
+    }
+    return 0;
+}
+
+int gpu_cuGraphLaunch(struct pt_regs *ctx)
+{
+    return gpu_graph_launch(ctx, SPANLET_ENTRY_CU_GRAPH_LAUNCH, 0);
+}
+
+int gpu_cuGraphLaunch_ptsz(struct pt_regs *ctx)
+{
+    return gpu_graph_launch(ctx, SPANLET_ENTRY_CU_GRAPH_LAUNCH_PTSZ, 1);
+}
+
+/* -- making graphs: the rare calls, with a return probe where the result is
+ * written through a pointer (read at return, kept only when the call succeeded) */
+#define GPU_GRAPH_BEGIN 1
+#define GPU_GRAPH_BEGIN_TO_GRAPH 2
+#define GPU_GRAPH_END 3
+#define GPU_GRAPH_INSTANTIATE 4
+#define GPU_GRAPH_CREATE 5
+
+struct gpu_graph_call {
+    __u64 pid_tgid;
+    __u64 entry_sp;
+    __u64 out;        /* where the result is written (CUgraph *, CUgraphExec *) */
+    __u64 graph;      /* the graph instantiated, or captured into */
+    struct gpu_stream_key stream;
+    __u8 kind;
+    __u8 _pad[7];
+};
+BPF_HASH(gpu_graph_calls, __u32, struct gpu_graph_call, SPANLET_GPU_INFLIGHT_MAX);
+
+static __always_inline int gpu_graph_call(struct pt_regs *ctx, __u8 kind, __u64 out, __u64 graph,
+                                          __u64 stream, int ptsz)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tid = (__u32)pid_tgid;
+    struct gpu_graph_call c = {};
+    c.pid_tgid = pid_tgid;
+    c.entry_sp = PT_REGS_SP(ctx);
+    c.out = out;
+    c.graph = graph;
+    c.kind = kind;
+    gpu_stream_key_of(&c.stream, stream, ptsz);
+    gpu_graph_calls.update(&tid, &c);
+    return 0;
+}
+
+/* cuStreamBeginCapture(hStream), _v2(hStream, mode), and their _ptsz twins */
+int gpu_cuStreamBeginCapture(struct pt_regs *ctx)
+{
+    return gpu_graph_call(ctx, GPU_GRAPH_BEGIN, 0, 0, PT_REGS_PARM1(ctx), 0);
+}
+
+int gpu_cuStreamBeginCapture_ptsz(struct pt_regs *ctx)
+{
+    return gpu_graph_call(ctx, GPU_GRAPH_BEGIN, 0, 0, PT_REGS_PARM1(ctx), 1);
+}
+
+/* cuStreamBeginCaptureToGraph(hStream, hGraph, dependencies, edgeData, numDependencies, mode) */
+int gpu_cuStreamBeginCaptureToGraph(struct pt_regs *ctx)
+{
+    return gpu_graph_call(ctx, GPU_GRAPH_BEGIN_TO_GRAPH, 0, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 0);
+}
+
+/* cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) */
+int gpu_cuStreamEndCapture(struct pt_regs *ctx)
+{
+    return gpu_graph_call(ctx, GPU_GRAPH_END, PT_REGS_PARM2(ctx), 0, PT_REGS_PARM1(ctx), 0);
+}
+
+int gpu_cuStreamEndCapture_ptsz(struct pt_regs *ctx)
+{
+    return gpu_graph_call(ctx, GPU_GRAPH_END, PT_REGS_PARM2(ctx), 0, PT_REGS_PARM1(ctx), 1);
+}
+
+/* cuGraphInstantiate*(CUgraphExec *phGraphExec, CUgraph hGraph, ...) */
+int gpu_cuGraphInstantiate(struct pt_regs *ctx)
+{
+    return gpu_graph_call(ctx, GPU_GRAPH_INSTANTIATE, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0, 0);
+}
+
+/* cuGraphCreate(CUgraph *phGraph, unsigned flags) */
+int gpu_cuGraphCreate(struct pt_regs *ctx)
+{
+    return gpu_graph_call(ctx, GPU_GRAPH_CREATE, PT_REGS_PARM1(ctx), 0, 0, 0);
+}
+
+static __always_inline void gpu_graph_end(struct gpu_graph_call *c, struct gpu_graph_key *gk, int ok)
+{
+    struct gpu_capture *cap = gpu_captures.lookup(&c->stream);
+    if (!cap)
+        return;   /* begun before the agent started (or lost): its graph stays unknown */
+    struct gpu_capture v = *cap;
+    if (gpu_captures.delete(&c->stream) == 0) {
+        int zero = 0;
+        __u64 *active = gpu_captures_active.lookup(&zero);
+        if (active)
+            __sync_fetch_and_add(active, (__u64)-1);
+    }
+    if (!ok)
+        return;
+    gk->handle = gpu_user_u64(c->out);
+    if (v.into) {
+        /* into an existing graph: adds to it, when the agent knows it */
+        __u64 *n = gpu_graphs.lookup(gk);
+        if (n)
+            __sync_fetch_and_add(n, v.kernels);
+        return;
+    }
+    gpu_graphs.update(gk, &v.kernels);
+}
+
+int gpu_graph_return(struct pt_regs *ctx)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tid = (__u32)pid_tgid;
+    struct gpu_graph_call *c = gpu_graph_calls.lookup(&tid);
+    if (!c || c->pid_tgid != pid_tgid || PT_REGS_SP(ctx) <= c->entry_sp)
+        return 0;
+    int ok = (int)PT_REGS_RC(ctx) == 0;   /* CUDA_SUCCESS */
+    struct gpu_graph_key gk = {};
+    gk.tgid = pid_tgid >> 32;
+    __u64 zero64 = 0;
+    if (c->kind == GPU_GRAPH_BEGIN || c->kind == GPU_GRAPH_BEGIN_TO_GRAPH) {
+        if (ok) {
+            struct gpu_capture v = {};
+            v.into = c->kind == GPU_GRAPH_BEGIN_TO_GRAPH ? c->graph : 0;
+            if (gpu_captures.insert(&c->stream, &v) == 0) {
+                int zero = 0;
+                __u64 *active = gpu_captures_active.lookup(&zero);
+                if (active)
+                    __sync_fetch_and_add(active, 1);
+            } else {
+                gpu_captures.update(&c->stream, &v);   /* a stale one of a reused handle */
+            }
+        }
+    } else if (c->kind == GPU_GRAPH_END) {
+        gpu_graph_end(c, &gk, ok);
+    } else if (c->kind == GPU_GRAPH_INSTANTIATE) {
+        if (ok) {
+            struct gpu_graph_key g = {};
+            g.tgid = gk.tgid;
+            g.handle = c->graph;
+            __u64 *n = gpu_graphs.lookup(&g);
+            gk.handle = gpu_user_u64(c->out);
+            if (n) {
+                __u64 kernels = *n;
+                gpu_execs.update(&gk, &kernels);
+            } else {
+                gpu_execs.delete(&gk);   /* a graph made before the agent: unknown */
+            }
+        }
+    } else if (c->kind == GPU_GRAPH_CREATE && ok) {
+        gk.handle = gpu_user_u64(c->out);
+        gpu_graphs.update(&gk, &zero64);
+    }
+    gpu_graph_calls.delete(&tid);
+    return 0;
+}
+
+/* cuGraphAddKernelNode(_v2)(CUgraphNode *phGraphNode, CUgraph hGraph, ...):
+ * entry only (an attempt that fails still counts: a program bug, not a path
+ * a serving stack takes). A graph the agent did not see made stays unknown. */
+int gpu_cuGraphAddKernelNode(struct pt_regs *ctx)
+{
+    struct gpu_graph_key gk = {};
+    gk.tgid = bpf_get_current_pid_tgid() >> 32;
+    gk.handle = PT_REGS_PARM2(ctx);
+    __u64 *n = gpu_graphs.lookup(&gk);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+    return 0;
+}
+
+/* cuGraphDestroy(CUgraph), cuGraphExecDestroy(CUgraphExec): forgotten. */
+int gpu_cuGraphDestroy(struct pt_regs *ctx)
+{
+    struct gpu_graph_key gk = {};
+    gk.tgid = bpf_get_current_pid_tgid() >> 32;
+    gk.handle = PT_REGS_PARM1(ctx);
+    gpu_graphs.delete(&gk);
+    return 0;
+}
+
+int gpu_cuGraphExecDestroy(struct pt_regs *ctx)
+{
+    struct gpu_graph_key gk = {};
+    gk.tgid = bpf_get_current_pid_tgid() >> 32;
+    gk.handle = PT_REGS_PARM1(ctx);
+    gpu_execs.delete(&gk);
+    return 0;
+}
+
+/* -- synchronisation ------------------------------------------------------------- */
 static __always_inline int gpu_sync_begin(struct pt_regs *ctx, __u8 api, __u8 entry, __u64 stream)
 {
     __u64 pid_tgid = bpf_get_current_pid_tgid();
@@ -383,22 +854,50 @@ static __always_inline int gpu_sync_begin(struct pt_regs *ctx, __u8 api, __u8 en
     return 0;
 }
 
-/* CUresult cuStreamSynchronize(CUstream hStream) */
-int gpu_cu_stream_sync(struct pt_regs *ctx)
+/* CUresult cuStreamSynchronize(CUstream hStream) (and _ptsz) */
+int gpu_cuStreamSynchronize(struct pt_regs *ctx)
 {
     return gpu_sync_begin(ctx, SPANLET_API_DRIVER, SPANLET_ENTRY_CU_STREAM_SYNC, PT_REGS_PARM1(ctx));
 }
 
-/* cudaError_t cudaStreamSynchronize(cudaStream_t stream) */
-int gpu_cuda_stream_sync(struct pt_regs *ctx)
+int gpu_cuStreamSynchronize_ptsz(struct pt_regs *ctx)
+{
+    return gpu_sync_begin(ctx, SPANLET_API_DRIVER, SPANLET_ENTRY_CU_STREAM_SYNC_PTSZ, PT_REGS_PARM1(ctx));
+}
+
+/* CUresult cuCtxSynchronize(void) */
+int gpu_cuCtxSynchronize(struct pt_regs *ctx)
+{
+    return gpu_sync_begin(ctx, SPANLET_API_DRIVER, SPANLET_ENTRY_CU_CTX_SYNC, 0);
+}
+
+/* CUresult cuEventSynchronize(CUevent hEvent): the event is recorded as the stream */
+int gpu_cuEventSynchronize(struct pt_regs *ctx)
+{
+    return gpu_sync_begin(ctx, SPANLET_API_DRIVER, SPANLET_ENTRY_CU_EVENT_SYNC, PT_REGS_PARM1(ctx));
+}
+
+/* The runtime's (gpu.runtime_hooks): each reaches the driver call above,
+ * nested and not counted again. */
+int gpu_cudaStreamSynchronize(struct pt_regs *ctx)
 {
     return gpu_sync_begin(ctx, SPANLET_API_RUNTIME, SPANLET_ENTRY_CUDA_STREAM_SYNC, PT_REGS_PARM1(ctx));
 }
 
-/* cudaError_t cudaDeviceSynchronize(void) */
-int gpu_cuda_device_sync(struct pt_regs *ctx)
+int gpu_cudaStreamSynchronize_ptsz(struct pt_regs *ctx)
+{
+    return gpu_sync_begin(ctx, SPANLET_API_RUNTIME, SPANLET_ENTRY_CUDA_STREAM_SYNC_PTSZ,
+                          PT_REGS_PARM1(ctx));
+}
+
+int gpu_cudaDeviceSynchronize(struct pt_regs *ctx)
 {
     return gpu_sync_begin(ctx, SPANLET_API_RUNTIME, SPANLET_ENTRY_CUDA_DEVICE_SYNC, 0);
+}
+
+int gpu_cudaEventSynchronize(struct pt_regs *ctx)
+{
+    return gpu_sync_begin(ctx, SPANLET_API_RUNTIME, SPANLET_ENTRY_CUDA_EVENT_SYNC, PT_REGS_PARM1(ctx));
 }
 
 static __always_inline __u32 gpu_wait_bucket(__u64 ns)

@@ -69,23 +69,44 @@ struct span_facts_val {
     __u64 sync_wait_ns;       /* time inside outermost sync calls */
     __u64 syncs;
     __u64 violations;         /* mmap sandbox */
-    __u64 graph_launches;     /* reserved for graph replays: 0 for now */
-    __u64 graph_kernels;
+    __u64 graph_launches;     /* cuGraphLaunch* calls (replays) */
+    __u64 graph_kernels;      /* kernels those replays ran, where the graph was seen made */
     __u64 cgroup_id;          /* of the first event */
     __u64 first_ns;           /* CLOCK_MONOTONIC of the first event */
     __u32 pid;                /* of the first event */
     __u32 sampled_events;     /* GPU records sent in the sampled side stream */
 };
 
-/* GPU APIs and entry points. */
+/* GPU APIs and entry points (agent/events.py Api, Entry). API_GRAPH: kernels
+ * run by the replay of a graph whose kernels the agent saw recorded. */
 #define SPANLET_API_DRIVER 1
 #define SPANLET_API_RUNTIME 2
+#define SPANLET_API_GRAPH 3
 #define SPANLET_ENTRY_CU_LAUNCH_KERNEL 1
 #define SPANLET_ENTRY_CU_LAUNCH_KERNEL_EX 2
 #define SPANLET_ENTRY_CUDA_LAUNCH_KERNEL 3
 #define SPANLET_ENTRY_CU_STREAM_SYNC 4
 #define SPANLET_ENTRY_CUDA_STREAM_SYNC 5
 #define SPANLET_ENTRY_CUDA_DEVICE_SYNC 6
+#define SPANLET_ENTRY_CU_LAUNCH_KERNEL_PTSZ 7
+#define SPANLET_ENTRY_CU_LAUNCH_KERNEL_EX_PTSZ 8
+#define SPANLET_ENTRY_CU_LAUNCH_COOPERATIVE 9
+#define SPANLET_ENTRY_CU_LAUNCH_COOPERATIVE_PTSZ 10
+#define SPANLET_ENTRY_CU_LAUNCH 11
+#define SPANLET_ENTRY_CU_LAUNCH_GRID 12
+#define SPANLET_ENTRY_CU_LAUNCH_GRID_ASYNC 13
+#define SPANLET_ENTRY_CUDA_LAUNCH_KERNEL_PTSZ 14
+#define SPANLET_ENTRY_CUDA_LAUNCH_KERNEL_EXC 15
+#define SPANLET_ENTRY_CUDA_LAUNCH_KERNEL_EXC_PTSZ 16
+#define SPANLET_ENTRY_CUDA_LAUNCH_COOPERATIVE 17
+#define SPANLET_ENTRY_CUDA_LAUNCH_COOPERATIVE_PTSZ 18
+#define SPANLET_ENTRY_CU_GRAPH_LAUNCH 19
+#define SPANLET_ENTRY_CU_GRAPH_LAUNCH_PTSZ 20
+#define SPANLET_ENTRY_CU_STREAM_SYNC_PTSZ 21
+#define SPANLET_ENTRY_CU_CTX_SYNC 22
+#define SPANLET_ENTRY_CU_EVENT_SYNC 23
+#define SPANLET_ENTRY_CUDA_STREAM_SYNC_PTSZ 24
+#define SPANLET_ENTRY_CUDA_EVENT_SYNC 25
 
 struct gpu_launch_event {
     struct spanlet_hdr hdr;

@@ -77,7 +77,10 @@ STORE = Source("spanlet.exporters.clickhouse.sink")
 
 KERNEL = (
     Metric("spanlet_gpu_kernel_launches_total", "counter", "",
-           "GPU kernel launches seen by the launch uprobes (nested runtime->driver calls once)",
+           "GPU kernel launches: api=driver|runtime: launch calls (attempts, counted at entry "
+           "whether they succeed or fail; a runtime call and the driver call it makes count "
+           "once); api=graph: kernels run by graph replays, for graphs whose capture or "
+           "building the agent saw; launches recorded during a stream capture are not counted",
            (*WORKLOAD, "modality", "api"), _gpu("spanlet_gpu_kernel_launches_total"), 1),
     Metric("spanlet_gpu_sync_wait_seconds", "histogram", "seconds",
            "Time threads spent inside CUDA synchronisation calls",
@@ -168,6 +171,13 @@ SELF = (
            "Pool fds the sweep found and handed to the kernel", (), _sandbox()),
     Metric("spanlet_sandbox_sweep_seconds", "gauge", "seconds", "Duration of the last /proc sweep",
            (), _sandbox()),
+    Metric("spanlet_gpu_graph_launches_total", "counter", "",
+           "CUDA graph replays (cuGraphLaunch calls; #1's companion), known graphs or not",
+           (*WORKLOAD, "modality"), _gpu("spanlet_gpu_graph_launches_total")),
+    Metric("spanlet_gpu_unknown_graph_launches_total", "counter", "",
+           "Graph replays whose graph the agent did not see made (made before it attached, or "
+           "pushed out of its bounded maps): their kernels are not in #1",
+           (*WORKLOAD, "modality"), _gpu("spanlet_gpu_unknown_graph_launches_total")),
     Metric("spanlet_span_marks_total", "counter", "",
            "Span marker calls seen (span starts and ends of instrumented threads)", (),
            Source("spanlet.probes.span_ctx", "spanlet_span_marks_total")),

@@ -145,6 +145,7 @@ class MetricEngine:
         if gpu is not None:
             out += self._guard("gpu_launch", lambda: [
                 kernel.spanlet_gpu_kernel_launches_total(gpu, self._workload),
+                *kernel.spanlet_gpu_graph_launches_total(gpu, self._workload),
                 kernel.spanlet_gpu_sync_wait_seconds(gpu, self._workload)])
         if tc is not None:
             out += self._guard("tc_classify", lambda: [

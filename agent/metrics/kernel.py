@@ -19,13 +19,24 @@ _FOLD = [next((j for j, b in enumerate(SYNC_WAIT_BOUNDS_S) if (2 ** i) / 1e6 <= 
 Workload = Callable[[int], dict[str, str]]   # cgroup id → namespace, pod, container labels
 
 
-def spanlet_gpu_kernel_launches_total(gpu, workload: Workload) -> Family:
-    fam = family("spanlet_gpu_kernel_launches_total")
+def _gpu_counts(fam: Family, counts: dict, workload: Workload, with_api: bool = True) -> Family:
     sums: dict = defaultdict(int)
-    for (cgroup, modality, api), n in gpu.launches().items():
-        sums[labels(**workload(cgroup), modality=modality.name, api=api.name)] += n
+    for (cgroup, modality, api), n in counts.items():
+        extra = {"api": api.name} if with_api else {}
+        sums[labels(**workload(cgroup), modality=modality.name, **extra)] += n
     fam.samples = [Sample(k, v) for k, v in sorted(sums.items())]
     return fam
+
+
+def spanlet_gpu_kernel_launches_total(gpu, workload: Workload) -> Family:
+    return _gpu_counts(family("spanlet_gpu_kernel_launches_total"), gpu.launches(), workload)
+
+
+def spanlet_gpu_graph_launches_total(gpu, workload: Workload) -> list[Family]:
+    """#1's companion (graph replays) and the replays whose kernels are unknown."""
+    return [_gpu_counts(family("spanlet_gpu_graph_launches_total"), gpu.graph_launches(), workload, False),
+            _gpu_counts(family("spanlet_gpu_unknown_graph_launches_total"), gpu.unknown_graph_launches(),
+                        workload, False)]
 
 
 def spanlet_gpu_sync_wait_seconds(gpu, workload: Workload) -> Family:

@@ -33,3 +33,43 @@ def audit(pools):
 @pytest.fixture(scope="module")
 def own_cgroup_id():
     return CgroupResolver().id(_own_cgroup())
+
+
+@pytest.fixture
+def probes():
+    """Start probes (GPU ones with a config tweak); stopped at teardown, last first.
+    By default timing and runtime hooks are on: both layers, both probes per
+    launch (the defaults, one entry-only driver probe, are asked for by name)."""
+    from spanlet import config, events
+    from spanlet.probes.gpu import GpuProbe
+
+    started = []
+
+    def gpu(launch_events: str = "all", pin_dir: str | None = None,
+            unmapped_grace_s: float = 600.0, timing: bool = True, runtime_hooks: bool = True,
+            uprobe_multi: bool = True, **kw) -> GpuProbe:
+        cfg = config.load(env={})
+        cfg.gpu.launch_events = launch_events
+        cfg.gpu.launch_timing, cfg.gpu.runtime_hooks = timing, runtime_hooks
+        cfg.gpu.uprobe_multi = uprobe_multi
+        cfg.discovery.unmapped_grace_s = unmapped_grace_s
+        seen: list[events._Event] = []
+        p = GpuProbe(cfg, sink=seen.append, **kw)
+        p.seen = seen
+        started.append(p)
+        st = p.start(pin_dir=pin_dir)
+        assert st.attached, st.reason
+        return p
+
+    def span_ctx():
+        from spanlet.probes.span_ctx import SpanCtxProbe
+
+        p = SpanCtxProbe(config.load(env={}))
+        started.append(p)
+        assert p.start().attached, p.status.reason
+        return p
+
+    gpu.span_ctx = span_ctx
+    yield gpu
+    for p in reversed(started):
+        p.stop()

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,77 +20,13 @@ from spanlet import config, events
 from spanlet.events import Api, Entry, Modality
 
 import cuda_standin
-from gpu_harness import cgroup_id, counts
+from gpu_harness import cgroup_id, counts, launch_line, launches, mine, read_events
 
 pytestmark = pytest.mark.kernel
 
 DRIVER, RUNTIME = Api.driver, Api.runtime
 OTHER = Modality.other
 FUNC = 0xF00D  # the "kernel" the workload names in every launch
-
-
-@pytest.fixture
-def probes():
-    """Start probes (GPU ones with a config tweak); stopped at teardown, last first."""
-    from spanlet.probes.gpu import GpuProbe
-
-    started = []
-
-    def gpu(launch_events: str = "all", pin_dir: str | None = None,
-            unmapped_grace_s: float = 600.0, timing: bool = True, runtime_hooks: bool = True,
-            **kw) -> GpuProbe:
-        # timing and runtime hooks on: both layers, both probes per launch
-        # (the defaults, one entry-only driver probe, are tested below)
-        cfg = config.load(env={})
-        cfg.gpu.launch_events = launch_events
-        cfg.gpu.launch_timing, cfg.gpu.runtime_hooks = timing, runtime_hooks
-        cfg.discovery.unmapped_grace_s = unmapped_grace_s
-        seen: list[events._Event] = []
-        p = GpuProbe(cfg, sink=seen.append, **kw)
-        p.seen = seen
-        started.append(p)
-        st = p.start(pin_dir=pin_dir)
-        assert st.attached, st.reason
-        return p
-
-    def span_ctx():
-        from spanlet.probes.span_ctx import SpanCtxProbe
-
-        p = SpanCtxProbe(config.load(env={}))
-        started.append(p)
-        assert p.start().attached, p.status.reason
-        return p
-
-    gpu.span_ctx = span_ctx
-    yield gpu
-    for p in reversed(started):
-        p.stop()
-
-
-def mine(libs, folder: Path) -> list:
-    """The attached libraries under `folder` (other processes on the host may
-    map a libcuda of their own)."""
-    return [lib for lib in libs if lib.path.startswith(str(folder) + "/")]
-
-
-def read_events(probe, pid: int, n: int, timeout_s: float = 10.0) -> list[events._Event]:
-    """Poll until `n` records of `pid` arrived, then a little more to catch extras."""
-    deadline = time.monotonic() + timeout_s
-    of_pid = lambda: [e for e in probe.seen if e.hdr.pid == pid]  # noqa: E731
-    while len(of_pid()) < n and time.monotonic() < deadline:
-        probe.poll(50)
-    probe.poll(50)
-    probe.drain()
-    return of_pid()
-
-
-def launch_line(api: str, n: int, grid, block, shmem: int, stream: int) -> str:
-    return f"{api} {n} {' '.join(map(str, grid))} {' '.join(map(str, block))} {shmem} {stream:#x}"
-
-
-def launches(api: str, n: int) -> str:
-    """`n` launches through `api` (cu, cuex, cuda) with unit dims."""
-    return launch_line(api, n, (1, 1, 1), (1, 1, 1), 0, 0)
 
 
 # -- counts, arguments and sync times --------------------------------------------
@@ -293,9 +231,9 @@ def test_unmapped_libraries_are_detached_and_dead_calls_reaped(standin, spawn, p
     w = spawn(standin.workload)
     w.load(copy_dir)
     gpu.refresh()
-    paths = {lib.library.open_path for lib in mine(gpu.libraries(), copy_dir)}
+    paths = {lib.path for lib in mine(gpu.libraries(), copy_dir)}
     assert len(paths) == 2
-    assert {p.get("filename") for p in _bpftool("perf")} >= paths
+    assert {path for _, path, _ in _probes_on(paths)} == paths
 
     # Killed inside a 5 s sync: its return probe never runs.
     w.send("cudasync 5000000", "go")
@@ -311,11 +249,30 @@ def test_unmapped_libraries_are_detached_and_dead_calls_reaped(standin, spawn, p
     assert not any(c.pid_tgid >> 32 == w.pid for c in calls.values())
     assert mine(gpu.libraries(), copy_dir) == []
     assert not any(str(copy_dir) in a for a in gpu.status.attachments)
-    assert not {p.get("filename") for p in _bpftool("perf")} & paths
+    assert _probes_on(paths) == []
     assert counts(gpu.sync_wait(), cgroup_id(os.getpid())) == {}  # nothing was timed
 
 
 # -- detach ---------------------------------------------------------------------
+def _probes_on(paths: set[str]) -> list[tuple[str, str, int]]:
+    """This process's uprobes on `paths` (as the libraries' processes see
+    them): (kind, path, uprobes) per perf-event uprobe (bpftool perf, opened
+    through /proc/PID/root) and per uprobe_multi link (its fdinfo, which
+    shows the file's own path); kind is uprobe or uretprobe."""
+    strip = lambda f: re.sub(r"^/proc/\d+/root", "", f)  # noqa: E731
+    out = [(p["fd_type"], strip(p["filename"]), 1) for p in _bpftool("perf")
+           if p.get("pid") == os.getpid() and strip(p.get("filename", "")) in paths]
+    for fd in os.listdir("/proc/self/fdinfo"):
+        try:
+            info = dict(line.split(":\t", 1) for line in
+                        Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        if info.get("link_type", "").endswith("probe_multi") and info.get("path") in paths:
+            out.append((info["link_type"].removesuffix("_multi"), info["path"], int(info["uprobe_cnt"])))
+    return out
+
+
 def _bpftool(*args: str):
     out = subprocess.run(["bpftool", "-j", *args], check=True, capture_output=True, text=True).stdout
     return json.loads(out or "[]")
@@ -331,25 +288,41 @@ def _prog_ids(bpf) -> set[int]:
 
 
 @pytest.mark.skipif(shutil.which("bpftool") is None, reason="bpftool missing")
-@pytest.mark.parametrize("timed, programs, uprobes, uretprobes", [
-    # default: one entry-only uprobe per driver launch call, no runtime launch
-    # hook; the three sync calls keep entry and return
-    (False, 6, 5, 3),
-    # timing and runtime hooks: six entry programs, two return programs
-    (True, 8, 6, 6)], ids=["default", "timed-runtime"])
+@pytest.mark.parametrize("multi", [True, False], ids=["uprobe_multi", "perf-events"])
+@pytest.mark.parametrize("timed, programs, uprobes, uretprobes, links", [
+    # default: on the driver only, 32 functions: an entry-only uprobe on each
+    # of the 9 launch, 2 graph-launch, 2 graph-node and 2 destroy calls; entry
+    # and return on the 4 syncs and on the 13 capture, create and instantiate
+    # calls. Perf-event uprobes: 25 entry programs (some shared by a call's
+    # variants) and 2 return ones. uprobe_multi: 3 links (gpu_entry, which
+    # tells the function by the attach cookie, and the 2 return programs).
+    (False, 27, 32, 17, 3),
+    # timing and runtime hooks: the 9 driver launches get their return probe,
+    # and 10 runtime calls (6 launches, 4 syncs) are hooked on both ends;
+    # links: 4 on the driver, 3 on the runtime, of 4 programs
+    (True, 38, 42, 36, 4 + 3)], ids=["default", "timed-runtime"])
 def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, programs, uprobes,
-                                           uretprobes):
+                                           uretprobes, links, multi):
     w = spawn(standin.workload)
     w.load(standin.lib_dir)
-    gpu = probes("all", timing=timed, runtime_hooks=timed)
+    gpu = probes("all", timing=timed, runtime_hooks=timed, uprobe_multi=multi)
     ids = _prog_ids(gpu.bpf)
-    assert len(ids) == programs
+    assert len(ids) == ((4 if timed else 3) if multi else programs)
     libs = mine(gpu.libraries(), standin.lib_dir)
-    paths = {lib.library.open_path for lib in libs}
-    ours = [p for p in _bpftool("perf") if p.get("prog_id") in ids and p.get("filename") in paths]
-    assert sorted(p["fd_type"] for p in ours) == ["uprobe"] * uprobes + ["uretprobe"] * uretprobes
+    paths = {lib.path for lib in libs}
+    ours = _probes_on(paths)
+    assert sum(n for kind, _, n in ours if kind == "uprobe") == uprobes
+    assert sum(n for kind, _, n in ours if kind == "uretprobe") == uretprobes
+    if multi:
+        # (another tool's perf uprobe on one of these functions makes the
+        # kernel refuse a link there: those become perf-event uprobes)
+        assert len(ours) >= links and sum(lib.links != [] for lib in libs) == len(libs)
+    else:
+        assert len(ours) == uprobes + uretprobes and all(lib.links == [] for lib in libs)
 
+    t0 = time.monotonic()
     gpu.stop()
+    stop_s = time.monotonic() - t0
     gpu.stop()  # safe twice
     deadline = time.monotonic() + 5   # programs are freed from deferred work, late under load
     while ids & {p["id"] for p in _bpftool("prog", "show")} and time.monotonic() < deadline:
@@ -358,6 +331,7 @@ def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, progra
     # (another agent on the machine may probe these libraries too: only ours count)
     assert not [p for p in _bpftool("perf") if p.get("prog_id") in ids
                 or (p.get("pid") == os.getpid() and str(standin.lib_dir) in p.get("filename", ""))]
+    assert _probes_on(paths) == []
     tracefs = Path("/sys/kernel/tracing/uprobe_events")
     if tracefs.exists():
         assert str(standin.lib_dir).replace("/", "_") not in tracefs.read_text()
@@ -365,3 +339,38 @@ def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, progra
     assert gpu.launches() == {}
     # The process runs on, unprobed.
     assert w.run(launches("cu", 3)) == []
+    print(f"stop with {'links' if multi else 'perf-event uprobes'}: {stop_s:.2f} s")
+
+
+FOREIGN_PROBE = """
+import sys
+from bcc import BPF
+b = BPF(text="int other(struct pt_regs *ctx) { return 0; }")
+b.attach_uprobe(name=sys.argv[1].encode(), sym=b"cuLaunchKernel", fn_name=b"other")
+print("attached", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_function_another_tool_probes_gets_its_own_uprobe(standin, spawn, probes, tmp_path):
+    # The kernel refuses a uprobe_multi link at an offset that already has
+    # another tool's perf-event uprobe: that function is hooked on its own,
+    # the others stay in links, and every launch still counts once.
+    lib_dir = standin.copy_libs(tmp_path / "probed")
+    other = subprocess.Popen([sys.executable, "-c", FOREIGN_PROBE, str(lib_dir / "libcuda.so.1")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "attached"
+        w = spawn(standin.workload)
+        w.load(lib_dir)
+        gpu = probes("off", timing=False, runtime_hooks=False)
+        (lib,) = mine(gpu.libraries(), lib_dir)
+        assert lib.missing == [] and len(lib.symbols) == 32
+        assert lib.links and lib.probe_events   # the rest in links, cuLaunchKernel on its own
+        w.run(launches("cuLaunchKernel", 4), launches("cuLaunchKernelEx", 3),
+              launches("cuLaunchCooperativeKernel", 2))
+        cg = cgroup_id(w.pid)
+        assert counts(gpu.launches(), cg) == {(cg, OTHER, DRIVER): 9}
+    finally:
+        other.stdin.close()
+        other.wait(10)

@@ -42,6 +42,8 @@ class FakeProbe:
         self.marks = int
         self.rejected = dict
         self.uncounted = dict
+        self.graph_launches = dict
+        self.unknown_graph_launches = dict
         for k, v in methods.items():
             setattr(self, k, v)
 
@@ -87,7 +89,8 @@ def every_source():
     gpu_buckets[12] = 2
     key = (11, events.Modality.image, events.Api.driver)
     gpu = FakeProbe("gpu_launch", launches=lambda: {key: 5}, sync_wait=lambda: {key: (2, 5_000_000)},
-                    sync_wait_buckets=lambda: {key: gpu_buckets})
+                    sync_wait_buckets=lambda: {key: gpu_buckets},
+                    graph_launches=lambda: {key: 3}, unknown_graph_launches=lambda: {key: 1})
     tc = FakeProbe("tc_classify", totals=lambda: {("ingress", "rtp", "audio"): (10, 1420)},
                    jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)},
                    rejected=lambda: {"rtp_invalid": 1}, uncounted=lambda: {"fragment": 1})

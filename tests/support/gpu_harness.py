@@ -1,10 +1,11 @@
 """What the GPU probe's tests share: where cgroup v2 is mounted, the cgroup id
-the kernel stamps a process's records with, and one cgroup's share of the
-probe's counts."""
+the kernel stamps a process's records with, one cgroup's share of the probe's
+counts, and the workload's script lines."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 
@@ -28,3 +29,33 @@ def cgroup_id(pid: int) -> int:
 def counts(table: dict, cg: int) -> dict:
     """The entries of launches()/sync_wait() for one cgroup."""
     return {k: v for k, v in table.items() if k[0] == cg}
+
+
+def mine(libs, folder: Path) -> list:
+    """The attached libraries under `folder` (other processes on the host may
+    map a libcuda of their own)."""
+    return [lib for lib in libs if lib.path.startswith(str(folder) + "/")]
+
+
+def read_events(probe, pid: int, n: int, timeout_s: float = 10.0) -> list:
+    """Poll until `n` records of `pid` arrived, then a little more to catch extras."""
+    deadline = time.monotonic() + timeout_s
+    of_pid = lambda: [e for e in probe.seen if e.hdr.pid == pid]  # noqa: E731
+    while len(of_pid()) < n and time.monotonic() < deadline:
+        probe.poll(50)
+    probe.poll(50)
+    probe.drain()
+    return of_pid()
+
+
+def launch_line(api: str, n: int, grid, block, shmem: int, stream: int, func: int | None = None) -> str:
+    """A workload script line: `n` launches through entry point `api` (its real
+    name, or the short cu, cuex, cuda), optionally naming another function."""
+    tail = f" {func:#x}" if func is not None else ""
+    return (f"{api} {n} {' '.join(map(str, grid))} {' '.join(map(str, block))} {shmem} "
+            f"{stream:#x}{tail}")
+
+
+def launches(api: str, n: int, stream: int = 0) -> str:
+    """`n` launches through `api` with unit dims."""
+    return launch_line(api, n, (1, 1, 1), (1, 1, 1), 0, stream)

@@ -107,6 +107,22 @@ def test_names_match_whole_file_names_and_their_versions():
     assert not match("/usr/lib/mylibcuda.so")
 
 
+def test_wheel_layouts_and_hash_renamed_copies_match_under_the_configured_name(proc):
+    p = library_pattern(["libcudart.so"])
+    line = "7f0000000000-7f0000001000 r-xp 00000000 08:01 12 {}"
+    match = lambda path: bool(p.search(line.format(path)))  # noqa: E731
+    site = "/usr/local/lib/python3.11/site-packages/nvidia"
+    assert match(f"{site}/cuda_runtime/lib/libcudart.so.12")   # nvidia-cuda-runtime-cu12
+    assert match(f"{site}/cu13/lib/libcudart.so.13")            # the CUDA 13 wheel
+    assert match("/opt/venv/lib/python3.12/site-packages/somepkg.libs/libcudart-1a2b3c4d.so.12")
+    assert not match("/usr/lib/libcudart-static.so.12")
+    assert not match("/usr/lib/libcudart-1a2b3c4.so.12")        # not auditwheel's 8 hex digits
+    hashed = proc.lib_file("libcudart-9f8e7d6c.so.12")
+    proc.add(100, {f"{site}/../pkg.libs/libcudart-9f8e7d6c.so.12": hashed})
+    (lib,) = finder(proc).refresh()
+    assert lib.name == "libcudart.so" and lib.path.endswith("libcudart-9f8e7d6c.so.12")
+
+
 def test_each_library_inode_is_reported_once_with_the_pid_first_seen(proc):
     cuda, cudart = proc.lib_file("libcuda.so.1"), proc.lib_file("libcudart.so.12")
     proc.add(100, {"/usr/lib/libcuda.so.1": cuda, "/usr/lib/libcudart.so.12": cudart})

@@ -96,6 +96,22 @@ def test_every_facts_attribute_has_the_prefix_the_join_searches_for():
     assert all(key.encode().startswith(_FACT_PREFIX) for key, _ in FACT_ATTRIBUTES)
 
 
+def test_graph_replays_and_their_kernels_are_span_attributes():
+    # a row alone (the fast path) and a row with sampled events (through Facts)
+    facts = FakeFacts()
+    facts.add(TRACE, 7, driver=2, graph_launches=3, graph_kernels=12)
+    facts.add(TRACE, 8, graph_launches=1)
+    j = SpanJoin(JoinConfig(), facts=facts)
+    j.add_event(launch(8))
+    rs = request(7, 8)
+    j.join(rs)
+    s7, s8 = rs[0].scope_spans[0].spans
+    assert attrs(s7) == {"kernel.gpu.launches": 2, "kernel.gpu.graph_launches": 3,
+                         "kernel.gpu.graph_kernels": 12}
+    # a replay of a graph the agent did not see made: a graph launch, no kernels
+    assert attrs(s8) == {"kernel.gpu.graph_launches": 1}
+
+
 def test_counts_come_from_the_kernel_row_only():
     # sampled events of a span without a row: span events, no counts made of them
     j = SpanJoin(JoinConfig(), facts=FakeFacts())

@@ -37,12 +37,13 @@ def gcc(*args: str | os.PathLike) -> None:
 def build_cuda(lib: Path) -> Path:
     """DRIVER and RUNTIME into `lib`. The driver is built at -O0 with noinline
     entry points; the runtime at -O2 (cudaStreamSynchronize becomes a tail
-    jump to the driver) and linked against the driver, so that its nested
-    calls go through the PLT into the other library."""
+    jump to the driver). As real cudart, the runtime does not link the driver:
+    it dlopens it by soname (found beside it through its run path, or already
+    loaded) and calls it through the pointers dlsym gave it."""
     lib.mkdir(parents=True, exist_ok=True)
     gcc("-shared", "-fPIC", "-O0", f"-Wl,-soname,{DRIVER}", "-o", lib / DRIVER, HERE / "cuda.c")
     gcc("-shared", "-fPIC", "-O2", "-fno-inline", f"-Wl,-soname,{RUNTIME}",
-        "-Wl,-rpath,$ORIGIN", "-o", lib / RUNTIME, HERE / "cudart.c", f"-L{lib}", f"-l:{DRIVER}")
+        "-Wl,-rpath,$ORIGIN", "-o", lib / RUNTIME, HERE / "cudart.c", "-ldl")
     return lib
 
 

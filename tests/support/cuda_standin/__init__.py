@@ -5,11 +5,26 @@ the workload program over its stdin/stdout protocol:
 
     ready PID TID          printed at start
     load DIR               dlopen DIR/libcuda.so.1 and DIR/libcudart.so.12 -> "loaded"
+    load-driver PATH       dlopen one driver library (load-runtime PATH: a runtime) -> "loaded"
     dlopen PATH            dlopen any library -> "opened"
-    cu|cuex|cuda N GX GY GZ BX BY BZ SHMEM STREAM    (script line) N launches
-    cusync|cudasync|devsync US                       (script line) one sync -> "sync API NS"
-    bench|benchrt N        (script line) N back-to-back launches -> "bench N NS"
-    paced N RATE           (script line) N launches at RATE/s -> "paced N NS"
+  script lines (run on "go"):
+    ENTRY N GX GY GZ BX BY BZ SHMEM STREAM [FUNC]   N launches through the launch entry
+                           point named (its real name: cuLaunchKernel_ptsz, cudaLaunchKernelExC,
+                           cuLaunchGrid, ...; or cu, cuex, cuda) -> "failed K RC" if K failed
+    begin SYMBOL STREAM [MODE|GRAPH]   a cu/cudaStreamBeginCapture* call -> "begin RC"
+    end SYMBOL STREAM      a cu/cudaStreamEndCapture* call -> "end RC GRAPH"
+    create cuGraphCreate   -> "create RC GRAPH"
+    addnode SYMBOL GRAPH N N cuGraphAddKernelNode* calls -> "addnode RC"
+    inst SYMBOL GRAPH      a cu/cudaGraphInstantiate* call -> "inst RC EXEC"
+    replay SYMBOL EXEC N [STREAM]      N cu/cudaGraphLaunch* calls -> "replay FAILED"
+    destroy SYMBOL HANDLE  a cu/cudaGraph(Exec)Destroy call -> "destroy RC"
+    SYNC-SYMBOL US         one sync (cusync|cudasync|devsync, or a real name: cuCtxSynchronize,
+                           cuEventSynchronize, ...) "waiting" US µs -> "sync NAME NS"
+    bench|benchrt N        N back-to-back cuLaunchKernel|cudaLaunchKernel -> "bench N NS"
+    benchx ENTRY N         N back-to-back launches through ENTRY -> "benchx N NS"
+    benchgraph SYMBOL EXEC N           N back-to-back replays -> "benchgraph N NS"
+    paced N RATE           N launches at RATE/s -> "paced N NS"
+  control:
     thread N               start a thread -> "thread TID"; it makes N launches on "release"
     release                let that thread launch and exit -> "joined"
     go                     run the script collected so far -> its output, then "done"
@@ -26,7 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from spanlet.demo.standin import DRIVER, RUNTIME, build_cuda, gcc
+from spanlet.demo.standin import DRIVER, HERE as STANDIN_SOURCES, RUNTIME, build_cuda, gcc
 
 HERE = Path(__file__).resolve().parent
 
@@ -52,7 +67,7 @@ def build(out: Path) -> StandIn:
     nocuda.parent.mkdir(exist_ok=True)
     gcc("-shared", "-fPIC", "-o", nocuda, HERE / "nocuda.c")
     workload = out / "workload"
-    gcc("-O2", "-pthread", "-o", workload, HERE / "workload.c", "-ldl")
+    gcc("-O2", "-pthread", f"-I{STANDIN_SOURCES}", "-o", workload, HERE / "workload.c", "-ldl")
     return StandIn(lib, nocuda, workload)
 
 

@@ -1,8 +1,9 @@
-/* workload.c: a test process that launches "kernels" through the stand-in
- * CUDA libraries, driven line by line on stdin (see cuda_standin/__init__.py):
- * it loads the libraries with dlopen when told, collects a script of launches
- * and syncs, and runs it on "go", printing its results and then "done"; it can
- * also start a second thread that launches, then exits, when released. */
+/* workload.c: a test process that calls the stand-in (or real) CUDA libraries, driven
+ * line by line on stdin (see cuda_standin/__init__.py): it loads the libraries with
+ * dlopen when told, collects a script of launches, graph calls and syncs, and runs it
+ * on "go", printing its results and then "done"; it can also start a second thread
+ * that launches, then exits, when released. Every entry point is called through the
+ * pointer dlsym returns for its real name. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
@@ -15,26 +16,53 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cuda_types.h"   /* agent/demo/standin: the structs CUDA passes by pointer */
+
 #define FUNC ((void *)0xf00d)  /* the "kernel" every launch names */
 #define MAX_SCRIPT 256
 
-typedef struct { unsigned int x, y, z; } dim3;
-typedef struct {
-    unsigned int gridDimX, gridDimY, gridDimZ;
-    unsigned int blockDimX, blockDimY, blockDimZ;
-    unsigned int sharedMemBytes;
-    void *hStream;
-    void *attrs;
-    unsigned int numAttrs;
-} CUlaunchConfig;
+typedef int (*kernel_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                         unsigned, void *, void **, void **);
+typedef int (*coop_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                       unsigned, void *, void **);
+typedef int (*ex_fn)(const CUlaunchConfig *, void *, void **, void **);
+typedef int (*rt_fn)(const void *, dim3, dim3, void **, size_t, void *);
+typedef int (*rtex_fn)(const cudaLaunchConfig_t *, const void *, void **);
+typedef int (*launch0_fn)(void *);
+typedef int (*grid_fn)(void *, int, int);
+typedef int (*grid_async_fn)(void *, int, int, void *);
+typedef int (*handle_fn)(void *);
+typedef int (*handle2_fn)(void *, void *);
+typedef int (*void_fn)(void);
 
-static int (*cu_launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                        unsigned, void *, void **, void **);
-static int (*cu_launch_ex)(const CUlaunchConfig *, void *, void **, void **);
-static int (*cu_stream_sync)(void *);
-static int (*cuda_launch)(const void *, dim3, dim3, void **, size_t, void *);
-static int (*cuda_stream_sync)(void *);
-static int (*cuda_device_sync)(void);
+/* The launch entry points, by their real names (short names kept for old scripts). */
+enum shape { KERNEL, COOP, EX, RT, RTEX, LEGACY, GRID, GRID_ASYNC };
+static struct launch_entry {
+    const char *name, *alias;
+    int runtime;
+    enum shape shape;
+    void *fn;
+} entries[] = {
+    {"cuLaunchKernel", "cu", 0, KERNEL, NULL},
+    {"cuLaunchKernel_ptsz", NULL, 0, KERNEL, NULL},
+    {"cuLaunchKernelEx", "cuex", 0, EX, NULL},
+    {"cuLaunchKernelEx_ptsz", NULL, 0, EX, NULL},
+    {"cuLaunchCooperativeKernel", NULL, 0, COOP, NULL},
+    {"cuLaunchCooperativeKernel_ptsz", NULL, 0, COOP, NULL},
+    {"cuLaunch", NULL, 0, LEGACY, NULL},
+    {"cuLaunchGrid", NULL, 0, GRID, NULL},
+    {"cuLaunchGridAsync", NULL, 0, GRID_ASYNC, NULL},
+    {"cudaLaunchKernel", "cuda", 1, RT, NULL},
+    {"cudaLaunchKernel_ptsz", NULL, 1, RT, NULL},
+    {"cudaLaunchKernelExC", NULL, 1, RTEX, NULL},
+    {"cudaLaunchKernelExC_ptsz", NULL, 1, RTEX, NULL},
+    {"cudaLaunchCooperativeKernel", NULL, 1, RT, NULL},
+    {"cudaLaunchCooperativeKernel_ptsz", NULL, 1, RT, NULL},
+};
+#define N_ENTRIES (sizeof(entries) / sizeof(entries[0]))
+
+/* Other calls, looked up by name when first used. */
+static void *cu_lib, *rt_lib;
 static void (*set_device_sync_us)(unsigned int);
 
 static char script[MAX_SCRIPT][1024];
@@ -47,119 +75,276 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
 }
 
-static void *must_sym(void *h, const char *name)
+static void *lookup(const char *name)
 {
-    void *p = dlsym(h, name);
-    if (!p) {
+    void *p = NULL;
+    if (!strncmp(name, "cuda", 4) || !strncmp(name, "standin_set_device", 18))
+        p = rt_lib ? dlsym(rt_lib, name) : NULL;
+    else
+        p = cu_lib ? dlsym(cu_lib, name) : NULL;
+    if (!p)
         printf("error no symbol %s\n", name);
-        exit(3);
-    }
     return p;
 }
 
-/* load DIR: the driver and runtime stand-ins of DIR */
+/* load DIR: the driver and runtime of DIR; load-driver PATH, load-runtime PATH: one each */
+static int open_lib(const char *path, void **out)
+{
+    void *h = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    if (!h) {
+        printf("error %s\n", dlerror());
+        return -1;
+    }
+    *out = h;
+    return 0;
+}
+
 static void load(const char *dir)
 {
     char path[1100];
     snprintf(path, sizeof(path), "%s/libcuda.so.1", dir);
-    void *cu = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
-    snprintf(path, sizeof(path), "%s/libcudart.so.12", dir);
-    void *rt = cu ? dlopen(path, RTLD_NOW | RTLD_GLOBAL) : NULL;
-    if (!cu || !rt) {
-        printf("error %s\n", dlerror());
+    if (open_lib(path, &cu_lib))
         return;
-    }
-    cu_launch = must_sym(cu, "cuLaunchKernel");
-    cu_launch_ex = must_sym(cu, "cuLaunchKernelEx");
-    cu_stream_sync = must_sym(cu, "cuStreamSynchronize");
-    cuda_launch = must_sym(rt, "cudaLaunchKernel");
-    cuda_stream_sync = must_sym(rt, "cudaStreamSynchronize");
-    cuda_device_sync = must_sym(rt, "cudaDeviceSynchronize");
-    set_device_sync_us = must_sym(rt, "standin_set_device_sync_us");
+    snprintf(path, sizeof(path), "%s/libcudart.so.12", dir);
+    if (open_lib(path, &rt_lib))
+        return;
     printf("loaded\n");
 }
 
-/* API N GX GY GZ BX BY BZ SHMEM STREAM */
-static void launches(const char *api, const char *args)
+static void bind_entries(void)
+{
+    for (size_t i = 0; i < N_ENTRIES; i++)
+        entries[i].fn = dlsym(entries[i].runtime ? rt_lib : cu_lib, entries[i].name);
+}
+
+static struct launch_entry *entry_named(const char *name)
+{
+    for (size_t i = 0; i < N_ENTRIES; i++)
+        if (!strcmp(entries[i].name, name) || (entries[i].alias && !strcmp(entries[i].alias, name)))
+            return &entries[i];
+    return NULL;
+}
+
+/* One launch; returns its CUresult / cudaError_t. */
+static int launch_once(struct launch_entry *e, void *f, unsigned long *g, unsigned long *b,
+                       unsigned long shmem, void *s)
+{
+    dim3 gd = {g[0], g[1], g[2]}, bd = {b[0], b[1], b[2]};
+    switch (e->shape) {
+    case KERNEL:
+        return ((kernel_fn)e->fn)(f, g[0], g[1], g[2], b[0], b[1], b[2], shmem, s, NULL, NULL);
+    case COOP:
+        return ((coop_fn)e->fn)(f, g[0], g[1], g[2], b[0], b[1], b[2], shmem, s, NULL);
+    case EX: {
+        CUlaunchConfig c = {g[0], g[1], g[2], b[0], b[1], b[2], shmem, s, NULL, 0};
+        return ((ex_fn)e->fn)(&c, f, NULL, NULL);
+    }
+    case RT:
+        return ((rt_fn)e->fn)(f, gd, bd, NULL, shmem, s);
+    case RTEX: {
+        cudaLaunchConfig_t c = {gd, bd, shmem, s, NULL, 0};
+        return ((rtex_fn)e->fn)(&c, f, NULL);
+    }
+    case LEGACY:
+        return ((launch0_fn)e->fn)(f);
+    case GRID:
+        return ((grid_fn)e->fn)(f, (int)g[0], (int)g[1]);
+    case GRID_ASYNC:
+        return ((grid_async_fn)e->fn)(f, (int)g[0], (int)g[1], s);
+    }
+    return -1;
+}
+
+/* ENTRY N GX GY GZ BX BY BZ SHMEM STREAM [FUNC]: prints "failed K RC" when K of them failed */
+static void launches(struct launch_entry *e, const char *args)
 {
     unsigned long n, g[3], b[3], shmem;
-    unsigned long long stream;
-    if (sscanf(args, "%lu %lu %lu %lu %lu %lu %lu %lu %lli", &n, &g[0], &g[1], &g[2], &b[0],
-               &b[1], &b[2], &shmem, &stream) != 9) {
-        printf("error bad launch line: %s %s\n", api, args);
+    unsigned long long stream, func = (uintptr_t)FUNC;
+    int got = sscanf(args, "%lu %lu %lu %lu %lu %lu %lu %lu %lli %lli", &n, &g[0], &g[1], &g[2],
+                     &b[0], &b[1], &b[2], &shmem, &stream, &func);
+    if (got < 9) {
+        printf("error bad launch line: %s %s\n", e->name, args);
+        return;
+    }
+    if (!e->fn) {
+        printf("error no symbol %s\n", e->name);
         return;
     }
     void *s = (void *)(uintptr_t)stream;
+    unsigned long failed = 0;
+    int rc = 0;
     for (unsigned long i = 0; i < n; i++) {
-        if (!strcmp(api, "cu")) {
-            cu_launch(FUNC, g[0], g[1], g[2], b[0], b[1], b[2], shmem, s, NULL, NULL);
-        } else if (!strcmp(api, "cuex")) {
-            CUlaunchConfig c = {g[0], g[1], g[2], b[0], b[1], b[2], shmem, s, NULL, 0};
-            cu_launch_ex(&c, FUNC, NULL, NULL);
-        } else {
-            dim3 gd = {g[0], g[1], g[2]}, bd = {b[0], b[1], b[2]};
-            cuda_launch(FUNC, gd, bd, NULL, shmem, s);
+        int r = launch_once(e, (void *)(uintptr_t)func, g, b, shmem, s);
+        if (r) {
+            failed++;
+            rc = r;
         }
     }
+    if (failed)
+        printf("failed %lu %d\n", failed, rc);
 }
 
-/* cusync|cudasync|devsync MICROSECONDS: prints how long the call took */
-static void sync_call(const char *api, unsigned long us)
+/* Graph and capture calls: NAME ARGS..., each printing "NAME RC [HANDLE]". */
+static void graph_call(const char *cmd, const char *rest)
 {
-    uint64_t t0 = now_ns();
-    if (!strcmp(api, "cusync")) {
-        cu_stream_sync((void *)(uintptr_t)us);
-    } else if (!strcmp(api, "cudasync")) {
-        cuda_stream_sync((void *)(uintptr_t)us);
-    } else {
-        set_device_sync_us(us);
-        cuda_device_sync();
+    char name[64];
+    unsigned long long a = 0, b = 0;
+    int n = sscanf(rest, "%63s %lli %lli", name, &a, &b);
+    if (n < 1) {
+        printf("error bad graph line: %s %s\n", cmd, rest);
+        return;
     }
-    printf("sync %s %llu\n", api, (unsigned long long)(now_ns() - t0));
+    void *fn = lookup(name);
+    if (!fn)
+        return;
+    void *out = NULL;
+    int rc;
+    if (!strcmp(cmd, "begin")) {           /* begin SYMBOL STREAM [MODE or GRAPH] */
+        if (strstr(name, "ToGraph"))
+            rc = ((int (*)(void *, void *, void *, void *, size_t, int))fn)(
+                (void *)(uintptr_t)a, (void *)(uintptr_t)b, NULL, NULL, 0, 0);
+        else if (strstr(name, "_v2") || !strncmp(name, "cuda", 4))
+            rc = ((int (*)(void *, int))fn)((void *)(uintptr_t)a, (int)b);
+        else
+            rc = ((handle_fn)fn)((void *)(uintptr_t)a);
+        printf("begin %d\n", rc);
+    } else if (!strcmp(cmd, "end")) {      /* end SYMBOL STREAM -> graph */
+        rc = ((handle2_fn)fn)((void *)(uintptr_t)a, &out);
+        printf("end %d %#llx\n", rc, (unsigned long long)(uintptr_t)out);
+    } else if (!strcmp(cmd, "create")) {   /* create cuGraphCreate -> graph */
+        rc = ((int (*)(void **, unsigned))fn)(&out, 0);
+        printf("create %d %#llx\n", rc, (unsigned long long)(uintptr_t)out);
+    } else if (!strcmp(cmd, "addnode")) {  /* addnode SYMBOL GRAPH N */
+        rc = 0;
+        for (unsigned long long i = 0; i < (b ? b : 1); i++)
+            rc |= ((int (*)(void **, void *, void *, size_t, void *))fn)(
+                &out, (void *)(uintptr_t)a, NULL, 0, NULL);
+        printf("addnode %d\n", rc);
+    } else if (!strcmp(cmd, "inst")) {     /* inst SYMBOL GRAPH -> exec */
+        if (!strcmp(name, "cuGraphInstantiate") || !strcmp(name, "cuGraphInstantiate_v2"))
+            rc = ((int (*)(void **, void *, void *, char *, size_t))fn)(
+                &out, (void *)(uintptr_t)a, NULL, NULL, 0);
+        else   /* WithFlags, WithParams(_ptsz), cudaGraphInstantiate: a third word */
+            rc = ((int (*)(void **, void *, unsigned long long))fn)(&out, (void *)(uintptr_t)a, 0);
+        printf("inst %d %#llx\n", rc, (unsigned long long)(uintptr_t)out);
+    } else if (!strcmp(cmd, "replay")) {   /* replay SYMBOL EXEC N [STREAM as 4th word] */
+        unsigned long long stream = 0;
+        int failed = 0;
+        sscanf(rest, "%*s %*i %*i %lli", &stream);
+        for (unsigned long long i = 0; i < b; i++)
+            failed += ((handle2_fn)fn)((void *)(uintptr_t)a, (void *)(uintptr_t)stream) != 0;
+        printf("replay %d\n", failed);
+    } else {                               /* destroy SYMBOL HANDLE */
+        rc = ((handle_fn)fn)((void *)(uintptr_t)a);
+        printf("destroy %d\n", rc);
+    }
 }
 
-/* bench N: N back-to-back cuLaunchKernel calls; benchrt N: cudaLaunchKernel */
-static void bench(const char *api, unsigned long n)
+/* SYNC-SYMBOL US (or the short names cusync, cudasync, devsync): prints
+ * "sync NAME NS", how long the call took */
+static void sync_call(const char *name, unsigned long us)
 {
-    dim3 one = {1, 1, 1};
+    const char *sym = !strcmp(name, "cusync") ? "cuStreamSynchronize"
+                    : !strcmp(name, "cudasync") ? "cudaStreamSynchronize"
+                    : !strcmp(name, "devsync") ? "cudaDeviceSynchronize" : name;
+    void *fn = lookup(sym);
+    if (!fn)
+        return;
     uint64_t t0 = now_ns();
-    if (!strcmp(api, "bench")) {
-        for (unsigned long i = 0; i < n; i++)
-            cu_launch(FUNC, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+    if (!strcmp(sym, "cudaDeviceSynchronize") || !strcmp(sym, "cuCtxSynchronize")) {
+        if (!set_device_sync_us && rt_lib)   /* stand-ins only: a real driver has no setter */
+            set_device_sync_us = dlsym(rt_lib, "standin_set_device_sync_us");
+        if (!set_device_sync_us && cu_lib)
+            set_device_sync_us = dlsym(cu_lib, "standin_set_ctx_sync_us");
+        if (set_device_sync_us)
+            set_device_sync_us(us);
+        ((void_fn)fn)();
     } else {
-        for (unsigned long i = 0; i < n; i++)
-            cuda_launch(FUNC, one, one, NULL, 0, NULL);
+        ((handle_fn)fn)((void *)(uintptr_t)us);
     }
-    printf("%s %lu %llu\n", api, n, (unsigned long long)(now_ns() - t0));
+    printf("sync %s %llu\n", name, (unsigned long long)(now_ns() - t0));
+}
+
+/* bench N: N back-to-back cuLaunchKernel calls; benchrt N: cudaLaunchKernel;
+ * benchx ENTRY N: any launch entry point; benchgraph SYMBOL EXEC N: replays */
+static void bench(const char *name, struct launch_entry *e, unsigned long n)
+{
+    unsigned long one[3] = {1, 1, 1};
+    uint64_t t0 = now_ns();
+    for (unsigned long i = 0; i < n; i++)
+        launch_once(e, FUNC, one, one, 0, NULL);
+    printf("%s %lu %llu\n", name, n, (unsigned long long)(now_ns() - t0));
+}
+
+static void bench_graph(const char *rest)
+{
+    char name[64];
+    unsigned long long exec, n;
+    if (sscanf(rest, "%63s %lli %llu", name, &exec, &n) != 3) {
+        printf("error bad benchgraph line\n");
+        return;
+    }
+    handle2_fn fn = (handle2_fn)lookup(name);
+    if (!fn)
+        return;
+    uint64_t t0 = now_ns();
+    for (unsigned long long i = 0; i < n; i++)
+        fn((void *)(uintptr_t)exec, NULL);
+    printf("benchgraph %llu %llu\n", n, (unsigned long long)(now_ns() - t0));
 }
 
 /* paced N RATE: N cuLaunchKernel calls spread evenly at RATE per second */
 static void paced(unsigned long n, double rate)
 {
+    unsigned long one[3] = {1, 1, 1};
+    struct launch_entry *e = entry_named("cuLaunchKernel");
     uint64_t t0 = now_ns();
     double step = 1e9 / rate;
     for (unsigned long i = 0; i < n; i++) {
         uint64_t due = t0 + (uint64_t)(i * step);
         while (now_ns() < due)
             ;
-        cu_launch(FUNC, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        launch_once(e, FUNC, one, one, 0, NULL);
     }
     printf("paced %lu %llu\n", n, (unsigned long long)(now_ns() - t0));
 }
 
+static int is_sync(const char *cmd)
+{
+    return !strcmp(cmd, "cusync") || !strcmp(cmd, "cudasync") || !strcmp(cmd, "devsync")
+        || strstr(cmd, "Synchronize") != NULL;
+}
+
 static void run(const char *line)
 {
-    char cmd[32];
+    char cmd[64];
     int off = 0;
-    if (sscanf(line, "%31s %n", cmd, &off) < 1)
+    if (sscanf(line, "%63s %n", cmd, &off) < 1)
         return;
     const char *rest = line + off;
-    if (!strcmp(cmd, "cu") || !strcmp(cmd, "cuex") || !strcmp(cmd, "cuda"))
-        launches(cmd, rest);
-    else if (!strcmp(cmd, "cusync") || !strcmp(cmd, "cudasync") || !strcmp(cmd, "devsync"))
+    struct launch_entry *e = entry_named(cmd);
+    if (e)
+        launches(e, rest);
+    else if (is_sync(cmd))
         sync_call(cmd, strtoul(rest, NULL, 0));
-    else if (!strcmp(cmd, "bench") || !strcmp(cmd, "benchrt"))
-        bench(cmd, strtoul(rest, NULL, 0));
+    else if (!strcmp(cmd, "begin") || !strcmp(cmd, "end") || !strcmp(cmd, "create")
+             || !strcmp(cmd, "addnode") || !strcmp(cmd, "inst") || !strcmp(cmd, "replay")
+             || !strcmp(cmd, "destroy"))
+        graph_call(cmd, rest);
+    else if (!strcmp(cmd, "bench"))
+        bench(cmd, entry_named("cuLaunchKernel"), strtoul(rest, NULL, 0));
+    else if (!strcmp(cmd, "benchrt"))
+        bench(cmd, entry_named("cudaLaunchKernel"), strtoul(rest, NULL, 0));
+    else if (!strcmp(cmd, "benchx")) {
+        char name[64];
+        unsigned long n;
+        struct launch_entry *x;
+        if (sscanf(rest, "%63s %lu", name, &n) == 2 && (x = entry_named(name)) && x->fn)
+            bench(cmd, x, n);
+        else
+            printf("error bad benchx line: %s\n", rest);
+    } else if (!strcmp(cmd, "benchgraph"))
+        bench_graph(rest);
     else if (!strcmp(cmd, "paced")) {
         unsigned long n;
         double rate;
@@ -178,10 +363,12 @@ static unsigned long worker_launches;
 static void *worker_main(void *arg)
 {
     (void)arg;
+    unsigned long one[3] = {1, 1, 1};
+    struct launch_entry *e = entry_named("cuLaunchKernel");
     printf("thread %ld\n", (long)syscall(SYS_gettid));
     sem_wait(&worker_go);
     for (unsigned long i = 0; i < worker_launches; i++)
-        cu_launch(FUNC, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        launch_once(e, FUNC, one, one, 0, NULL);
     return NULL;
 }
 
@@ -194,6 +381,17 @@ int main(void)
         line[strcspn(line, "\n")] = 0;
         if (!strncmp(line, "load ", 5)) {
             load(line + 5);
+            bind_entries();
+        } else if (!strncmp(line, "load-driver ", 12)) {
+            if (!open_lib(line + 12, &cu_lib)) {
+                bind_entries();
+                printf("loaded\n");
+            }
+        } else if (!strncmp(line, "load-runtime ", 13)) {
+            if (!open_lib(line + 13, &rt_lib)) {
+                bind_entries();
+                printf("loaded\n");
+            }
         } else if (!strncmp(line, "dlopen ", 7)) {
             if (dlopen(line + 7, RTLD_NOW | RTLD_LOCAL))
                 printf("opened\n");

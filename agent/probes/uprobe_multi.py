@@ -1,0 +1,75 @@
+"""uprobe_multi links (Linux 6.6+): one BPF link attaches a program to many
+offsets of one file (entry or return), and closing it waits for one grace
+period for all of them, where a perf-event uprobe waits for one per probe
+(seconds at stop for the GPU probe's dozens of hooks per library). BCC 0.26
+has no API for them: the link is made with bpf(BPF_LINK_CREATE) here, for a
+program BCC loaded with the uprobe_multi attach type."""
+
+from __future__ import annotations
+
+import ctypes as C
+import errno
+import os
+import platform
+import struct
+
+BPF_LINK_CREATE = 28
+BPF_TRACE_UPROBE_MULTI = 48          # enum bpf_attach_type
+BPF_F_UPROBE_MULTI_RETURN = 1
+_SYS_BPF = {"x86_64": 321, "aarch64": 280}
+_libc = C.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = C.c_long
+_syscall.argtypes = [C.c_long, C.c_int, C.c_void_p, C.c_uint]
+
+
+class _LinkAttr(C.Structure):
+    """The link_create member of union bpf_attr, with its uprobe_multi part."""
+    _fields_ = [("prog_fd", C.c_uint32), ("target_fd", C.c_uint32), ("attach_type", C.c_uint32),
+                ("flags", C.c_uint32), ("path", C.c_uint64), ("offsets", C.c_uint64),
+                ("ref_ctr_offsets", C.c_uint64), ("cookies", C.c_uint64), ("cnt", C.c_uint32),
+                ("multi_flags", C.c_uint32), ("pid", C.c_uint32), ("_pad", C.c_uint8 * 44)]
+
+
+def link(prog_fd: int, path: str, offsets: list[int], retprobe: bool,
+         cookies: list[int] | None = None) -> int:
+    """A link of `prog_fd` at the file offsets of `path` (every process that
+    maps it), each with its attach cookie (bpf_get_attach_cookie) if given;
+    its fd, closed to detach. Raises OSError."""
+    path_b = C.create_string_buffer(os.fsencode(path))
+    offs = (C.c_uint64 * len(offsets))(*offsets)
+    cks = (C.c_uint64 * len(offsets))(*(cookies or [0] * len(offsets)))
+    attr = _LinkAttr(prog_fd=prog_fd, attach_type=BPF_TRACE_UPROBE_MULTI,
+                     path=C.addressof(path_b), offsets=C.addressof(offs), cnt=len(offsets),
+                     cookies=C.addressof(cks) if cookies else 0,
+                     multi_flags=BPF_F_UPROBE_MULTI_RETURN if retprobe else 0)
+    fd = _syscall(_SYS_BPF[platform.machine()], BPF_LINK_CREATE, C.addressof(attr), C.sizeof(attr))
+    if fd < 0:
+        err = C.get_errno()
+        raise OSError(err, f"uprobe_multi link on {path}: {os.strerror(err)}")
+    return fd
+
+
+def file_offsets(path: str, addrs: list[int]) -> list[int]:
+    """The file offsets of virtual addresses of a 64-bit little-endian ELF
+    file (symbol values), through its PT_LOAD program headers."""
+    with open(path, "rb") as f:
+        ehdr = f.read(64)
+        if ehdr[:4] != b"\x7fELF" or ehdr[4] != 2 or ehdr[5] != 1:
+            raise OSError(errno.ENOEXEC, f"{path}: not a 64-bit little-endian ELF file")
+        phoff, = struct.unpack_from("<Q", ehdr, 32)
+        phentsize, phnum = struct.unpack_from("<HH", ehdr, 54)
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    loads = []
+    for i in range(phnum):
+        p_type, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from("<IIQQQQ", table, i * phentsize)
+        if p_type == 1:   # PT_LOAD
+            loads.append((p_vaddr, p_filesz, p_offset))
+    out = []
+    for a in addrs:
+        seg = next((s for s in loads if s[0] <= a < s[0] + s[1]), None)
+        if seg is None:
+            raise OSError(errno.EINVAL, f"{path}: address {a:#x} is in no loaded segment")
+        out.append(a - seg[0] + seg[2])
+    return out
