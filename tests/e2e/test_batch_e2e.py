@@ -26,7 +26,7 @@ RUNS = 5
 WAIT_S = 3.0            # join.batch_wait_s: the engine's steps come well within it
 REQUESTS = 8
 STEPS = 6
-SHARES = ("kernel.batch.gpu.launches", "kernel.batch.gpu.graph_launches",
+SHARES = ("kernel.batch.gpu.launches", "kernel.batch.gpu.graph_launches", "kernel.batch.gpu.graph_kernels",
           "kernel.batch.gpu.sync_wait_ns")
 
 

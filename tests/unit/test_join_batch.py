@@ -63,9 +63,10 @@ def batch_attrs(s):
     return out
 
 
-def shares(steps, launches, graph=0.0, sync=0.0):
+def shares(steps, launches, graph=0.0, sync=0.0, graph_kernels=0.0):
     return {"kernel.batch.steps": steps, "kernel.batch.gpu.launches": pytest.approx(launches, abs=1e-6),
             "kernel.batch.gpu.graph_launches": pytest.approx(graph, abs=1e-6),
+            "kernel.batch.gpu.graph_kernels": pytest.approx(graph_kernels, abs=1e-6),
             "kernel.batch.gpu.sync_wait_ns": pytest.approx(sync, abs=1e-6)}
 
 
@@ -77,7 +78,7 @@ def make(**cfg):
 @pytest.mark.parametrize("steps_first", [True, False])
 def test_each_request_gets_its_weighted_share_of_each_of_its_steps(steps_first):
     j, facts, _ = make()
-    facts.add(STEP_TRACE, 900, driver=10, graph_launches=3, sync_wait_ns=7000)
+    facts.add(STEP_TRACE, 900, driver=10, graph_launches=3, graph_kernels=21, sync_wait_ns=7000)
     facts.add(STEP_TRACE, 901, driver=6, sync_wait_ns=600)
     facts.add(STEP_TRACE, 899, driver=1)
     # a first step somewhere (the agent now knows this node batches)
@@ -96,16 +97,16 @@ def test_each_request_gets_its_weighted_share_of_each_of_its_steps(steps_first):
     assert batch_attrs(s1) == {}              # nothing on them until released
     j.release(held)
     # step 900: weights 1, 3, 1 of 5; step 901: 2, 1 of 3
-    assert batch_attrs(s1) == shares(2, 10 * 1 / 5 + 6 * 2 / 3, 3 / 5, 7000 / 5 + 600 * 2 / 3)
-    assert batch_attrs(s2) == shares(1, 10 * 3 / 5, 9 / 5, 7000 * 3 / 5)
-    assert batch_attrs(s3) == shares(2, 10 / 5 + 6 / 3, 3 / 5, 7000 / 5 + 600 / 3)
+    assert batch_attrs(s1) == shares(2, 10 * 1 / 5 + 6 * 2 / 3, 3 / 5, 7000 / 5 + 600 * 2 / 3, 21 / 5)
+    assert batch_attrs(s2) == shares(1, 10 * 3 / 5, 9 / 5, 7000 * 3 / 5, 63 / 5)
+    assert batch_attrs(s3) == shares(2, 10 / 5 + 6 / 3, 3 / 5, 7000 / 5 + 600 / 3, 21 / 5)
     assert batch_attrs(s4) == {}               # a request in no step
     # the steps keep their own facts
     st900 = steps[0].scope_spans[0].spans[0]
     assert {kv.key: kv.value.int_value for kv in st900.attributes}["kernel.gpu.launches"] == 10
     # the shares of one step add up to its facts
     for attr, total in (("kernel.batch.gpu.launches", 16), ("kernel.batch.gpu.sync_wait_ns", 7600),
-                        ("kernel.batch.gpu.graph_launches", 3)):
+                        ("kernel.batch.gpu.graph_launches", 3), ("kernel.batch.gpu.graph_kernels", 21)):
         assert sum(batch_attrs(s).get(attr, 0) for s in (s1, s2, s3)) == pytest.approx(total, abs=1e-6)
     assert j.stats.batch_steps == 3 and j.stats.batch_requests == 3 and j.stats.batch_held == 4
     assert j.batch_pending() == (0, 1)        # request 50 never came (yet)
@@ -242,8 +243,8 @@ def test_held_spans_are_bounded():
     assert j.batch_pending()[0] == 0
 
 
-def test_graph_kernels_would_be_one_more_line():
-    assert [f for _, f in BATCH_SHARES] == ["launches", "graph_launches", "sync_wait_ns"]
+def test_every_gpu_fact_of_a_step_is_shared():
+    assert [f for _, f in BATCH_SHARES] == ["launches", "graph_launches", "graph_kernels", "sync_wait_ns"]
 
 
 def test_the_span_path_holds_requests_for_batch_wait_s_then_exports_them_with_their_shares():
