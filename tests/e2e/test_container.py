@@ -118,7 +118,8 @@ def serving_image(image, tmp_path_factory) -> str:
     wheelhouse = wheel.stdout.split()[-1]
     cuda_standin.build(ctx / "cuda")
     shutil.copytree(ctx / "cuda" / "lib", ctx / "lib")
-    shutil.copy2(ROOT / "tests" / "support" / "span_facts_child.py", ctx / "span_facts_child.py")
+    for program in ("span_facts_child.py", "child_loop.py"):     # the serving process and its stdin loop
+        shutil.copy2(ROOT / "tests" / "support" / program, ctx / program)
     shutil.rmtree(ctx / "work")
     shutil.rmtree(ctx / "cuda")
     tag = "localhost/spanlet-serving-test:latest"
