@@ -166,6 +166,9 @@ class Daemon:
         statuses = [owner.start()]
         self.probes.append(owner)
         for probe in rest:
+            finder = getattr(probe, "finder", None)
+            if finder is not None and owner.maps_watch is not None:
+                finder.watch = owner.maps_watch.subscribe()   # discovery from the kernel's changes
             statuses.append(probe.start(pin_dir=owner.shared_pin_dir()))
             self.probes.append(probe)
         log.info("probes compiled and attached in %.2f s", time.monotonic() - t0)

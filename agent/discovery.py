@@ -1,12 +1,19 @@
 """Process and library discovery: finds shared libraries with configured names
 in every process's /proc/<pid>/maps, containers included, and reports each
-library file (inode) once, with a path the agent can open to attach to it."""
+library file (inode) once, with a path the agent can open to attach to it.
+
+With the kernel's watch of changed processes (MapsWatch: execs, files mapped
+executable, exits, from bpf/span_ctx.bpf.c) a refresh reads only the
+processes that changed, and /proc is scanned in full only every
+discovery.full_rescan_s: the cost follows the rate of execs and library
+loads, not the number of processes on the node."""
 
 from __future__ import annotations
 
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +45,12 @@ class MappedLibrary:
 class ScanStats:
     """Cost of the last scan."""
 
-    processes: int = 0      # pids listed
+    full: bool = True       # a scan of every pid (else only those the watch named)
+    processes: int = 0      # pids listed (full) or named by the watch
     stats_read: int = 0     # /proc/<pid>/stat reads
     maps_read: int = 0      # /proc/<pid>/maps reads (the expensive part)
     kernel_threads: int = 0
+    exited: int = 0         # known processes found gone
     seconds: float = 0.0
 
 
@@ -86,18 +95,65 @@ def _read(path: str) -> str | None:
         return None
 
 
+class MapsWatch:
+    """The kernel's list of processes whose mappings may have changed, taken
+    by `drain` (the span_ctx probe's: its `maps_changed_pids` map, emptied)
+    on whichever finder's refresh comes first and handed to every finder
+    subscribed."""
+
+    def __init__(self, drain: Callable[[], Iterable[int]]):
+        self.drain = drain
+        self._queues: list[set[int]] = []
+        self._lock = threading.Lock()
+        self.drained = 0            # pids taken from the kernel, in all
+
+    def subscribe(self) -> "WatchQueue":
+        q = WatchQueue(self)
+        with self._lock:
+            self._queues.append(q.pids)
+        return q
+
+    def _drain_locked(self) -> None:
+        pids = list(self.drain())
+        self.drained += len(pids)
+        for q in self._queues:
+            q.update(pids)
+
+    def take(self, q: "WatchQueue") -> set[int]:
+        with self._lock:
+            self._drain_locked()
+            pids = set(q.pids)
+            q.pids.clear()
+            return pids
+
+
+class WatchQueue:
+    """One finder's share of a MapsWatch: the pids changed since it last took them."""
+
+    def __init__(self, watch: MapsWatch):
+        self.watch = watch
+        self.pids: set[int] = set()
+
+    def take(self) -> set[int]:
+        return self.watch.take(self)
+
+
 class LibraryFinder:
     """Scans /proc for processes that map libraries named `names`.
 
     `refresh()` returns the libraries (inodes) not seen before. A process is
-    read in full the first time it is seen; after that only its stat line is,
-    and its maps again when its mapped size changed (dlopen) or every
-    `full_rescan_s`. Kernel threads are never read. Processes that exit and
+    read in full the first time it is seen. Without a watch, after that only
+    its stat line is, and its maps again when its mapped size changed
+    (dlopen) or every `full_rescan_s`. With a watch (a WatchQueue), a refresh
+    reads only the processes the kernel saw change, and every
+    `full_rescan_s` the stat line of every process, whose maps are read only
+    if it is new. Kernel threads are never read. Processes that exit and
     files that vanish mid-scan are skipped without error. `unmapped()` tells
     which libraries no process maps any more."""
 
     def __init__(self, names: Iterable[str], proc: str | os.PathLike = "/proc",
-                 full_rescan_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+                 full_rescan_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 watch: WatchQueue | None = None):
         self.names = list(dict.fromkeys(names))
         self.proc = str(proc)
         self.full_rescan_s = full_rescan_s
@@ -108,6 +164,8 @@ class LibraryFinder:
         self._found: dict[tuple[int, int], MappedLibrary] = {}
         self._unmapped_since: dict[tuple[int, int], float] = {}
         self.stats = ScanStats()
+        self.watch = watch
+        self._full_at = float("-inf")
 
     @property
     def libraries(self) -> list[MappedLibrary]:
@@ -133,16 +191,30 @@ class LibraryFinder:
         stats = ScanStats()
         new: list[MappedLibrary] = []
         now = self.clock()
-        alive = set()
-        if self._pattern is not None:
-            for pid in self._pids():
-                alive.add(pid)
-                stats.processes += 1
-                new.extend(self._scan_pid(pid, now, stats))
-        for pid in list(self._seen):
-            if pid not in alive:
-                del self._seen[pid]
-        self._track_unmapped(now)
+        watched = self.watch is not None
+        if watched and now - self._full_at < self.full_rescan_s:
+            stats.full = False
+            changed = self.watch.take()
+            if self._pattern is not None:
+                for pid in changed:
+                    stats.processes += 1
+                    new.extend(self._scan_pid(pid, now, stats, changed=True))
+            if changed:
+                self._track_unmapped(now)
+        else:
+            self._full_at = now
+            if watched:
+                self.watch.take()      # what changed until now, this scan reads
+            alive = set()
+            if self._pattern is not None:
+                for pid in self._pids():
+                    alive.add(pid)
+                    stats.processes += 1
+                    new.extend(self._scan_pid(pid, now, stats, trust_watch=watched))
+            for pid in list(self._seen):
+                if pid not in alive:
+                    del self._seen[pid]
+            self._track_unmapped(now)
         stats.seconds = time.perf_counter() - t0
         self.stats = stats
         return new
@@ -163,11 +235,16 @@ class LibraryFinder:
             log.warning("discovery: cannot list %s: %s", self.proc, e)
             return []
 
-    def _scan_pid(self, pid: int, now: float, stats: ScanStats) -> list[MappedLibrary]:
+    def _scan_pid(self, pid: int, now: float, stats: ScanStats, changed: bool = False,
+                  trust_watch: bool = False) -> list[MappedLibrary]:
+        """`changed`: the watch says its maps changed (read them); `trust_watch`:
+        a known process's maps are read again only when the watch says so."""
         base = f"{self.proc}/{pid}"
         stat = _read(base + "/stat")
         stats.stats_read += 1
         if stat is None:
+            if self._seen.pop(pid, None) is not None:
+                stats.exited += 1
             return []
         fields = stat.rpartition(")")[2].split()
         if len(fields) < 21:
@@ -178,7 +255,8 @@ class LibraryFinder:
             if seen.kernel_thread:
                 stats.kernel_threads += 1
                 return []
-            if seen.vsize == vsize and now - seen.read_at < self.full_rescan_s:
+            if not changed and (trust_watch or (seen.vsize == vsize and
+                                                now - seen.read_at < self.full_rescan_s)):
                 return []
         kernel_thread = bool(int(fields[6]) & PF_KTHREAD)
         seen = self._seen[pid] = _Seen(starttime, vsize, now, kernel_thread)

@@ -9,6 +9,37 @@
 
 BPF_PERCPU_ARRAY(spanlet_span_marks_total, __u64, 1);
 
+/* Processes whose mapped libraries may have changed since library discovery
+ * last looked (spanlet.discovery.MapsWatch drains it each refresh and reads
+ * only these processes' maps between its slow full scans): an exec, a file
+ * mapped executable (how the dynamic loader maps each library it loads, at
+ * start and on dlopen), a process's exit. tgid → ktime of the last change. */
+BPF_TABLE("lru_hash", __u32, __u64, maps_changed_pids, 16384);
+
+#define SPANLET_PROT_EXEC 0x4        /* uapi/asm-generic/mman-common.h */
+#define SPANLET_MAP_ANONYMOUS 0x20
+
+static __always_inline void maps_changed(__u32 tgid)
+{
+    __u64 now = bpf_ktime_get_ns();
+    maps_changed_pids.update(&tgid, &now);
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    maps_changed((__u32)(bpf_get_current_pid_tgid() >> 32));
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
+{
+    if (!(args->prot & SPANLET_PROT_EXEC) || (args->flags & SPANLET_MAP_ANONYMOUS) ||
+        (int)args->fd < 0)
+        return 0;
+    maps_changed((__u32)(bpf_get_current_pid_tgid() >> 32));
+    return 0;
+}
+
 #ifdef SPANLET_OTEL_MAP
 /* The OpenTelemetry shared context map (span_context.otel_map): the OTel eBPF
  * profiler and OBI read a thread's current span here. Key: pid_tgid; ids in
@@ -71,5 +102,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 #ifdef SPANLET_OTEL_MAP
     traces_ctx_v1.delete(&pid_tgid);
 #endif
+    if (tid == (__u32)(pid_tgid >> 32))   /* the process's main thread: its maps go */
+        maps_changed(tid);
     return 0;
 }

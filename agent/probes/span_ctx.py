@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 from spanlet import events
-from spanlet.discovery import LibraryFinder, MappedLibrary
+from spanlet.discovery import LibraryFinder, MappedLibrary, MapsWatch
 from spanlet.probes.base import EventSink, Probe
 from spanlet.probes.maps import percpu_sum
 from spanlet.probes.span_facts import SpanFacts
@@ -67,6 +67,9 @@ class SpanCtxProbe(Probe):
         self.libraries: list[MappedLibrary] = []
         self.pin_dir = SPAN_CTX_PIN_ROOT / f"{os.getpid()}-{next(_instances)}"
         self.facts: SpanFacts | None = None   # the span facts reader, while compiled
+        # the processes whose maps changed (execs, libraries loaded, exits),
+        # for every library finder of the agent (daemon: subscribe()), while compiled
+        self.maps_watch: MapsWatch | None = None
         # span_context.otel_map: the pin path while used, and what of it this
         # agent created (and so removes at stop): the pin, its folder
         self.otel_map: str | None = None
@@ -128,10 +131,27 @@ class SpanCtxProbe(Probe):
             raise
         created = self.bpf["span_facts_created"]
         self.facts = SpanFacts(self.bpf["span_facts"], lambda: percpu_sum(created, 0), self.clock)
+        self.maps_watch = MapsWatch(self._drain_maps_changed)
+        self.finder.watch = self.maps_watch.subscribe()
+
+    def _drain_maps_changed(self) -> list[int]:
+        """The pids in maps_changed_pids, each deleted before its maps are
+        read (a change after the delete marks it again: nothing is missed)."""
+        if self.bpf is None:
+            return []
+        table = self.bpf["maps_changed_pids"]
+        pids = [k.value for k in table.keys()]
+        for pid in pids:
+            try:
+                del table[table.Key(pid)]
+            except KeyError:
+                pass
+        return pids
 
     def _detach(self) -> None:
         if self.facts is not None:
             self.facts.close()
+        self.finder.watch = None
         shutil.rmtree(self.pin_dir, ignore_errors=True)
         try:
             self.pin_dir.parent.rmdir()  # only when no other agent uses it

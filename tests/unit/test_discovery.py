@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from spanlet.discovery import PF_KTHREAD, LibraryFinder, library_pattern
+from spanlet.discovery import PF_KTHREAD, LibraryFinder, MapsWatch, library_pattern
 
 NAMES = ["libcuda.so", "libcudart.so"]
 
@@ -287,3 +287,77 @@ def _remove(d: Path) -> None:
     for p in sorted(d.rglob("*"), key=lambda p: len(p.parts), reverse=True):
         p.rmdir() if p.is_dir() and not p.is_symlink() else p.unlink()
     d.rmdir()
+
+
+# -- with the kernel's watch of changed processes (MapsWatch) ---------------------
+class KernelChanges:
+    """What bpf/span_ctx.bpf.c's maps_changed_pids would hold: pids the
+    kernel saw exec, map a file executable or exit; drained on each take."""
+
+    def __init__(self):
+        self.pids: set[int] = set()
+        self.drains = 0
+
+    def __call__(self) -> list[int]:
+        self.drains += 1
+        pids, self.pids = sorted(self.pids), set()
+        return pids
+
+
+def watched(proc: FakeProc, changes: KernelChanges, clock: Clock, watch: MapsWatch | None = None):
+    watch = watch or MapsWatch(changes)
+    return LibraryFinder(NAMES, proc=proc.root, full_rescan_s=30.0, clock=clock,
+                         watch=watch.subscribe())
+
+
+def test_with_the_watch_only_the_processes_the_kernel_named_are_read(proc):
+    clock, changes = Clock(), KernelChanges()
+    for pid in range(100, 300):
+        proc.add(pid, {}, filler=50)
+    f = watched(proc, changes, clock)
+    assert f.refresh() == [] and f.stats.full and f.stats.maps_read == 200
+    # nothing changed: not one file of /proc is read, however many processes
+    assert f.refresh() == [] and (f.stats.full, f.stats.stats_read, f.stats.maps_read) == (False, 0, 0)
+    # one process dlopen()s libcuda, whatever its vsize does: the kernel names it, only it is read
+    proc.add_map(150, "/usr/lib/libcuda.so.1", proc.lib_file("libcuda.so.1"), vsize=4096)
+    changes.pids.add(150)
+    assert [lib.path for lib in f.refresh()] == ["/usr/lib/libcuda.so.1"]
+    assert (f.stats.processes, f.stats.stats_read, f.stats.maps_read) == (1, 1, 1)
+
+
+def test_with_the_watch_a_full_scan_reads_only_new_processes_maps(proc):
+    clock, changes = Clock(), KernelChanges()
+    for pid in range(100, 150):
+        proc.add(pid, {})
+    f = watched(proc, changes, clock)
+    f.refresh()
+    # vsize changes (a Python app's allocations) do not make a process be read again
+    for pid in range(100, 150):
+        proc.set_stat(pid, 1000, 999_999)
+    proc.add(500, {"/lib/libcuda.so.1": proc.lib_file("libcuda.so.1")})  # missed by the watch
+    clock.t += 31
+    assert [lib.pid for lib in f.refresh()] == [500]
+    assert f.stats.full and (f.stats.stats_read, f.stats.maps_read) == (51, 1)
+
+
+def test_the_watch_feeds_every_finder_and_exits_unmap(proc):
+    clock, changes = Clock(), KernelChanges()
+    cuda = proc.lib_file("libcuda.so.1")
+    proc.add(100, {"/lib/libcuda.so.1": cuda})
+    watch = MapsWatch(changes)
+    a = watched(proc, changes, clock, watch)
+    b = LibraryFinder(["libspanlet_marker"], proc=proc.root, clock=clock, watch=watch.subscribe())
+    (lib,) = a.refresh()
+    b.refresh()
+    marker = proc.lib_file("libspanlet_marker.cpython-311-x86_64-linux-gnu.so")
+    proc.add_map(100, "/app/libspanlet_marker.cpython-311-x86_64-linux-gnu.so", marker, vsize=4096)
+    changes.pids.add(100)
+    assert a.refresh() == []                      # a drained the kernel's list ...
+    assert [x.path for x in b.refresh()] == ["/app/libspanlet_marker.cpython-311-x86_64-linux-gnu.so"]
+    assert changes.drains == 4 and watch.drained == 1   # ... and b got its share of it
+    _remove(proc.root / "100")                    # the process exits: the kernel names it
+    changes.pids.add(100)
+    a.refresh()
+    assert a.stats.exited == 1 and a._seen == {}
+    clock.t += 5
+    assert a.unmapped(5) == [lib]

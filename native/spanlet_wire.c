@@ -1,0 +1,527 @@
+/* spanlet._wire: the agent's reads of serialized OTLP spans (protobuf wire
+ * format), where doing them from Python would cost a proto object per span.
+ *
+ * complex_spans(blobs) -> list of the indices of the serialized Spans whose
+ * attribute text the embedded store's SQL would not write as the Python row
+ * builder does (exporters/clickhouse/span_protos.py): an attribute list
+ * (the span's, an event's, a link's) with an array or map value, a double
+ * whose shortest text ClickHouse may print with an exponent (or inf/nan), or
+ * a key twice. The test is a superset: a span it names is only stored the
+ * slower, exact way. A blob that is not well-formed is named too.
+ *
+ * join_resource(blob, map_fd) -> None or (new_blob or None, keys, rows, cgroup):
+ * the span join's common case (agent/join.py) for one serialized
+ * ResourceSpans: each span's kernel facts row taken from the span facts map
+ * (BPF_MAP_LOOKUP_AND_DELETE_ELEM, key trace id + span id) and its non-zero
+ * facts appended to the span as kernel.* int attributes, in the order and
+ * under the names of join.FACT_ATTRIBUTES. None, before any row is taken,
+ * when the resource is not that case: a span with links, a kernel.* attribute
+ * already, ids not 16 + 8 bytes, or bytes not well-formed (the Python join
+ * then does it all). keys: the (trace id, span id) of every span; rows: rows
+ * taken; cgroup: as SpanJoin.join reports it (a real cgroup id of a row, else
+ * 1 when a row had none, 0 when no span got a row); new_blob None when no
+ * span got anything. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <endian.h>
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <linux/bpf.h>
+
+typedef struct {
+    const uint8_t *p, *end;
+} span_t;
+
+static int varint(span_t *s, uint64_t *out)
+{
+    uint64_t v = 0;
+    for (int shift = 0; shift < 64 && s->p < s->end; shift += 7) {
+        uint8_t b = *s->p++;
+        v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80)) {
+            *out = v;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* One field: its number, wire type and, for length-delimited ones, the bytes;
+ * for fixed64 the 8 bytes. -1 when malformed. */
+typedef struct {
+    uint32_t num;
+    uint32_t type;
+    span_t sub;       /* type 2: the payload; type 1: the 8 bytes */
+} field_t;
+
+static int next_field(span_t *s, field_t *f)
+{
+    uint64_t tag, v;
+    if (varint(s, &tag) < 0)
+        return -1;
+    f->num = (uint32_t)(tag >> 3);
+    f->type = (uint32_t)(tag & 7);
+    switch (f->type) {
+    case 0:
+        return varint(s, &v);
+    case 1:
+        if (s->end - s->p < 8)
+            return -1;
+        f->sub.p = s->p;
+        f->sub.end = s->p + 8;
+        s->p += 8;
+        return 0;
+    case 2:
+        if (varint(s, &v) < 0 || v > (uint64_t)(s->end - s->p))
+            return -1;
+        f->sub.p = s->p;
+        f->sub.end = s->p + v;
+        s->p += v;
+        return 0;
+    case 5:
+        if (s->end - s->p < 4)
+            return -1;
+        s->p += 4;
+        return 0;
+    default:
+        return -1;
+    }
+}
+
+/* Doubles ClickHouse prints in plain decimals for sure: finite, 0 or with a
+ * magnitude in [1e-4, 1e15). Others may come out with an exponent. */
+static int plain_double(const uint8_t *b)
+{
+    double d;
+    memcpy(&d, b, 8);
+    if (!isfinite(d))
+        return 0;
+    double a = fabs(d);
+    return a == 0.0 || (a >= 1e-4 && a < 1e15);
+}
+
+/* AnyValue: 1 if its text could differ (array 5, kvlist 6, a double not plain). */
+static int complex_value(span_t v)
+{
+    field_t f;
+    while (v.p < v.end) {
+        if (next_field(&v, &f) < 0)
+            return 1;
+        if (f.num == 5 || f.num == 6)
+            return 1;
+        if (f.num == 4 && (f.type != 1 || !plain_double(f.sub.p)))
+            return 1;
+    }
+    return 0;
+}
+
+#define MAX_KEYS 64     /* past this many attributes in one list: named (keys not compared) */
+
+/* The attribute list of field `attr_num` in message `m`: 1 if complex. */
+static int complex_attributes(span_t m, uint32_t attr_num)
+{
+    span_t keys[MAX_KEYS];
+    int n = 0;
+    field_t f, g;
+    while (m.p < m.end) {
+        if (next_field(&m, &f) < 0)
+            return 1;
+        if (f.num != attr_num)
+            continue;
+        if (f.type != 2 || n == MAX_KEYS)
+            return 1;
+        span_t kv = f.sub, key = {0, 0};
+        while (kv.p < kv.end) {
+            if (next_field(&kv, &g) < 0)
+                return 1;
+            if (g.num == 1 && g.type == 2)
+                key = g.sub;
+            else if (g.num == 2 && g.type == 2 && complex_value(g.sub))
+                return 1;
+        }
+        size_t len = key.p ? (size_t)(key.end - key.p) : 0;
+        for (int i = 0; i < n; i++) {
+            size_t l = keys[i].p ? (size_t)(keys[i].end - keys[i].p) : 0;
+            if (l == len && (len == 0 || memcmp(keys[i].p, key.p, len) == 0))
+                return 1;
+        }
+        keys[n++] = key;
+    }
+    return 0;
+}
+
+/* Span: attributes 9; events 11 (their attributes 3); links 13 (theirs 4). */
+static int complex_span(span_t s)
+{
+    if (complex_attributes(s, 9))
+        return 1;
+    field_t f;
+    while (s.p < s.end) {
+        if (next_field(&s, &f) < 0)
+            return 1;
+        if ((f.num == 11 || f.num == 13) && f.type == 2 &&
+            complex_attributes(f.sub, f.num == 11 ? 3 : 4))
+            return 1;
+    }
+    return 0;
+}
+
+static PyObject *complex_spans(PyObject *self, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "complex_spans() takes a sequence of bytes");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(0);
+    if (!out)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *buf;
+        Py_ssize_t len;
+        if (PyBytes_AsStringAndSize(items[i], &buf, &len) < 0)
+            goto fail;
+        span_t s = {(const uint8_t *)buf, (const uint8_t *)buf + len};
+        if (complex_span(s)) {
+            PyObject *idx = PyLong_FromSsize_t(i);
+            if (!idx || PyList_Append(out, idx) < 0) {
+                Py_XDECREF(idx);
+                goto fail;
+            }
+            Py_DECREF(idx);
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* -- the join ------------------------------------------------------------- */
+
+/* struct span_facts_key / span_facts_val (bpf/spanlet.h) */
+struct facts_key {
+    uint8_t trace_id[16];
+    uint64_t span_id;
+};
+struct facts_val {
+    uint64_t launches_driver, launches_runtime, launch_ns, sync_wait_ns, syncs, violations,
+        graph_launches, graph_kernels, cgroup_id, first_ns;
+    uint32_t pid, sampled_events;
+};
+
+static int facts_take(int fd, struct facts_key *k, struct facts_val *v)
+{
+    union bpf_attr attr;
+    memset(&attr, 0, sizeof(attr));
+    attr.map_fd = (uint32_t)fd;
+    attr.key = (uint64_t)(uintptr_t)k;
+    attr.value = (uint64_t)(uintptr_t)v;
+    if (syscall(__NR_bpf, BPF_MAP_LOOKUP_AND_DELETE_ELEM, &attr, sizeof(attr)) == 0)
+        return 1;
+    return errno == ENOENT ? 0 : -1;
+}
+
+static size_t put_varint(uint8_t *out, uint64_t v)
+{
+    size_t n = 0;
+    while (v > 0x7f) {
+        out[n++] = (uint8_t)(v & 0x7f) | 0x80;
+        v >>= 7;
+    }
+    out[n++] = (uint8_t)v;
+    return n;
+}
+
+static size_t varint_len(uint64_t v)
+{
+    size_t n = 1;
+    while (v > 0x7f) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+/* join.FACT_ATTRIBUTES, in order (rx/tx bytes never come from a row). */
+static const char *const FACT_KEYS[] = {
+    "kernel.gpu.launches", "kernel.gpu.graph_launches", "kernel.gpu.graph_kernels",
+    "kernel.gpu.launch_ns", "kernel.gpu.sync_wait_ns", "kernel.gpu.syncs",
+    "kernel.sandbox.violations",
+};
+#define N_FACTS 7
+#define ATTR_MAX 48        /* one attribute's bytes at most: tag, lengths, key, int */
+
+/* Span field 9 entries for the row's non-zero facts; returns their length. */
+static size_t fact_attributes(const struct facts_val *v, uint8_t *out)
+{
+    uint64_t vals[N_FACTS] = {v->launches_driver + v->launches_runtime, v->graph_launches,
+                              v->graph_kernels, v->launch_ns, v->sync_wait_ns, v->syncs,
+                              v->violations};
+    size_t n = 0;
+    for (int i = 0; i < N_FACTS; i++) {
+        if (!vals[i])
+            continue;
+        size_t klen = strlen(FACT_KEYS[i]);
+        size_t any = 1 + varint_len(vals[i]);                 /* AnyValue{int_value (3)} */
+        size_t kv = 1 + 1 + klen + 1 + 1 + any;                /* KeyValue{key (1), value (2)} */
+        out[n++] = 0x4a;                                       /* Span.attributes (9) */
+        n += put_varint(out + n, kv);
+        out[n++] = 0x0a;
+        out[n++] = (uint8_t)klen;
+        memcpy(out + n, FACT_KEYS[i], klen);
+        n += klen;
+        out[n++] = 0x12;
+        out[n++] = (uint8_t)any;
+        out[n++] = 0x18;
+        n += put_varint(out + n, vals[i]);
+    }
+    return n;
+}
+
+/* A span as the join sees it. */
+typedef struct {
+    span_t whole;              /* the Span's bytes in the blob */
+    const uint8_t *trace_id;   /* 16 bytes */
+    uint64_t span_id;          /* big-endian bytes as a number */
+    size_t added;              /* attribute bytes appended */
+    uint8_t extra[N_FACTS * ATTR_MAX];
+} jspan_t;
+
+#define KERNEL_PREFIX "kernel."
+
+/* 1 if the attribute (a KeyValue's bytes) has a key starting "kernel.". */
+static int kernel_key(span_t kv)
+{
+    field_t f;
+    while (kv.p < kv.end) {
+        if (next_field(&kv, &f) < 0)
+            return 1;
+        if (f.num == 1 && f.type == 2)
+            return f.sub.end - f.sub.p >= 7 && memcmp(f.sub.p, KERNEL_PREFIX, 7) == 0;
+    }
+    return 0;
+}
+
+/* Fill `js` from the Span bytes; -1: not the common case. */
+static int read_span(span_t s, jspan_t *js)
+{
+    field_t f;
+    js->whole = s;
+    js->trace_id = NULL;
+    js->added = 0;
+    int have_sid = 0;
+    while (s.p < s.end) {
+        if (next_field(&s, &f) < 0)
+            return -1;
+        if (f.num == 1) {
+            if (f.type != 2 || f.sub.end - f.sub.p != 16)
+                return -1;
+            js->trace_id = f.sub.p;
+        } else if (f.num == 2) {
+            if (f.type != 2 || f.sub.end - f.sub.p != 8)
+                return -1;
+            uint64_t be;
+            memcpy(&be, f.sub.p, 8);
+            js->span_id = be64toh(be);
+            have_sid = 1;
+        } else if (f.num == 13) {
+            return -1;                                          /* a link: a batch step */
+        } else if (f.num == 9 && (f.type != 2 || kernel_key(f.sub))) {
+            return -1;                                          /* facts from an earlier join */
+        }
+    }
+    return js->trace_id && have_sid ? 0 : -1;
+}
+
+/* The ResourceSpans' fields: resource (1), scope_spans (2: scope 1, spans 2),
+ * schema_url (3). Walks it calling `fn` on each span; -1 stops. */
+typedef int (*span_fn)(void *ctx, span_t span);
+
+static int each_span(span_t rs, span_fn fn, void *ctx)
+{
+    field_t f, g;
+    while (rs.p < rs.end) {
+        if (next_field(&rs, &f) < 0)
+            return -1;
+        if (f.num != 2)
+            continue;
+        if (f.type != 2)
+            return -1;
+        span_t ss = f.sub;
+        while (ss.p < ss.end) {
+            if (next_field(&ss, &g) < 0)
+                return -1;
+            if (g.num == 2) {
+                if (g.type != 2 || fn(ctx, g.sub) < 0)
+                    return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+typedef struct {
+    jspan_t *spans;
+    Py_ssize_t n, cap;
+} jlist_t;
+
+static int collect(void *ctx, span_t span)
+{
+    jlist_t *l = ctx;
+    if (l->n == l->cap) {
+        Py_ssize_t cap = l->cap ? l->cap * 2 : 64;
+        jspan_t *grown = PyMem_Realloc(l->spans, (size_t)cap * sizeof(jspan_t));
+        if (!grown)
+            return -1;
+        l->spans = grown;
+        l->cap = cap;
+    }
+    if (read_span(span, &l->spans[l->n]) < 0)
+        return -1;
+    l->n++;
+    return 0;
+}
+
+/* Copy `m` (a message of the blob) to out, spans grown by their extra bytes;
+ * depth 0: ResourceSpans, 1: ScopeSpans. Returns the bytes written; `*next`
+ * walks the spans in blob order. With out NULL only measures. */
+static size_t rebuild(span_t m, int depth, jlist_t *l, Py_ssize_t *next, uint8_t *out)
+{
+    size_t n = 0;
+    field_t f;
+    while (m.p < m.end) {
+        const uint8_t *start = m.p;
+        next_field(&m, &f);                   /* well-formed: read_span saw it all */
+        if (f.num != 2 || f.type != 2) {
+            if (out)
+                memcpy(out + n, start, (size_t)(m.p - start));
+            n += (size_t)(m.p - start);
+            continue;
+        }
+        size_t inner;
+        if (depth == 0) {
+            Py_ssize_t save = *next;
+            inner = rebuild(f.sub, 1, l, next, NULL);
+            *next = save;
+        } else {
+            jspan_t *js = &l->spans[*next];
+            inner = (size_t)(js->whole.end - js->whole.p) + js->added;
+        }
+        uint8_t head[11];
+        size_t h = 0;
+        head[h++] = 0x12;                     /* field 2, length-delimited */
+        h += put_varint(head + h, inner);
+        if (out)
+            memcpy(out + n, head, h);
+        n += h;
+        if (depth == 0) {
+            rebuild(f.sub, 1, l, next, out ? out + n : NULL);
+        } else {
+            jspan_t *js = &l->spans[(*next)++];
+            size_t len = (size_t)(js->whole.end - js->whole.p);
+            if (out) {
+                memcpy(out + n, js->whole.p, len);
+                memcpy(out + n + len, js->extra, js->added);
+            }
+        }
+        n += inner;
+    }
+    return n;
+}
+
+static PyObject *join_resource(PyObject *self, PyObject *args)
+{
+    Py_buffer blob;
+    int fd;
+    if (!PyArg_ParseTuple(args, "y*i", &blob, &fd))
+        return NULL;
+    span_t rs = {blob.buf, (const uint8_t *)blob.buf + blob.len};
+    jlist_t l = {NULL, 0, 0};
+    PyObject *result = NULL, *keys = NULL, *new_blob = NULL;
+    if (each_span(rs, collect, &l) < 0) {
+        if (PyErr_Occurred())
+            goto out;
+        result = Py_None;                     /* not the common case */
+        Py_INCREF(result);
+        goto out;
+    }
+    keys = PyList_New(l.n);
+    if (!keys)
+        goto out;
+    Py_ssize_t rows = 0;
+    uint64_t cgroup = 0;
+    size_t grown = 0;
+    for (Py_ssize_t i = 0; i < l.n; i++) {
+        jspan_t *js = &l.spans[i];
+        struct facts_key k;
+        memcpy(k.trace_id, js->trace_id, 16);
+        k.span_id = js->span_id;
+        PyObject *key = Py_BuildValue("(y#K)", (const char *)js->trace_id, (Py_ssize_t)16,
+                                      (unsigned long long)js->span_id);
+        if (!key)
+            goto out;
+        PyList_SET_ITEM(keys, i, key);
+        struct facts_val v;
+        int got;
+        Py_BEGIN_ALLOW_THREADS
+        got = facts_take(fd, &k, &v);
+        Py_END_ALLOW_THREADS
+        if (got < 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto out;
+        }
+        if (!got)
+            continue;
+        rows++;
+        uint64_t g = v.cgroup_id ? v.cgroup_id : 1;
+        if (g > 1 || !cgroup)
+            cgroup = g;
+        js->added = fact_attributes(&v, js->extra);
+        grown += js->added;
+    }
+    if (grown) {
+        Py_ssize_t next = 0;
+        size_t size = rebuild(rs, 0, &l, &next, NULL);
+        new_blob = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+        if (!new_blob)
+            goto out;
+        next = 0;
+        rebuild(rs, 0, &l, &next, (uint8_t *)PyBytes_AS_STRING(new_blob));
+    } else {
+        new_blob = Py_None;
+        Py_INCREF(new_blob);
+    }
+    result = Py_BuildValue("(NNnK)", new_blob, keys, rows, (unsigned long long)cgroup);
+    new_blob = keys = NULL;
+out:
+    Py_XDECREF(new_blob);
+    Py_XDECREF(keys);
+    PyMem_Free(l.spans);
+    PyBuffer_Release(&blob);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"join_resource", join_resource, METH_VARARGS,
+     "join_resource(blob, map_fd) -> None or (new_blob or None, keys, rows, cgroup): the span "
+     "join's common case for one serialized ResourceSpans"},
+    {"complex_spans", complex_spans, METH_O,
+     "complex_spans(blobs) -> indices of the serialized Spans whose attribute text the "
+     "store's SQL may write differently (arrays, maps, exponent doubles, a key twice)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "spanlet._wire", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__wire(void)
+{
+    return PyModule_Create(&module);
+}
