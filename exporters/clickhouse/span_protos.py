@@ -7,13 +7,15 @@ ProtobufList, with a schema of the OTLP Span's fields) and builds every
 column in one INSERT ... SELECT, where building them in Python and encoding
 them as JSON cost ~5 times as much CPU per span.
 
-The stored values are those of rows.span_rows, exactly: `complex_rows_sql`
-first finds the few spans whose attribute text the engine would write
+The stored values are those of rows.span_rows, exactly: `complex_spans`
+first names the few spans whose attribute text the engine could write
 differently (arrays and maps, which the collector stores as JSON; doubles
-that ClickHouse prints with an exponent; a key twice in one map); the
-INSERT leaves those out and they go through rows.span_rows. (The count of
-rows an INSERT wrote cannot tell: it includes what the views on the table
-wrote.)
+that ClickHouse may print with an exponent; a key twice in one map), read
+from their bytes in C (native/spanlet_wire.c); the INSERT leaves those out
+and they go through rows.span_rows. `complex_rows_sql` is the engine's own
+answer to the same question (what the C test must include, shown by the
+tests). (The count of rows an INSERT wrote cannot tell: it includes what
+the views on the table wrote.)
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from spanlet.exporters.clickhouse import schema
+
+try:
+    from spanlet._wire import complex_spans as _complex_spans
+except ImportError:        # a source tree without its build: every span goes the Python way
+    _complex_spans = None
 from spanlet.exporters.clickhouse.rows import SPAN_KINDS, STATUS_CODES, TRACE_COLUMNS
 
 # The OTLP trace proto's field numbers (opentelemetry/proto/trace/v1/trace.proto,
@@ -155,6 +162,14 @@ def _enum_text(values: dict[int, str], column: str) -> str:
     keys = ", ".join(str(k) for k in values)
     names = ", ".join(schema.quote_string(v) for v in values.values())
     return f"transform({column}, [{keys}], [{names}], '')"
+
+
+def complex_spans(blobs: Sequence[bytes]) -> list[int]:
+    """The indices of the serialized spans insert_sql must leave out: a
+    superset of what complex_rows_sql finds (all of them without the C part)."""
+    if _complex_spans is None:
+        return list(range(len(blobs)))
+    return _complex_spans(blobs)
 
 
 def complex_rows_sql(path: str, schema_path: str, nested: bool) -> str:

@@ -110,11 +110,17 @@ def _both_ways(b: ChdbBackend, req: ExportTraceServiceRequest) -> tuple[list, li
 
 
 def _complex_rows(b: ChdbBackend, tmp_path, req) -> int:
-    env = span_protos.envelope(rows.span_proto_rows(req.resource_spans))
+    """How many spans go the Python way; each one the engine itself would
+    write differently is among them."""
+    proto_rows = rows.span_proto_rows(req.resource_spans)
+    env = span_protos.envelope(proto_rows)
     path = tmp_path / "probe.pb"
     path.write_bytes(env.data)
-    return len(b.query(span_protos.complex_rows_sql(str(path), str(tmp_path / "store" / SCHEMA_FILE),
-                                                    env.nested)))
+    engine = {r[0] for r in b.query(span_protos.complex_rows_sql(str(path), str(tmp_path / "store" / SCHEMA_FILE),
+                                                                 env.nested))}
+    named = span_protos.complex_spans([r[0] for r in proto_rows])
+    assert engine <= set(named)
+    return len(named)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -217,3 +223,44 @@ def test_a_request_span_keeps_its_batch_shares_in_span_attributes(backend):
         "kernel.batch.steps": "3", "kernel.batch.gpu.launches": "12.5",
         "kernel.batch.gpu.graph_launches": "0.25", "kernel.batch.gpu.graph_kernels": "1.75",
         "kernel.batch.gpu.sync_wait_ns": "1500"}
+
+
+def _one(build) -> bytes:
+    from opentelemetry.proto.trace.v1 import trace_pb2
+    s = trace_pb2.Span(name="x", trace_id=b"t" * 16, span_id=b"s" * 8)
+    s.attributes.add(key="plain").value.string_value = "v"
+    build(s)
+    return s.SerializeToString()
+
+
+@pytest.mark.parametrize("case, build, named", [
+    ("strings, ints, bools, bytes", lambda s: (s.attributes.add(key="i").value.__setattr__("int_value", -5),
+                                               s.attributes.add(key="b").value.__setattr__("bool_value", True),
+                                               s.attributes.add(key="y").value.__setattr__("bytes_value", b"\0")),
+     False),
+    ("a plain double", lambda s: s.attributes.add(key="d").value.__setattr__("double_value", 0.25), False),
+    ("zero", lambda s: s.attributes.add(key="d").value.__setattr__("double_value", -0.0), False),
+    ("a double printed 1e-7", lambda s: s.attributes.add(key="d").value.__setattr__("double_value", 1e-7), True),
+    ("a double printed 1e21", lambda s: s.attributes.add(key="d").value.__setattr__("double_value", 1e21), True),
+    ("nan", lambda s: s.attributes.add(key="d").value.__setattr__("double_value", math.nan), True),
+    ("an array", lambda s: s.attributes.add(key="a").value.array_value.values.add(), True),
+    ("a map", lambda s: s.attributes.add(key="m").value.kvlist_value.values.add(key="k"), True),
+    ("a key twice", lambda s: s.attributes.add(key="plain").value.__setattr__("int_value", 1), True),
+    ("a key twice in an event", lambda s: [s.events.add(name="e").attributes.add(key="k") for _ in range(1)]
+     and s.events[0].attributes.add(key="k"), True),
+    ("an array in a link", lambda s: s.links.add(trace_id=b"u" * 16, span_id=b"v" * 8)
+     .attributes.add(key="a").value.array_value.values.add(), True),
+    ("the same key in two events", lambda s: [s.events.add(name="e").attributes.add(key="k") for _ in range(2)],
+     False),
+    ("64 attributes", lambda s: [s.attributes.add(key=f"k{i}") for i in range(63)], False),
+    ("65 attributes", lambda s: [s.attributes.add(key=f"k{i}") for i in range(64)], True),
+])
+def test_complex_spans_reads_each_case_from_the_bytes(case, build, named):
+    assert span_protos.complex_spans([_one(build)]) == ([0] if named else []), case
+
+
+def test_complex_spans_names_malformed_bytes_and_keeps_indices():
+    good = _one(lambda s: None)
+    assert span_protos.complex_spans([good, good[:-3], b"\xff", good, b""]) == [1, 2]
+    with pytest.raises(TypeError):
+        span_protos.complex_spans([good, "not bytes"])
