@@ -31,6 +31,10 @@ _KEY = struct.Struct("<16sQ")      # struct span_facts_key
 # first_ns of struct span_facts_val, with the bytes before and after it skipped
 _FIRST = struct.Struct(f"<{events.SpanFactsVal.first_ns.offset}xQ"
                        f"{C.sizeof(events.SpanFactsVal) - events.SpanFactsVal.first_ns.offset - 8}x")
+try:
+    from spanlet._wire import join_resource as _join_resource
+except ImportError:        # a source tree without its build: the join takes rows one by one
+    _join_resource = None
 _libc = C.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = C.c_long
@@ -138,6 +142,23 @@ class SpanFacts:
                 return None
             self._stats.taken += 1
             return decode(trace_id, span_id, self._val, self.clock)
+
+    def join_resource(self, blob: bytes):
+        """The join's common case done in C (native/spanlet_wire.c) on one
+        serialized ResourceSpans: each span's row taken and its facts appended
+        as attributes. None when it is not that case (or the C part is not
+        built): nothing was taken, the caller joins span by span; else
+        (new blob or None if nothing joined, keys of all its spans, rows
+        taken, cgroup)."""
+        if _join_resource is None:
+            return None
+        with self._lock:
+            if self._closed:
+                return None
+            got = _join_resource(blob, self.table.map_fd)
+            if got is not None:
+                self._stats.taken += got[2]
+            return got
 
     def delete(self, trace_id: bytes, span_id: int) -> bool:
         """Drop a row unread (the sweep's expired rows); counted as swept."""
