@@ -104,6 +104,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--spans", type=float, default=1000, help="spans per second")
     ap.add_argument("--launches", type=int, default=50, help="GPU launches inside each span")
+    ap.add_argument("--processor", choices=("batch-sdk", "batch", "simple"), default="batch-sdk",
+                    help="the app's span processor: the SDK's BatchSpanProcessor with its defaults "
+                         "(batch-sdk: every 5 s or 512 spans), one exporting every 50 ms (batch), or "
+                         "SimpleSpanProcessor (one export call per span)")
     a = agent_bench_args(ap, "the bench")
     cfg = config.load(env={}, overrides=a.agent_set)
     shutdown_timeout_s = cfg.shutdown_timeout_s
@@ -116,9 +120,10 @@ def main() -> int:
         libs = soak_libraries(standin.lib_dir, tmp_path / "benchlib")
         agent = start_agent(tmp_path, grpc_port, http_port, upstream, a.agent_set)
         try:
-            with FactsChild(f"127.0.0.1:{grpc_port}", libs / (SOAK_DRIVER + ".1")) as child:
+            with FactsChild(f"127.0.0.1:{grpc_port}", libs / (SOAK_DRIVER + ".1"), a.processor) as child:
                 wait_traced(child, http_port)
-                # the warm-up's spans reach the store at its next insert: idle starts after it
+                # the warm-up's spans exported now and stored at the next insert: idle starts after it
+                child.command("flush", "flushed")
                 time.sleep(1 + cfg.store.batch_interval_s)
                 idle = measure(agent.pid, a.seconds)
                 load = threading.Thread(target=child.command,

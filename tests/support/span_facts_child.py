@@ -70,7 +70,10 @@ marker = SpanletSpanProcessor()
 provider.add_span_processor(marker)
 if processor != "none":
     exporter = OTLPSpanExporter(endpoint=endpoint, insecure=True)
+    # "batch": exported every 50 ms (tests see their spans soon); "batch-sdk":
+    # the SDK's own defaults (every 5 s or each 512 spans), as apps run it
     provider.add_span_processor(SimpleSpanProcessor(exporter) if processor == "simple"
+                                else BatchSpanProcessor(exporter) if processor == "batch-sdk"
                                 else BatchSpanProcessor(exporter, schedule_delay_millis=50))
 tracer = provider.get_tracer("span-facts-child")
 ATTRS = {"mm.modality": "image"}
