@@ -205,10 +205,13 @@ class GpuConfig(_Section):
 
 
 class DiscoveryConfig(_Section):
-    # How often the agent looks for new processes and libraries.
+    # How often the agent reads the processes the kernel saw change (an exec,
+    # a file mapped executable, an exit: span_ctx's maps_changed_pids) for
+    # new libraries.
     interval_s: float = Field(default=1.0, gt=0, le=60)
-    # A process already scanned is re-read when its mapped size (vsize)
-    # changes, and in any case after this many seconds.
+    # How often every process's stat line is read (and the maps of those not
+    # seen before). Without the kernel's list (span_ctx not attached) a
+    # process is re-read when its mapped size changes, and after this long.
     full_rescan_s: float = Field(default=30.0, gt=0, le=3600)
     # A library no process has mapped for this long is detached (its uprobes
     # freed); a process mapping it within that time is traced from its start.
