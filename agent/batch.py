@@ -61,7 +61,7 @@ def links(requests: Iterable[Request | tuple[Request, float]]) -> list[Link]:
     out = []
     for item in requests:
         weight = None
-        if isinstance(item, tuple):
+        if isinstance(item, tuple) and not isinstance(item, SpanContext):  # SpanContext is a tuple
             item, weight = item
         ctx = request_context(item)
         if ctx is None:

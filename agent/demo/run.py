@@ -12,9 +12,14 @@ the next one):
   scratch, a file that is no pool);
 - five worker processes (agent/demo/worker.py): one serving worker per
   modality, listening inside the namespace, and one rogue;
+- an LLM server of two processes: an asyncio HTTP front end listening inside
+  the namespace (agent/demo/frontend.py) and a separate engine with
+  continuous batching (agent/demo/engine.py): each engine step is a span
+  linked to the front end's request spans it served;
 - traffic from here into the namespace: HTTP POSTs with `traceparent` to each
-  worker at a rate that rises and falls, and RTP audio (PT 0, 8 kHz) and video
-  (PT 96, 90 kHz) streams with bursts of jitter.
+  worker at a rate that rises and falls, streamed completions from the LLM
+  front end (LLM_CLIENTS clients, prompts and lengths that vary), and RTP
+  audio (PT 0, 8 kHz) and video (PT 96, 90 kHz) streams with bursts of jitter.
 
 Progress is printed every --progress seconds; Ctrl-C or SIGTERM ends early.
 At the end it checks that no namespace, interface, pool file or process of
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import math
 import os
 import random
@@ -52,6 +58,9 @@ POOL_DIR = POOL_PARENT / "spanlet-demo"
 PARENT_MARK = ".made-by-spanlet-demo"   # in POOL_PARENT when a demo made that folder
 POOLS = {"weights": 4 << 20, "kv": 2 << 20, "scratch": 64 << 10}
 HTTP_PORTS = {"text": 8101, "image": 8102, "audio": 8103, "video": 8104}
+LLM_PORT = 8100
+LLM_CLIENTS = 6
+LLM = ("engine", "frontend")     # the LLM server's processes, started in this order
 RTP_PORTS = {"audio": 5004, "video": 5006}
 CONTENT = {"text": ("application/json", 512), "image": ("image/jpeg", 48 << 10),
            "audio": ("audio/wav", 16 << 10), "video": ("video/mp4", 96 << 10)}
@@ -68,6 +77,9 @@ class Counts:
     requests: int = 0
     failed: int = 0
     rtp: int = 0
+    llm_requests: int = 0
+    llm_failed: int = 0
+    llm_tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_error: str = ""
 
@@ -79,7 +91,8 @@ class Counts:
 
 class Demo:
     def __init__(self, duration_s: float, otlp_endpoint: str, rate: float,
-                 progress_s: float = 10.0, seed: int | None = None, say=print):
+                 progress_s: float = 10.0, seed: int | None = None, say=print,
+                 lib_dir: Path | None = None):
         self.duration_s = duration_s
         self.otlp_endpoint = otlp_endpoint
         self.rate = rate
@@ -90,7 +103,8 @@ class Demo:
         self.counts = Counts()
         self.workers: dict[str, subprocess.Popen] = {}
         self.tmp: Path | None = None
-        self.lib_dir = BUILT_LIBS
+        self.lib_dir = lib_dir or BUILT_LIBS
+        self.own_libs = lib_dir is None
 
     # -- set up ------------------------------------------------------------------
     def check(self) -> None:
@@ -148,6 +162,9 @@ class Demo:
     def find_libs(self) -> None:
         if standin.built(self.lib_dir):
             return
+        if not self.own_libs:
+            raise DemoError(f"--lib-dir {self.lib_dir}: the stand-in libraries are not all there "
+                            f"({standin.DRIVER}, {standin.RUNTIME}, {standin.NVML})")
         self.say(f"demo: stand-in CUDA/NVML libraries not built ({self.lib_dir}); building them "
                  "in a temporary folder (`make native` builds them once)")
         self.lib_dir = standin.build_all(self._tmp() / "lib")
@@ -158,27 +175,38 @@ class Demo:
         return self.tmp
 
     def start_workers(self) -> None:
-        base = [sys.executable, "-m", "spanlet.demo.worker", "--netns", NETNS, "--address", NS_IP,
-                "--otlp-endpoint", self.otlp_endpoint, "--lib-dir", str(self.lib_dir),
-                "--pool-dir", str(POOL_DIR), "--parent", str(os.getpid())]
+        common = ["--otlp-endpoint", self.otlp_endpoint, "--parent", str(os.getpid())]
+        base = ["spanlet.demo.worker", "--netns", NETNS, "--address", NS_IP, "--lib-dir",
+                str(self.lib_dir), "--pool-dir", str(POOL_DIR), *common]
+        engine_socket = str(self._tmp() / "engine.sock")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        # the engine first: the front end connects to it
+        self._spawn("engine", ["spanlet.demo.engine", "--socket", engine_socket, "--lib-dir",
+                               str(self.lib_dir), *common], deadline)
+        self._spawn("frontend", ["spanlet.demo.frontend", "--netns", NETNS, "--address", NS_IP,
+                                 "--port", str(LLM_PORT), "--engine-socket", engine_socket, *common], None)
         for modality in [*HTTP_PORTS, "rogue"]:
             argv = [*base, "--modality", modality, "--seed", str(self.rng.randrange(1 << 30))]
             if modality in HTTP_PORTS:
                 argv += ["--port", str(HTTP_PORTS[modality])]
             if modality in RTP_PORTS:
                 argv += ["--rtp-port", str(RTP_PORTS[modality])]
-            log = open(self._tmp() / f"{modality}.log", "wb")
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH"))
-                if p))
-            self.workers[modality] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log,
-                                                      stdin=subprocess.DEVNULL, env=env)
-            log.close()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        for modality, proc in self.workers.items():
-            line = _readline(proc, deadline - time.monotonic())
-            if line != "ready":
-                raise DemoError(f"{modality} worker did not start: {self._log_tail(modality)}")
+            self._spawn(modality, argv, None)
+        for name, proc in self.workers.items():
+            if name != "engine" and _readline(proc, deadline - time.monotonic()) != "ready":
+                raise DemoError(f"{name} worker did not start: {self._log_tail(name)}")
+
+    def _spawn(self, name: str, argv: list[str], ready_by: float | None) -> None:
+        """Start `python -m ARGV` as worker `name`; with `ready_by`, wait for its "ready"."""
+        log = open(self._tmp() / f"{name}.log", "wb")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH"))
+            if p))
+        self.workers[name] = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE,
+                                              stderr=log, stdin=subprocess.DEVNULL, env=env)
+        log.close()
+        if ready_by is not None and _readline(self.workers[name], ready_by - time.monotonic()) != "ready":
+            raise DemoError(f"{name} worker did not start: {self._log_tail(name)}")
 
     def _log_tail(self, modality: str) -> str:
         try:
@@ -211,6 +239,38 @@ class Demo:
             except OSError as e:
                 self.counts.add(requests=1, failed=1)
                 self.counts.last_error = f"{modality}: {e}"
+            finally:
+                conn.close()
+            self.stop.wait(rng.expovariate(self._rate(time.monotonic() - t0)))
+
+    def llm_client(self, seed: int) -> None:
+        """Completions from the LLM front end, each read as it streams: prompts
+        of 16 to 600 tokens, 2 to 48 tokens out, so that the engine's batch
+        changes between steps."""
+        rng = random.Random(seed)
+        t0 = time.monotonic()
+        while not self.stop.is_set():
+            traceparent = f"00-{rng.randbytes(16).hex()}-{rng.randbytes(8).hex()}-01"
+            body = json.dumps({"prompt_tokens": rng.randint(16, 600),
+                               "max_tokens": rng.randint(2, 48)}).encode()
+            conn = http.client.HTTPConnection(NS_IP, LLM_PORT, timeout=15)
+            try:
+                conn.request("POST", "/v1/completions", body=body,
+                             headers={"Content-Type": "application/json", "traceparent": traceparent})
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    raise OSError(f"HTTP {resp.status}")
+                tokens, done = 0, False
+                while line := resp.readline():     # one line per token, as the engine makes it
+                    m = json.loads(line)
+                    done = done or bool(m.get("done"))
+                    tokens += "token" in m
+                if not done:
+                    raise OSError(f"the stream ended after {tokens} tokens")
+                self.counts.add(llm_requests=1, llm_tokens=tokens)
+            except (OSError, ValueError) as e:
+                self.counts.add(llm_requests=1, llm_failed=1)
+                self.counts.last_error = f"llm: {e}"
             finally:
                 conn.close()
             self.stop.wait(rng.expovariate(self._rate(time.monotonic() - t0)))
@@ -266,11 +326,14 @@ class Demo:
             self.make_network()
             self.make_pools()
             self.start_workers()
-            self.say(f"demo: {len(HTTP_PORTS)} serving workers and a rogue one up in namespace "
-                     f"{NETNS}; traffic for {self.duration_s:.0f} s")
+            self.say(f"demo: {len(HTTP_PORTS)} serving workers, an LLM front end and engine, and a "
+                     f"rogue worker up in namespace {NETNS}; traffic for {self.duration_s:.0f} s")
             for modality in HTTP_PORTS:
                 threads.append(threading.Thread(target=self.http_client, name=f"http-{modality}",
                                                 args=(modality, self.rng.randrange(1 << 30)), daemon=True))
+            for k in range(LLM_CLIENTS):
+                threads.append(threading.Thread(target=self.llm_client, name=f"llm-{k}",
+                                                args=(self.rng.randrange(1 << 30),), daemon=True))
             threads.append(threading.Thread(target=self.rtp_sender, name="rtp",
                                             args=(self.rng.randrange(1 << 30),), daemon=True))
             for t in threads:
@@ -281,7 +344,8 @@ class Demo:
                 now = time.monotonic()
                 c = self.counts
                 self.say(f"demo: {now - start:5.0f}/{self.duration_s:.0f} s  requests {c.requests} "
-                         f"(failed {c.failed})  RTP packets {c.rtp}")
+                         f"(failed {c.failed})  LLM completions {c.llm_requests} (failed {c.llm_failed}, "
+                         f"tokens {c.llm_tokens})  RTP packets {c.rtp}")
                 if now >= end:
                     break
                 for modality, proc in self.workers.items():
@@ -344,14 +408,16 @@ class Demo:
 
     def report(self, results: dict[str, str]) -> int:
         c = self.counts
-        self.say(f"demo: done: {c.requests} requests ({c.failed} failed), {c.rtp} RTP packets")
+        self.say(f"demo: done: {c.requests} requests ({c.failed} failed), {c.llm_requests} LLM "
+                 f"completions ({c.llm_failed} failed, {c.llm_tokens} tokens streamed), {c.rtp} RTP packets")
         for modality, what in results.items():
             self.say(f"demo:   {modality} worker: {what}")
         if c.failed:
             self.say(f"demo: last request error: {c.last_error}")
         left = self.leftovers()
         self.say("demo: left behind: " + (", ".join(left) if left else "nothing"))
-        return 1 if left or c.requests == 0 or c.failed == c.requests else 0
+        return 1 if left or c.requests == 0 or c.failed == c.requests or \
+            c.llm_requests == 0 or c.llm_failed == c.llm_requests else 0
 
 
 def _remove_pool_parent() -> bool:
@@ -387,12 +453,16 @@ def add_parser(sub) -> None:
     p.add_argument("--duration", type=float, default=120.0, metavar="S",
                    help="seconds of traffic (default 120)")
     p.add_argument("--rate", type=float, default=8.0, metavar="RPS",
-                   help="mean HTTP requests/s over all four modalities (default 8)")
+                   help="mean HTTP requests/s over the four modality workers (default 8); each of "
+                        "the LLM clients asks for completions at a quarter of it")
     p.add_argument("--otlp-endpoint", default="http://127.0.0.1:4317",
                    help="the agent's OTLP/gRPC receiver (default http://127.0.0.1:4317)")
     p.add_argument("--progress", type=float, default=10.0, metavar="S",
                    help="seconds between progress lines (default 10)")
     p.add_argument("--seed", type=int, help="seed of the workload's randomness")
+    p.add_argument("--lib-dir", type=Path, metavar="DIR",
+                   help="the stand-in CUDA/NVML libraries to load (default: those `make native` "
+                        "built, or a fresh build)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -403,7 +473,7 @@ def main(args: argparse.Namespace) -> int:
         print("spanlet demo: --rate must be in (0, 1000] requests/s", file=sys.stderr)
         return 2
     demo = Demo(args.duration, args.otlp_endpoint, args.rate, args.progress, args.seed,
-                say=lambda s: print(s, flush=True))
+                say=lambda s: print(s, flush=True), lib_dir=args.lib_dir)
     stop = demo.stop.set
     signal.signal(signal.SIGINT, lambda *_: stop())
     signal.signal(signal.SIGTERM, lambda *_: stop())

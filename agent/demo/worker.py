@@ -66,13 +66,32 @@ class Gpu:
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self.runtime.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
         self.driver.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        rt, ptr = self.runtime, ctypes.POINTER(ctypes.c_void_p)
+        rt.cudaStreamBeginCapture.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        rt.cudaStreamEndCapture.argtypes = [ctypes.c_void_p, ptr]
+        rt.cudaGraphInstantiate.argtypes = [ptr, ctypes.c_void_p, ctypes.c_ulonglong]
+        rt.cudaGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 
-    def launch(self, n: int, grid: int) -> None:
+    def launch(self, n: int, grid: int, stream: int | None = None) -> None:
         for _ in range(n):
             if self.api == "runtime":
-                self.runtime.cudaLaunchKernel(FUNC, Dim3(grid, 1, 1), Dim3(256, 1, 1), None, 0, None)
+                self.runtime.cudaLaunchKernel(FUNC, Dim3(grid, 1, 1), Dim3(256, 1, 1), None, 0, stream)
             else:
-                self.driver.cuLaunchKernel(FUNC, grid, 1, 1, 256, 1, 1, 0, None, None, None)
+                self.driver.cuLaunchKernel(FUNC, grid, 1, 1, 256, 1, 1, 0, stream, None, None)
+
+    def capture(self, kernels: int, stream: int) -> ctypes.c_void_p:
+        """An executable graph of `kernels` kernels, captured on `stream` (the
+        launches are recorded, not run) and instantiated, through the runtime."""
+        rt, graph, exe = self.runtime, ctypes.c_void_p(), ctypes.c_void_p()
+        _ok(rt.cudaStreamBeginCapture(stream, 0), "cudaStreamBeginCapture")
+        for k in range(kernels):
+            rt.cudaLaunchKernel(FUNC, Dim3(32 + k, 1, 1), Dim3(128, 1, 1), None, 0, stream)
+        _ok(rt.cudaStreamEndCapture(stream, ctypes.byref(graph)), "cudaStreamEndCapture")
+        _ok(rt.cudaGraphInstantiate(ctypes.byref(exe), graph, 0), "cudaGraphInstantiate")
+        return exe
+
+    def replay(self, exe: ctypes.c_void_p, stream: int) -> None:
+        _ok(self.runtime.cudaGraphLaunch(exe, stream), "cudaGraphLaunch")
 
     def sync(self, wait_us: int) -> None:
         """The stand-in's stream handle is how long the "GPU" takes, in µs."""
@@ -81,6 +100,11 @@ class Gpu:
             self.runtime.cudaStreamSynchronize(stream)
         else:
             self.driver.cuStreamSynchronize(stream)
+
+
+def _ok(rc: int, call: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{call} returned {rc}")
 
 
 def map_pool(path: Path, writable: bool) -> mmap.mmap:
@@ -92,15 +116,30 @@ def map_pool(path: Path, writable: bool) -> mmap.mmap:
         os.close(fd)
 
 
+def tracer_provider(service: str, pod: str, endpoint: str, delay_ms: int = 500):
+    """An OTel SDK provider as a serving process has one: the spanlet span
+    processor (marks each thread's current span for the kernel) and a batch
+    export over OTLP/gRPC every `delay_ms`."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from spanlet import SpanletSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({
+        "service.name": service, "k8s.namespace.name": "spanlet-demo", "k8s.pod.name": pod}))
+    provider.add_span_processor(SpanletSpanProcessor())
+    provider.add_span_processor(BatchSpanProcessor(
+        # a short export timeout: a process whose agent is gone (a killed demo)
+        # stops in seconds, not after the SDK's 10 s of retries per batch
+        OTLPSpanExporter(endpoint=endpoint, insecure=True, timeout=2),
+        schedule_delay_millis=delay_ms))
+    return provider
+
+
 class Worker:
     def __init__(self, args: argparse.Namespace):
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        from spanlet import SpanletSpanProcessor
-
         self.args = args
         self.modality = args.modality
         self.rng = random.Random(args.seed)
@@ -109,17 +148,8 @@ class Worker:
         self.inflight = 0
         self.served = 0
         self.lock = threading.Lock()
-        self.provider = TracerProvider(resource=Resource.create({
-            "service.name": f"demo-{self.modality}",
-            "k8s.namespace.name": "spanlet-demo",
-            "k8s.pod.name": f"{self.modality}-worker-0",
-        }))
-        self.provider.add_span_processor(SpanletSpanProcessor())
-        self.provider.add_span_processor(BatchSpanProcessor(
-            # a short export timeout: a worker whose agent is gone (a killed demo)
-            # stops in seconds, not after the SDK's 10 s of retries per batch
-            OTLPSpanExporter(endpoint=args.otlp_endpoint, insecure=True, timeout=2),
-            schedule_delay_millis=500))
+        self.provider = tracer_provider(f"demo-{self.modality}", f"{self.modality}-worker-0",
+                                        args.otlp_endpoint)
         self.tracer = self.provider.get_tracer("spanlet.demo")
         self.gpu = Gpu(Path(args.lib_dir), "runtime" if self.modality in ("text", "audio") else "driver")
         pools = Path(args.pool_dir)
@@ -276,28 +306,42 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--address", required=True)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--rtp-port", type=int, default=0)
-    p.add_argument("--otlp-endpoint", default="http://127.0.0.1:4317")
     p.add_argument("--lib-dir", required=True)
     p.add_argument("--pool-dir", required=True)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--interval", type=float, default=5.0)
-    p.add_argument("--parent", type=int, required=True, help="the demo's pid")
     return p
 
 
 PR_SET_PDEATHSIG = 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    stop = threading.Event()
-    # A demo killed outright must not leave its workers running: they get
-    # SIGTERM when it dies (and stop at once if it already has).
+def child_of(parent: int) -> threading.Event | None:
+    """A demo process's start: the event SIGTERM and SIGINT set, or None when
+    the demo (pid `parent`) is gone already. A demo killed outright must not
+    leave its processes running: they get SIGTERM when it dies."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != args.parent:
-        return 0
+    if os.getppid() != parent:
+        return None
+    stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    return stop
+
+
+def start(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """A demo process's arguments (with the common --otlp-endpoint and
+    --parent) and its stop event (None: the demo is gone, end now)."""
+    parser.add_argument("--otlp-endpoint", default="http://127.0.0.1:4317")
+    parser.add_argument("--parent", type=int, required=True, help="the demo's pid")
+    args = parser.parse_args(argv)
+    return args, child_of(args.parent)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, stop = start(_parser(), argv)
+    if stop is None:
+        return 0
     if args.modality == "rogue":
         rogue(args, stop)
         return 0

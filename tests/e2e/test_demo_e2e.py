@@ -3,12 +3,17 @@ and `spanlet demo`, side by side, with a real Prometheus server scraping the
 agent. Every PromQL expression of every Grafana dashboard returns at least one
 series from that Prometheus, every ClickHouse query of every dashboard returns
 rows from the agent's embedded chdb store, and the demo leaves no namespace,
-interface, TC filter, /dev/shm file or process behind."""
+interface, TC filter, /dev/shm file or process behind. The demo's LLM server
+(front end and continuous-batching engine): every request span the agent
+exports carries exactly its share of the engine steps that served it."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,8 +25,11 @@ from pathlib import Path
 
 import pytest
 
+from spanlet import inspect
 from spanlet.demo import run as demo
+from spanlet.demo import standin
 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
+from otlp_upstream import Upstream, wait_for
 from processes import free_port, stop_process
 from prometheus_server import Prometheus
 
@@ -32,6 +40,9 @@ pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_S = 75          # the demo's traffic; the dashboards are queried in its second half
 QUERY_FROM_S = 30
+# the demo's processes: 4 serving workers and a rogue one, the LLM front end and engine
+DEMO_MODULES = (b"spanlet.demo.worker", b"spanlet.demo.frontend", b"spanlet.demo.engine")
+DEMO_PROCESSES = 7
 
 
 def _get(url: str, timeout: float = 5) -> bytes:
@@ -58,7 +69,7 @@ def demo_processes() -> list[int]:
                 cmd = (d / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"spanlet.demo.worker" in cmd:
+            if any(m in cmd for m in DEMO_MODULES):
                 pids.append(int(d.name))
     return pids
 
@@ -69,8 +80,8 @@ def tc_filters_on(ifname: str) -> str:
     return r.stdout
 
 
-@pytest.fixture
-def agent(tmp_path):
+@contextlib.contextmanager
+def demo_agent(tmp_path: Path, *overrides: str):
     """The agent as `make demo-agent` runs it, on free ports, its data in
     tmp_path, TC only on interfaces that appear after its start (the demo's veth)."""
     assert not demo.POOL_DIR.exists() and not os.path.exists(f"/run/netns/{demo.NETNS}"), \
@@ -83,6 +94,8 @@ def agent(tmp_path):
             "--set", "http_address=127.0.0.1", "--set", f"http_port={port}",
             "--set", f"otlp.grpc_port={grpc_port}", "--set", "otlp.http_port=0",
             "--set", f"tc.exclude_interfaces=[{host_links}]"]
+    for o in overrides:
+        argv += ["--set", o]
     log = open(tmp_path / "agent.log", "wb")
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -100,6 +113,12 @@ def agent(tmp_path):
     finally:
         stop_process(proc, 60)
         log.close()
+
+
+@pytest.fixture
+def agent(tmp_path):
+    with demo_agent(tmp_path) as a:
+        yield a
 
 
 def test_demo_lights_every_dashboard_query(agent, tmp_path):
@@ -169,6 +188,11 @@ def test_demo_lights_every_dashboard_query(agent, tmp_path):
         assert kinds and set(kinds) <= {"Server", "Client", "Internal", "Producer", "Consumer", "Unspecified"}
         assert set(dict(db.query("SELECT StatusCode, count() FROM spanlet.otel_traces GROUP BY StatusCode"))) \
             <= {"Unset", "Ok", "Error"}
+        # the LLM front end's requests in the store with their share of the engine's steps
+        ((requests, shared),) = db.query(
+            "SELECT count(), countIf(toUInt64OrZero(SpanAttributes['kernel.batch.steps']) > 0) "
+            "FROM spanlet.otel_traces FINAL WHERE ServiceName = 'demo-llm-frontend' AND SpanKind = 'Server'")
+        assert requests > 0 and shared > 0, (requests, shared)
         ((trace, spans),) = db.query("SELECT TraceId, count() FROM spanlet.otel_traces FINAL WHERE TraceId != '' "
                                      "GROUP BY TraceId ORDER BY count() DESC, TraceId LIMIT 1")
         assert len(db.query(plugin_trace_id_sql("spanlet", trace, lookup=True))) == spans
@@ -204,7 +228,7 @@ def _kill_then_rerun(argv: list[str]) -> None:
             if "traffic for" in line:
                 break
         assert "traffic for" in lines[-1], "".join(lines)
-        assert len(demo_processes()) == 5
+        assert len(demo_processes()) == DEMO_PROCESSES
         assert demo.POOL_DIR.is_dir() and os.path.exists(f"/run/netns/{demo.NETNS}")
     finally:
         first.kill()
@@ -226,3 +250,206 @@ def _kill_then_rerun(argv: list[str]) -> None:
     assert "no agent is receiving OTLP" in out
     assert not os.path.exists(f"/run/netns/{demo.NETNS}") and not demo.POOL_DIR.exists()
     assert demo_processes() == []
+
+
+# -- the LLM server's batched steps (issue 15) ---------------------------------------------
+# `spanlet demo` with the agent exporting to a stand-in upstream: every request span of the
+# LLM front end must carry exactly its share of the engine steps that served it, computed
+# here from the step spans the agent exported. Only per-span facts are compared: node-wide
+# launch counters may move with other workloads on the node.
+BATCH_RUNS = 8
+BATCH_DEMO_S = 6
+BATCH_WAIT_S = 5.0     # join.batch_wait_s: room for the engine's spans on a loaded machine
+FRONTEND, ENGINE = "demo-llm-frontend", "demo-llm-engine"
+SHARES = ("launches", "graph_launches", "graph_kernels", "sync_wait_ns")
+LATE_SPAN_NAME = "spanlet.kernel.late_events"
+# A process that keeps the demo's stand-in libraries mapped, so that the agent's uprobes stay on
+# them from before each demo starts (they are on the file, for every process that maps it;
+# the agent leaves a library no process maps). Each "step" line: a step span with one launch,
+# linked to a request that never comes; it prints the step's ids.
+HOLDER = """
+import sys
+from pathlib import Path
+from opentelemetry import trace
+from spanlet import batch
+from spanlet.demo.worker import Gpu, tracer_provider
+gpu = Gpu(Path(sys.argv[2]), "runtime")
+provider = tracer_provider("demo-test-holder", "holder-0", sys.argv[1], delay_ms=50)
+tracer = provider.get_tracer("holder")
+nobody = trace.SpanContext(int("ab" * 16, 16), int("cd" * 8, 16), True, trace.TraceFlags(1))
+for line in sys.stdin:
+    with batch.step(tracer, [nobody], context=trace.set_span_in_context(trace.INVALID_SPAN)) as s:
+        gpu.launch(1, grid=1)
+        gpu.sync(100)
+    provider.force_flush()
+    c = s.get_span_context()
+    print(f"{c.trace_id:032x} {c.span_id:016x}", flush=True)
+provider.shutdown()
+"""
+
+
+def span_attrs(kvs) -> dict:
+    out = {}
+    for kv in kvs:
+        which = kv.value.WhichOneof("value")
+        if which:
+            out[kv.key] = getattr(kv.value, which)
+    return out
+
+
+@dataclasses.dataclass
+class BatchAgent:
+    proc: subprocess.Popen
+    grpc_port: int
+    admin: Path
+    upstream: Upstream
+    lib_dir: Path
+
+    def spans(self, service: str, since_ns: int) -> list:
+        with self.upstream.lock:
+            return [sp for sp, res in self.upstream.spans.values()
+                    if sp.start_time_unix_nano >= since_ns
+                    and span_attrs(res.attributes).get("service.name") == service]
+
+
+@pytest.fixture(scope="module")
+def batch_agent(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("demo_batch")
+    lib_dir = standin.build_all(tmp / "lib")
+    up = Upstream()
+    up.rx.start()
+    try:
+        with demo_agent(tmp, f"otlp.upstream_endpoint={up.endpoint()}", "otlp.upstream_protocol=grpc",
+                        "otlp.batch_interval_s=0.1", f"join.batch_wait_s={BATCH_WAIT_S}") as a:
+            proc, _, grpc_port, _ = a
+            holder = subprocess.Popen([sys.executable, "-c", HOLDER, f"http://127.0.0.1:{grpc_port}",
+                                       str(lib_dir)], cwd=ROOT, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+            try:
+                _attached(up, holder)
+                yield BatchAgent(proc, grpc_port, tmp / "admin.sock", up, lib_dir)
+            finally:
+                holder.stdin.close()
+                stop_process(holder, 20)
+    finally:
+        up.rx.stop()
+
+
+def _attached(up: Upstream, holder: subprocess.Popen) -> None:
+    """Until a step of the holder reaches the upstream with its one launch: the
+    agent's probes are on the libraries, and it knows that this node batches."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        holder.stdin.write("step\n")
+        holder.stdin.flush()
+        key = tuple(holder.stdout.readline().split())
+        assert len(key) == 2, "the holder process failed"
+        try:
+            wait_for(lambda: key in up.by_ids, 5, "the holder's step upstream")
+        except AssertionError:
+            continue
+        with up.lock:
+            if [span_attrs(s.attributes).get("kernel.gpu.launches") for s in up.by_ids[key]] == [1]:
+                return
+        time.sleep(0.5)
+    pytest.fail("the agent did not attach to the demo's stand-in libraries")
+
+
+def _demo_report(out: str) -> tuple[int, int]:
+    """(requests the front end served, steps the engine ran), from the demo's end report."""
+    served = re.search(r"frontend worker: served (\d+) tokens \d+", out)
+    steps = re.search(r"engine worker: steps (\d+) prefill \d+ decode \d+ graphs \d+ served (\d+)", out)
+    assert served and steps, out
+    assert int(steps.group(2)) == int(served.group(1)), out
+    return int(served.group(1)), int(steps.group(1))
+
+
+def _expected_shares(steps: list, requests: dict) -> dict:
+    """request key → [steps, share of each fact of SHARES], from the step spans:
+    the sum over its steps of weight ÷ the step's total weight × the step's fact."""
+    want = {k: [0] + [0.0] * len(SHARES) for k in requests}
+    for st in steps:
+        facts = span_attrs(st.attributes)
+        weights = [(( link.trace_id.hex(), link.span_id.hex()),
+                    span_attrs(link.attributes).get("spanlet.weight", 1.0)) for link in st.links]
+        total = sum(w for _, w in weights)
+        for key, w in weights:
+            assert key in want, f"step {st.name} links to {key}, no request of the front end's"
+            acc = want[key]
+            acc[0] += 1
+            for i, f in enumerate(SHARES):
+                acc[1 + i] += facts.get(f"kernel.gpu.{f}", 0) * w / total
+    return want
+
+
+def _check_step_facts(steps: list, captures: list) -> None:
+    """Each step's own facts are what the engine did in it: a prefill step its
+    launches, a decode step one replay of a graph of known kernels; each one sync."""
+    for st in steps:
+        a = span_attrs(st.attributes)
+        kind, kernels = a["demo.step.kind"], a["demo.step.kernels"]
+        got = (a.get("kernel.gpu.launches", 0), a.get("kernel.gpu.graph_launches", 0),
+               a.get("kernel.gpu.graph_kernels", 0), a.get("kernel.gpu.syncs", 0))
+        want = (kernels, 0, 0, 1) if kind == "prefill" else (0, 1, kernels, 1)
+        assert got == want, (st.name, a)
+        assert a.get("kernel.gpu.sync_wait_ns", 0) > 0, a
+        assert len(st.links) == a["demo.step.requests"], a
+    for cap in captures:    # launches recorded into a graph are not launches
+        a = span_attrs(cap.attributes)
+        assert not a.get("kernel.gpu.launches") and not a.get("kernel.gpu.graph_launches"), a
+
+
+@pytest.mark.parametrize("run", range(BATCH_RUNS))
+def test_front_end_requests_carry_their_share_of_the_engine_steps(batch_agent, tmp_path, run):
+    a = batch_agent
+    started_ns = time.time_ns()
+    r = subprocess.run([sys.executable, "-m", "spanlet.cli", "demo", "--duration", str(BATCH_DEMO_S),
+                        "--progress", "2", "--otlp-endpoint", f"http://127.0.0.1:{a.grpc_port}",
+                        "--seed", str(100 + run), "--lib-dir", str(a.lib_dir)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "left behind: nothing" in r.stdout and "(0 failed," in r.stdout, r.stdout
+    n_requests, n_steps = _demo_report(r.stdout)
+
+    def engine_steps():
+        return [s for s in a.spans(ENGINE, started_ns) if s.links]
+
+    wait_for(lambda: len(a.spans(FRONTEND, started_ns)) >= n_requests and len(engine_steps()) >= n_steps,
+             BATCH_WAIT_S + 30, "the demo's request and step spans upstream")
+    requests = {(s.trace_id.hex(), s.span_id.hex()): s for s in a.spans(FRONTEND, started_ns)}
+    steps = engine_steps()
+    assert len(requests) == n_requests and len(steps) == n_steps
+    assert all(s.kind == s.SPAN_KIND_SERVER for s in requests.values())
+    _check_step_facts(steps, [s for s in a.spans(ENGINE, started_ns) if s.name == "engine.capture_graph"])
+    # the batch changed between steps: requests joined and left
+    compositions = {tuple(sorted(l.span_id.hex() for l in s.links)) for s in steps}
+    assert len(compositions) > 10 and max(len(c) for c in compositions) > 1
+
+    want = _expected_shares(steps, requests)
+    totals = [0.0] * len(SHARES)
+    for key, span in requests.items():
+        got = span_attrs(span.attributes)
+        n, *shares = want[key]
+        # a request is in one step per token: its prefill (the first token) and a decode step each
+        assert got.get("kernel.batch.steps") == n == got["gen_ai.usage.output_tokens"], (key, got, n)
+        for f, v in zip(SHARES, shares):
+            assert got.get(f"kernel.batch.gpu.{f}", 0.0) == pytest.approx(v, rel=1e-12, abs=1e-6), \
+                (key, f, got, v)
+            totals[SHARES.index(f)] += got.get(f"kernel.batch.gpu.{f}", 0.0)
+    # the shares of every step's requests add up to the steps' own facts
+    for i, f in enumerate(SHARES):
+        step_total = sum(span_attrs(s.attributes).get(f"kernel.gpu.{f}", 0) for s in steps)
+        assert step_total > 0 and totals[i] == pytest.approx(step_total, rel=1e-12, abs=1e-6), f
+    with a.upstream.lock:
+        late = [s for s, _ in a.upstream.spans.values() if s.name == LATE_SPAN_NAME
+                and (s.trace_id.hex(), s.parent_span_id.hex()) in requests]
+    assert not late, f"{len(late)} request shares went out as late records"
+
+    # `spanlet inspect spans` (the admin socket's ring of recent spans) shows the same
+    ring = {(row["trace_id"], row["span_id"]): row for row in
+            inspect.ask(str(a.admin), "spans", {"limit": 10_000})["data"]["spans"]}
+    seen = [k for k in requests if k in ring]
+    assert seen
+    for k in seen:
+        assert ring[k]["batch_steps"] == want[k][0]
+        assert ring[k]["batch_gpu_launches"] == pytest.approx(want[k][1], abs=1e-6)

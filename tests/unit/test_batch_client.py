@@ -41,3 +41,12 @@ def test_a_step_links_to_each_request_with_its_weight():
 def test_headers_of_no_span_give_no_link():
     assert batch.request_headers() == {}
     assert batch.links([{}]) == []
+
+
+def test_a_span_context_alone_is_a_request_without_weight():
+    """SpanContext is a tuple (a namedtuple): alone it is a request, not (request, weight)."""
+    ctx = trace.SpanContext(0xAB, 0xCD, is_remote=True, trace_flags=trace.TraceFlags(1))
+    (link,) = batch.links([ctx])
+    assert (link.context.trace_id, link.context.span_id, dict(link.attributes or {})) == (0xAB, 0xCD, {})
+    (link,) = batch.links([(ctx, 2)])
+    assert dict(link.attributes) == {"spanlet.weight": 2.0}
