@@ -190,3 +190,42 @@ class Probe:
                     log.warning("%s: cleanup: %s", self.name, e)
                 self.bpf = None
             self.status.attached = False
+
+
+# -- what compiling leaves resident ---------------------------------------------
+# BCC compiles with the LLVM and clang libraries it links: ~80 MB of their code
+# is paged in by the compiles at start and stays counted in the agent's RSS,
+# as does the heap the compiles freed. Neither is needed again unless a probe
+# is compiled again (then it is paged back in from disk).
+COMPILER_LIBRARIES = re.compile(r"/lib(?:LLVM|clang-cpp|clang)[^/]*\.so[^/]*$")
+MADV_PAGEOUT = 21          # uapi/asm-generic/mman-common.h, Linux 5.4
+
+
+def release_compiler_memory(maps_path: str = "/proc/self/maps") -> int:
+    """Return the freed heap to the kernel (malloc_trim) and page out the
+    compiler libraries' file pages (MADV_PAGEOUT: clean pages, dropped, read
+    back if used). Returns the bytes of mappings paged out; 0 where the
+    kernel or libc cannot (nothing else changes)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        libc.malloc_trim(0)
+    except AttributeError:      # not glibc
+        pass
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    released = 0
+    try:
+        with open(maps_path) as f:
+            lines = f.readlines()
+    except OSError:
+        return 0
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not COMPILER_LIBRARIES.search(fields[5].strip()):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if madvise(start, end - start, MADV_PAGEOUT) == 0:
+            released += end - start
+    return released
