@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from spanlet import events
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 
 MARKER_LIBRARY = "libspanlet_marker"
 MARKER_SYMBOL = "spanlet_mark"
+# How old a mark of maps_changed_pids must be before discovery reads that
+# process (its mapping made by then: a mapping takes microseconds).
+MAPS_SETTLE_NS = 50_000_000
 SPAN_CTX_PIN_ROOT = Path("/sys/fs/bpf/spanlet")
 _instances = itertools.count()
 # The OpenTelemetry shared context map's layout (DESIGN.md): what a map pinned
@@ -135,12 +139,15 @@ class SpanCtxProbe(Probe):
         self.finder.watch = self.maps_watch.subscribe()
 
     def _drain_maps_changed(self) -> list[int]:
-        """The pids in maps_changed_pids, each deleted before its maps are
-        read (a change after the delete marks it again: nothing is missed)."""
+        """The pids in maps_changed_pids marked at least MAPS_SETTLE_NS ago,
+        each deleted before its maps are read. The kernel marks a process at
+        the mmap call, before the mapping exists: a mark younger than that
+        waits for the next refresh, so that the maps read show the mapping."""
         if self.bpf is None:
             return []
         table = self.bpf["maps_changed_pids"]
-        pids = [k.value for k in table.keys()]
+        settled = time.monotonic_ns() - MAPS_SETTLE_NS      # the kernel's clock (bpf_ktime_get_ns)
+        pids = [k.value for k, v in table.items() if v.value <= settled]
         for pid in pids:
             try:
                 del table[table.Key(pid)]

@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
 import cuda_standin
 from spanlet.discovery import LibraryFinder
+from spanlet.probes.span_ctx import MAPS_SETTLE_NS
+
+
+def settle() -> None:
+    """Past the age a mark must have to be read (the daemon refreshes every second)."""
+    time.sleep(MAPS_SETTLE_NS / 1e9 + 0.02)
 
 pytestmark = pytest.mark.kernel
 
@@ -30,14 +37,17 @@ def test_exec_dlopen_and_exit_are_seen_without_a_full_scan(standin, spawn, probe
     assert f.stats.full
     copy = standin.copy_libs(tmp_path / f"copy{run}")
     w = spawn(standin.workload)          # an exec
+    settle()
     f.refresh()
     assert not f.stats.full and w.pid in f._seen
     assert not any(str(copy) in lib.path for lib in f.libraries)
     w.load(copy)                         # dlopen: the loader maps the library executable
+    settle()
     new = f.refresh()
     assert not f.stats.full
     assert [(lib.pid, lib.path) for lib in new] == [(w.pid, str(copy / cuda_standin.DRIVER))]
     w.close()                            # the exit names it too: its libraries are unmapped
+    settle()
     f.refresh()
     assert w.pid not in f._seen or not f._seen[w.pid].keys
     assert any(lib.path == str(copy / cuda_standin.DRIVER) for lib in f.unmapped(0))
@@ -54,6 +64,7 @@ def test_processes_that_change_nothing_are_never_read_again(standin, spawn, prob
     try:
         for p in idle:   # each has started (and mapped its libraries) once it answers
             assert p.stdout.readline() == "ready\n"
+        settle()
         f.refresh()
         f.refresh()
         read_at = {p.pid: f._seen[p.pid].read_at for p in idle if p.pid in f._seen}
