@@ -312,8 +312,7 @@ static __always_inline __u8 port_modality(const struct flow_key *k, __u8 *found)
 /* Add the packet to its flow's class, once its processing has found the
  * class: at the end of handle(), or of tc_classify_req for a request. */
 static __always_inline void account(struct __sk_buff *skb, const struct pkt *p,
-                                    const struct flow_info *fi, int dir, int media,
-                                    int was_pending)
+                                    struct flow_info *fi, int dir, int media, int was_pending)
 {
     __u64 len = skb->len;
     if (fi && fi->proto != SPANLET_PROTO_UNKNOWN) {
@@ -333,10 +332,20 @@ static __always_inline void account(struct __sk_buff *skb, const struct pkt *p,
         return;
     }
     if (p->tcp_end) {
-        /* a TCP flow ending before any payload: tcp, handshake included */
+        /* a TCP flow ending before any payload: tcp, handshake included,
+         * and so are the packets after this one */
         __u32 cls = class_of(SPANLET_PROTO_TCP, mod);
         class_add(cls, dir, 1, len);
         pending_flush(&p->key, cls);
+        if (fi) {
+            fi->proto = SPANLET_PROTO_TCP;
+        } else {
+            struct flow_info init = {};
+            init.proto = SPANLET_PROTO_TCP;
+            init.modality = mod;
+            init.mod_source = mapped ? MOD_SRC_PORT : MOD_SRC_NONE;
+            flow_info.insert((struct flow_key *)&p->key, &init);
+        }
         return;
     }
     pending_add(&p->key, dir, len);
