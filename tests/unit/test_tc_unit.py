@@ -134,7 +134,7 @@ def test_class_jitter_keeps_slots_with_media():
 
 
 def test_idle_flows_go_by_the_latest_cpu():
-    counters = [(b"a", [100, 900]), (b"b", [100, 200]), (b"c", [0, 0])]
+    counters = [(b"a", (100, 900)), (b"b", (100, 200)), (b"c", (0, 0))]
     assert idle_flows(counters, now_ns=1000, idle_ns=800) == [b"b", b"c"]
     assert idle_flows(counters, now_ns=1000, idle_ns=2000) == []
 

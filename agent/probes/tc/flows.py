@@ -59,7 +59,8 @@ def class_jitter(rows: Iterable[tuple[int, int, int]]) -> dict[tuple[str, str], 
     return {class_name(i): (media, late) for i, media, late in rows if media or late}
 
 
-def idle_flows(counters: Iterable[tuple[bytes, list[int]]], now_ns: int, idle_ns: int) -> list[bytes]:
+def idle_flows(counters: Iterable[tuple[bytes, tuple[int, ...]]], now_ns: int,
+               idle_ns: int) -> list[bytes]:
     """Keys whose last packet (the latest of the per-CPU last_ns) is idle_ns old."""
     return [key for key, last in counters if now_ns - max(last) >= idle_ns]
 

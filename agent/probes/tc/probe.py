@@ -339,10 +339,9 @@ class TcProbe(Probe):
         k_size, cpu_size = C.sizeof(table.Key), C.sizeof(table.sLeaf)
         ncpu = C.sizeof(table.Leaf) // cpu_size
         last_at = table.sLeaf.last_ns.offset
-        counters = ((keys[i * k_size:(i + 1) * k_size],
-                     [struct.unpack_from("=Q", values, (i * ncpu + c) * cpu_size + last_at)[0]
-                      for c in range(ncpu)])
-                    for i in range(len(keys) // k_size))
+        last = [v for (v,) in struct.iter_unpack(f"={last_at}xQ{cpu_size - last_at - 8}x", values)]
+        counters = zip((keys[i:i + k_size] for i in range(0, len(keys), k_size)),
+                       zip(*(last[c::ncpu] for c in range(ncpu))))
         idle = idle_flows(counters, time.monotonic_ns(),
                           int(self.cfg.tc.flow_idle_timeout_s * 1e9))
         for name in ("tc_flow_counters", "flow_info", "tc_flow_jitter"):
