@@ -323,6 +323,10 @@ static __always_inline void account(struct __sk_buff *skb, const struct pkt *p,
             pending_flush(&p->key, cls);
         return;
     }
+    if (p->key.l4proto == IPPROTO_TCP && !p->tcp_end) {
+        pending_add(&p->key, dir, len);
+        return;
+    }
     __u8 mapped = 0;
     __u8 mod = fi ? fi->modality : port_modality(&p->key, &mapped);
     if (p->key.l4proto == IPPROTO_UDP) {
@@ -331,24 +335,47 @@ static __always_inline void account(struct __sk_buff *skb, const struct pkt *p,
         class_add(class_of(SPANLET_PROTO_UDP, mod), dir, 1, len);
         return;
     }
-    if (p->tcp_end) {
-        /* a TCP flow ending before any payload: tcp, handshake included,
-         * and so are the packets after this one */
-        __u32 cls = class_of(SPANLET_PROTO_TCP, mod);
-        class_add(cls, dir, 1, len);
-        pending_flush(&p->key, cls);
-        if (fi) {
-            fi->proto = SPANLET_PROTO_TCP;
-        } else {
-            struct flow_info init = {};
-            init.proto = SPANLET_PROTO_TCP;
-            init.modality = mod;
-            init.mod_source = mapped ? MOD_SRC_PORT : MOD_SRC_NONE;
-            flow_info.insert((struct flow_key *)&p->key, &init);
-        }
-        return;
+    /* a TCP flow ending (FIN, RST) before any payload: tcp, handshake
+     * included, and so are the packets after this one */
+    __u32 cls = class_of(SPANLET_PROTO_TCP, mod);
+    class_add(cls, dir, 1, len);
+    pending_flush(&p->key, cls);
+    if (fi) {
+        fi->proto = SPANLET_PROTO_TCP;
+    } else {
+        struct flow_info init = {};
+        init.proto = SPANLET_PROTO_TCP;
+        init.modality = mod;
+        init.mod_source = mapped ? MOD_SRC_PORT : MOD_SRC_NONE;
+        flow_info.insert((struct flow_key *)&p->key, &init);
     }
-    pending_add(&p->key, dir, len);
+}
+
+/* A flow whose class is final and that is not media needs nothing per packet
+ * but its counters: HTTP/1.x (every request is parsed), RTP and audio/video
+ * (jitter) and TCP flows still waiting for payload do. */
+static __always_inline int settled(const struct flow_info *fi)
+{
+    switch (fi->proto) {
+    case SPANLET_PROTO_HTTP2:
+    case SPANLET_PROTO_WEBSOCKET:
+    case SPANLET_PROTO_TCP:
+    case SPANLET_PROTO_UDP:
+        return fi->modality != SPANLET_MOD_AUDIO && fi->modality != SPANLET_MOD_VIDEO;
+    default:
+        return 0;
+    }
+}
+
+/* Remember the flow's class in this CPU's counters: for every later packet
+ * once the flow is settled, else for the packets without payload (ACKs)
+ * until the next payload packet, which looks the class up again. */
+static __always_inline void cache_class(struct flow_counters *c, const struct flow_info *fi)
+{
+    if (!c || fi->proto == SPANLET_PROTO_UNKNOWN)
+        return;
+    c->cls = class_of(fi->proto, fi->modality);
+    c->settled = settled(fi) ? CLS_FINAL : CLS_LAST;
 }
 
 /* ---- HTTP/1.x ------------------------------------------------------------ */
@@ -459,6 +486,8 @@ int tc_classify_req(struct __sk_buff *skb)
     if (fi)
         parse_request(skb, s, &p, fi, dir);
     account(skb, &p, fi, dir, media, was_pending);
+    if (fi)
+        cache_class(tc_flow_counters.lookup(&p.key), fi);
     return TC_PASS;
 }
 
@@ -576,22 +605,6 @@ static __always_inline int media_packet(struct __sk_buff *skb, const struct pkt 
 
 /* ---- entry points -------------------------------------------------------- */
 
-/* A flow whose class is final and that is not media needs nothing per packet
- * but its counters: HTTP/1.x (every request is parsed), RTP and audio/video
- * (jitter) and TCP flows still waiting for payload do. */
-static __always_inline int settled(const struct flow_info *fi)
-{
-    switch (fi->proto) {
-    case SPANLET_PROTO_HTTP2:
-    case SPANLET_PROTO_WEBSOCKET:
-    case SPANLET_PROTO_TCP:
-    case SPANLET_PROTO_UDP:
-        return fi->modality != SPANLET_MOD_AUDIO && fi->modality != SPANLET_MOD_VIDEO;
-    default:
-        return 0;
-    }
-}
-
 /* The flow's info, made on its first payload packet (a TCP handshake needs
  * none: its packets are counted and wait for the class in user space). */
 static __always_inline struct flow_info *flow_lookup(struct __sk_buff *skb, struct pkt *p, int dir)
@@ -620,8 +633,8 @@ static __always_inline int handle(struct __sk_buff *skb, int dir)
     if (c) {
         c->packets[dir] += 1;
         c->bytes[dir] += skb->len;
-        c->last_ns = bpf_ktime_get_ns();
-        if (c->settled) {
+        c->last_ns = bpf_ktime_get_coarse_ns();
+        if (c->settled == CLS_FINAL || (c->settled == CLS_LAST && p.payload_len == 0)) {
             class_add(c->cls, dir, 1, skb->len);
             return TC_PASS;
         }
@@ -639,10 +652,6 @@ static __always_inline int handle(struct __sk_buff *skb, int dir)
     }
     int was_pending = fi->proto == SPANLET_PROTO_UNKNOWN;
     int media = media_packet(skb, &p, fi, dir);
-    if (c && settled(fi)) {
-        c->cls = class_of(fi->proto, fi->modality);
-        c->settled = 1;
-    }
     if (fi->proto == SPANLET_PROTO_HTTP1) {
         struct http_request *r = http_request_bytes.lookup(&p.key);
         if (r)
@@ -653,6 +662,7 @@ static __always_inline int handle(struct __sk_buff *skb, int dir)
     if (p.key.l4proto == IPPROTO_TCP)
         tcp_payload(skb, &p, fi, dir, media, was_pending);
     account(skb, &p, fi, dir, media, was_pending);
+    cache_class(c, fi);
     return TC_PASS;
 }
 

@@ -63,11 +63,12 @@
 struct flow_counters {
     __u64 packets[2];   /* by SPANLET_DIR_* */
     __u64 bytes[2];     /* skb->len: what TC sees, Ethernet header included */
-    /* This CPU found the flow settled (see settled()): it skips flow_info
-     * and counts the packet in class `cls` of the class totals. */
+    /* CLS_*: what this CPU knows of the flow's class `cls` (the slot of the
+     * class totals): settled (see settled()), every packet skips flow_info;
+     * or the class at its last payload packet, for packets without payload. */
     __u32 settled;
     __u32 cls;
-    __u64 last_ns;      /* bpf_ktime_get_ns() of this CPU's last packet (idle flows) */
+    __u64 last_ns;      /* bpf_ktime_get_coarse_ns() of this CPU's last packet (idle flows) */
 };
 
 /* Class totals (metrics 3 and 4): one slot per (protocol, modality), index
@@ -92,6 +93,10 @@ struct pending_traffic {
     __u64 bytes[2];
     __u64 first_ns;     /* bpf_ktime_get_ns() of the first packet */
 };
+
+#define CLS_NONE 0
+#define CLS_LAST 1
+#define CLS_FINAL 2
 
 struct jitter_counters {
     __u64 media_packets;
