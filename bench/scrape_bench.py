@@ -1,10 +1,12 @@
 """Scrape time of /metrics with 1,000, 20,000 and 65,536 active flows (the
 default tc.max_flows) and 100 pods, each side by side with the same agent
 scraped while idle, in one run: for each flow count a fresh agent is scraped
-idle, then the real TC probe sees that many UDP flows in a pair of namespaces
-made here, and the GPU and sandbox maps hold series of 100 workloads (entries
-written into the real BPF maps, 100 cgroup ids -> 100 pod names). Prints the
-median scrape time of each, their ratio, and the goal beside them.
+idle, then after the real TC probe saw that many UDP flows in a pair of
+namespaces made here, then with the GPU and sandbox maps also holding series
+of 100 workloads (entries written into the real BPF maps, 100 cgroup ids ->
+100 pod names). Prints the median scrape time of each, the ratio to idle, the
+goal beside them, and the time of one idle-flow sweep (refresh(), off the
+scrape path) over the flows in the maps.
 
     sudo .venv/bin/python bench/scrape_bench.py [--scrapes 30] [--flows 1000,20000,65536]
 """
@@ -93,15 +95,20 @@ def measure(client: Namespace, server: Namespace, flows: int, pods: int, scrapes
     try:
         idle_ms, idle_size = scrape_ms(port, scrapes)
         send_flows(client, flows)
+        time.sleep(0.5)
+        flows_ms, _ = scrape_ms(port, scrapes)
         fill_workloads(agent, pods)
         time.sleep(0.5)
         busy_ms, busy_size = scrape_ms(port, scrapes)
         tc = next(p for p in agent.probes if p.name == "tc_classify")
         held = len(tc.flows())
+        t0 = time.perf_counter()
+        tc._sweep_idle()  # what refresh() does every few seconds, off the scrape
+        sweep_ms = (time.perf_counter() - t0) * 1000
     finally:
         agent.stop()
     return {"flows": flows, "held": held, "idle_ms": idle_ms, "idle_size": idle_size,
-            "busy_ms": busy_ms, "busy_size": busy_size}
+            "flows_ms": flows_ms, "busy_ms": busy_ms, "busy_size": busy_size, "sweep_ms": sweep_ms}
 
 
 def main() -> int:
@@ -123,13 +130,13 @@ def main() -> int:
         server.close()
     print(f"/metrics scrape, median of {a.scrapes}, {a.pods} pods with GPU and sandbox series "
           f"({os.cpu_count()} cores):")
-    print(f"  {'flows sent':>10} {'in maps':>8} {'idle agent':>12} {'with flows, pods':>18} "
-          f"{'ratio':>6}  goal")
+    print(f"  {'flows sent':>10} {'in maps':>8} {'idle agent':>11} {'flows only':>11} "
+          f"{'flows+pods':>11} {'ratio':>6}  goal            idle-flow sweep")
     for r in rows:
-        print(f"  {r['flows']:>10,} {r['held']:>8,} {r['idle_ms']:9.1f} ms {r['busy_ms']:15.1f} ms "
-              f"{r['busy_ms'] / r['idle_ms']:6.1f}  <= {GOAL_MS:.0f} ms "
-              f"({'met' if r['busy_ms'] <= GOAL_MS else 'missed'}; "
-              f"{r['idle_size']:,} / {r['busy_size']:,} bytes)")
+        print(f"  {r['flows']:>10,} {r['held']:>8,} {r['idle_ms']:8.1f} ms {r['flows_ms']:8.1f} ms "
+              f"{r['busy_ms']:8.1f} ms {r['busy_ms'] / r['idle_ms']:6.1f}  <= {GOAL_MS:.0f} ms "
+              f"{'met   ' if max(r['flows_ms'], r['busy_ms']) <= GOAL_MS else 'missed'}  "
+              f"{r['sweep_ms']:6.1f} ms   ({r['idle_size']:,} / {r['busy_size']:,} bytes)")
     return 0
 
 
