@@ -22,11 +22,10 @@ from spanlet.pipeline.store import StorePath
 from spanlet.scheduler import Scheduler, WindowInputs
 from spanlet.nvml import NvmlPoller
 from spanlet.probes.base import Probe, ProbeStatus, release_compiler_memory
-from prometheus_client import CollectorRegistry
 
 from spanlet.exporters.otlp.metric_exporter import OtlpMetricsExporter
 from spanlet.exporters.http import AgentHttpServer
-from spanlet.exporters.prometheus import SpanletCollector
+from spanlet.exporters.prometheus import SpanletCollector, SpanletRegistry
 
 log = logging.getLogger("spanlet")
 
@@ -121,7 +120,7 @@ class Daemon:
                                     scheduler=self.scheduler)
         self.admin = AdminServer(cfg, **self._sources(), families=self.metrics.families,
                                  hints=self.scheduler.hints)
-        self.registry = CollectorRegistry()
+        self.registry = SpanletRegistry()
         self.registry.register(SpanletCollector(self.metrics, cfg.node_name))
         self.http: AgentHttpServer | None = None
         self.metrics_exporter: OtlpMetricsExporter | None = None

@@ -1,6 +1,8 @@
 /* tc_classify.bpf.c: TC clsact classifier (ingress and egress). Per flow: protocol
  * class, modality, packets/bytes per direction, RTP/IPDV jitter for the Jitter
- * Sensitivity Score, and the W3C traceparent of plain HTTP/1.x requests.
+ * Sensitivity Score, and the W3C traceparent of plain HTTP/1.x requests. Per
+ * class (protocol, modality): the same counts, kept as each packet is
+ * counted, so that a scrape reads a few dozen slots, never every flow.
  * Never drops or alters a packet: every path returns TC_PASS. */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/if_ether.h>
@@ -19,13 +21,20 @@
  * higher pref (tests/kernel/test_tc.py checks a later filter still runs). */
 #define TC_PASS TC_ACT_UNSPEC
 
-/* Metric 3 (spanlet_network_bytes_total): packets and bytes per flow and direction. */
+/* Metric 3 (spanlet_network_bytes_total, _packets_total): packets and bytes
+ * per class (class_of()) and direction. */
+BPF_PERCPU_ARRAY(spanlet_network_bytes_total, struct class_traffic, TC_CLASSES);
+/* Metric 4 (spanlet_jitter_sensitivity_score): media and late packets per class. */
+BPF_PERCPU_ARRAY(spanlet_jitter_sensitivity_score, struct jitter_counters, TC_CLASSES);
+/* The same per flow, for inspection (spanlet inspect flows) and idle flows. */
 BPF_TABLE("lru_percpu_hash", struct flow_key, struct flow_counters,
-          spanlet_network_bytes_total, SPANLET_TC_MAX_FLOWS);
-/* Metric 4 (spanlet_jitter_sensitivity_score): media and late packets per flow. */
+          tc_flow_counters, SPANLET_TC_MAX_FLOWS);
 BPF_TABLE("lru_percpu_hash", struct flow_key, struct jitter_counters,
-          spanlet_jitter_sensitivity_score, SPANLET_TC_MAX_FLOWS);
+          tc_flow_jitter, SPANLET_TC_MAX_FLOWS);
 BPF_TABLE("lru_hash", struct flow_key, struct flow_info, flow_info, SPANLET_TC_MAX_FLOWS);
+/* TCP flows counted before their class is known (struct pending_traffic). */
+BPF_TABLE("lru_hash", struct flow_key, struct pending_traffic, tc_pending,
+          SPANLET_TC_MAX_FLOWS);
 
 /* The request in progress on each HTTP/1.x connection that carried a
  * traceparent, and its wire bytes so far (kernel.net.rx_bytes/tx_bytes of
@@ -55,6 +64,61 @@ static __always_inline void count_rejected(int why)
     __u64 *n = spanlet_tc_rejected_total.lookup(&why);
     if (n)
         *n += 1;
+}
+
+/* ---- class totals -------------------------------------------------------- */
+
+static __always_inline __u32 class_of(__u8 proto, __u8 modality)
+{
+    __u32 m = modality < TC_MOD_N ? modality : SPANLET_MOD_OTHER;
+    return (proto & (TC_PROTO_N - 1)) * TC_MOD_N + m;
+}
+
+static __always_inline void class_add(__u32 cls, int dir, __u64 packets, __u64 bytes)
+{
+    struct class_traffic *t = spanlet_network_bytes_total.lookup(&cls);
+    if (!t)
+        return;
+    t->packets[dir & 1] += packets;
+    t->bytes[dir & 1] += bytes;
+}
+
+static __always_inline void class_media(__u32 cls, int media)
+{
+    if (media == MEDIA_NONE)
+        return;
+    struct jitter_counters *j = spanlet_jitter_sensitivity_score.lookup(&cls);
+    if (!j)
+        return;
+    j->media_packets += 1;
+    if (media == MEDIA_LATE)
+        j->late_packets += 1;
+}
+
+/* A packet of a TCP flow with no class yet: held in tc_pending. */
+static __always_inline void pending_add(const struct flow_key *k, int dir, __u64 bytes)
+{
+    struct pending_traffic init = {};
+    init.first_ns = bpf_ktime_get_ns();
+    struct pending_traffic *pt = tc_pending.lookup_or_try_init((struct flow_key *)k, &init);
+    if (!pt)
+        return;
+    __sync_fetch_and_add(&pt->packets[dir & 1], 1);
+    __sync_fetch_and_add(&pt->bytes[dir & 1], bytes);
+}
+
+/* The flow got its class: what it held in tc_pending goes there. Only the
+ * one that deletes the entry adds it (the agent's sweep of old entries too). */
+static __always_inline void pending_flush(const struct flow_key *k, __u32 cls)
+{
+    struct pending_traffic *pt = tc_pending.lookup((struct flow_key *)k);
+    if (!pt)
+        return;
+    __u64 p0 = pt->packets[0], p1 = pt->packets[1], b0 = pt->bytes[0], b1 = pt->bytes[1];
+    if (tc_pending.delete((struct flow_key *)k) != 0)
+        return;
+    class_add(cls, 0, p0, b0);
+    class_add(cls, 1, p1, b1);
 }
 
 /* 1 when (a, pa) sorts after (b, pb), so the key is written with b first. */
@@ -174,6 +238,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
             return -1;
         }
         l4_hdr = th->doff * 4;
+        p->tcp_end = (th->fin | th->rst) != 0;
     }
     p->key.l4proto = l4proto;
     p->payload_off = l4_off + l4_hdr;
@@ -242,6 +307,77 @@ static __always_inline __u8 port_modality(const struct flow_key *k, __u8 *found)
     return m ? *m : SPANLET_MOD_OTHER;
 }
 
+/* ---- class totals of a packet ------------------------------------------- */
+
+/* Add the packet to its flow's class, once its processing has found the
+ * class: at the end of handle(), or of tc_classify_req for a request. */
+static __always_inline void account(struct __sk_buff *skb, const struct pkt *p,
+                                    struct flow_info *fi, int dir, int media, int was_pending)
+{
+    __u64 len = skb->len;
+    if (fi && fi->proto != SPANLET_PROTO_UNKNOWN) {
+        __u32 cls = class_of(fi->proto, fi->modality);
+        class_add(cls, dir, 1, len);
+        class_media(cls, media);
+        if (was_pending && p->key.l4proto == IPPROTO_TCP)
+            pending_flush(&p->key, cls);
+        return;
+    }
+    if (p->key.l4proto == IPPROTO_TCP && !p->tcp_end) {
+        pending_add(&p->key, dir, len);
+        return;
+    }
+    __u8 mapped = 0;
+    __u8 mod = fi ? fi->modality : port_modality(&p->key, &mapped);
+    if (p->key.l4proto == IPPROTO_UDP) {
+        /* a UDP flow has its class from its first datagram; one with no
+         * payload yet (or no room for its flow_info) is plain udp */
+        class_add(class_of(SPANLET_PROTO_UDP, mod), dir, 1, len);
+        return;
+    }
+    /* a TCP flow ending (FIN, RST) before any payload: tcp, handshake
+     * included, and so are the packets after this one */
+    __u32 cls = class_of(SPANLET_PROTO_TCP, mod);
+    class_add(cls, dir, 1, len);
+    pending_flush(&p->key, cls);
+    if (fi) {
+        fi->proto = SPANLET_PROTO_TCP;
+    } else {
+        struct flow_info init = {};
+        init.proto = SPANLET_PROTO_TCP;
+        init.modality = mod;
+        init.mod_source = mapped ? MOD_SRC_PORT : MOD_SRC_NONE;
+        flow_info.insert((struct flow_key *)&p->key, &init);
+    }
+}
+
+/* A flow whose class is final and that is not media needs nothing per packet
+ * but its counters: HTTP/1.x (every request is parsed), RTP and audio/video
+ * (jitter) and TCP flows still waiting for payload do. */
+static __always_inline int settled(const struct flow_info *fi)
+{
+    switch (fi->proto) {
+    case SPANLET_PROTO_HTTP2:
+    case SPANLET_PROTO_WEBSOCKET:
+    case SPANLET_PROTO_TCP:
+    case SPANLET_PROTO_UDP:
+        return fi->modality != SPANLET_MOD_AUDIO && fi->modality != SPANLET_MOD_VIDEO;
+    default:
+        return 0;
+    }
+}
+
+/* Remember the flow's class in this CPU's counters: for every later packet
+ * once the flow is settled, else for the packets without payload (ACKs)
+ * until the next payload packet, which looks the class up again. */
+static __always_inline void cache_class(struct flow_counters *c, const struct flow_info *fi)
+{
+    if (!c || fi->proto == SPANLET_PROTO_UNKNOWN)
+        return;
+    c->cls = class_of(fi->proto, fi->modality);
+    c->settled = settled(fi) ? CLS_FINAL : CLS_LAST;
+}
+
 /* ---- HTTP/1.x ------------------------------------------------------------ */
 
 #include "tc_http.bpf.h"
@@ -276,27 +412,19 @@ static __always_inline void finish_request(struct __sk_buff *skb, const struct p
     http_request_bytes.delete((struct flow_key *)&p->key);
 }
 
-/* A packet that starts an HTTP/1.x request (tail call from handle()): emit
- * its http_event, learn the modality from Content-Type and the class
- * (websocket) from Upgrade. Context comes in the per-CPU scratch. */
-int tc_classify_req(struct __sk_buff *skb)
+/* A packet that starts an HTTP/1.x request: emit its http_event, learn the
+ * modality from Content-Type and the class (websocket) from Upgrade. */
+static __always_inline void parse_request(struct __sk_buff *skb, struct tc_scratch *s,
+                                          const struct pkt *pp, struct flow_info *fi, int dir)
 {
-    int zero = 0;
-    struct tc_scratch *s = tc_scratch.lookup(&zero);
-    if (!s)
-        return TC_PASS;
-    struct pkt p = s->pkt;
-    int dir = s->dir & 1;
-    struct flow_info *fi = flow_info.lookup(&p.key);
-    if (!fi)
-        return TC_PASS;
+    struct pkt p = *pp;
     __u32 len = p.payload_len < SPANLET_TC_SCAN_BYTES ? p.payload_len : SPANLET_TC_SCAN_BYTES;
     *(volatile __u32 *)&s->scan_len = len;
     /* n is re-read from memory wherever a loop may have narrowed it to a
      * constant, so that what follows is verified once, not once per value. */
     __u64 n = scan_len(s);
     if (n < 16 || bpf_skb_load_bytes(skb, p.payload_off, s->buf, n) < 0)
-        return TC_PASS;
+        return;
     scan_headers(s);
     n = scan_len(s);
 
@@ -317,7 +445,7 @@ int tc_classify_req(struct __sk_buff *skb)
     struct http_event *ev = events.ringbuf_reserve(sizeof(*ev));
     if (!ev) {
         spanlet_count_drop();
-        return TC_PASS;
+        return;
     }
     fill_net_hdr(&ev->hdr, skb, SPANLET_KIND_HTTP, fi->modality, dir);
     __builtin_memset(ev->_pad, 0, sizeof(ev->_pad));
@@ -340,6 +468,26 @@ int tc_classify_req(struct __sk_buff *skb)
     finish_request(skb, &p, skb->len, dir);
     if (traced)
         http_request_bytes.update(&p.key, &next);
+}
+
+/* The request parser (tail call from handle()): context comes in the per-CPU
+ * scratch; the packet is added to the class totals here, once classified. */
+int tc_classify_req(struct __sk_buff *skb)
+{
+    int zero = 0;
+    struct tc_scratch *s = tc_scratch.lookup(&zero);
+    if (!s)
+        return TC_PASS;
+    struct pkt p = s->pkt;
+    int dir = s->dir & 1;
+    int media = s->media;
+    int was_pending = s->was_pending;
+    struct flow_info *fi = flow_info.lookup(&p.key);
+    if (fi)
+        parse_request(skb, s, &p, fi, dir);
+    account(skb, &p, fi, dir, media, was_pending);
+    if (fi)
+        cache_class(tc_flow_counters.lookup(&p.key), fi);
     return TC_PASS;
 }
 
@@ -351,7 +499,8 @@ int tc_classify_req(struct __sk_buff *skb)
 /* A TCP payload packet: classify the flow on its first one; on HTTP/1.x
  * flows look at every packet that starts a request (keep-alive). */
 static __always_inline void tcp_payload(struct __sk_buff *skb, const struct pkt *p,
-                                        struct flow_info *fi, int dir)
+                                        struct flow_info *fi, int dir, int media,
+                                        int was_pending)
 {
     __u8 head[24] = {};
     __u32 len = p->payload_len < 24 ? p->payload_len : 24;
@@ -384,6 +533,8 @@ static __always_inline void tcp_payload(struct __sk_buff *skb, const struct pkt 
         s->dir = dir;
         s->method = method;
         s->method_len = method_len;
+        s->media = media;
+        s->was_pending = was_pending;
         tc_request_parser.call(skb, 0);
         /* Only reached if the parser is not loaded: still a request. */
         if (fi->proto == SPANLET_PROTO_UNKNOWN) {
@@ -427,44 +578,32 @@ static __always_inline __s64 ipdv_deviation(struct jitter_state *js, __u64 now)
     return dev;
 }
 
-static __always_inline void media_packet(struct __sk_buff *skb, const struct pkt *p,
-                                         struct flow_info *fi, int dir)
+/* MEDIA_*: whether the packet is media, and late; its flow's counters
+ * have it, its class's get it in account(). */
+static __always_inline int media_packet(struct __sk_buff *skb, const struct pkt *p,
+                                        struct flow_info *fi, int dir)
 {
     int rtp = fi->proto == SPANLET_PROTO_RTP;
     if (!rtp && fi->modality != SPANLET_MOD_AUDIO && fi->modality != SPANLET_MOD_VIDEO)
-        return;
+        return MEDIA_NONE;
     __u64 now = bpf_ktime_get_ns();
     struct jitter_state *js = &fi->jit[dir & 1];
     __s64 dev = rtp ? rtp_deviation(skb, p, fi, js, now) : ipdv_deviation(js, now);
     if (dev < 0)
-        return;
+        return MEDIA_NONE;
+    int late = (__u64)dev > SPANLET_TC_LATE_NS;
     struct jitter_counters zero = {};
     struct jitter_counters *jc =
-        spanlet_jitter_sensitivity_score.lookup_or_try_init((struct flow_key *)&p->key, &zero);
-    if (!jc)
-        return;
-    jc->media_packets += 1;
-    if ((__u64)dev > SPANLET_TC_LATE_NS)
-        jc->late_packets += 1;
+        tc_flow_jitter.lookup_or_try_init((struct flow_key *)&p->key, &zero);
+    if (jc) {
+        jc->media_packets += 1;
+        if (late)
+            jc->late_packets += 1;
+    }
+    return late ? MEDIA_LATE : MEDIA_ON_TIME;
 }
 
 /* ---- entry points -------------------------------------------------------- */
-
-/* A flow whose class is final and that is not media needs nothing per packet
- * but its counters: HTTP/1.x (every request is parsed), RTP and audio/video
- * (jitter) and TCP flows still waiting for payload do. */
-static __always_inline int settled(const struct flow_info *fi)
-{
-    switch (fi->proto) {
-    case SPANLET_PROTO_HTTP2:
-    case SPANLET_PROTO_WEBSOCKET:
-    case SPANLET_PROTO_TCP:
-    case SPANLET_PROTO_UDP:
-        return fi->modality != SPANLET_MOD_AUDIO && fi->modality != SPANLET_MOD_VIDEO;
-    default:
-        return 0;
-    }
-}
 
 /* The flow's info, made on its first payload packet (a TCP handshake needs
  * none: its packets are counted and wait for the class in user space). */
@@ -490,29 +629,40 @@ static __always_inline int handle(struct __sk_buff *skb, int dir)
     if (parse(skb, &p) < 0)
         return TC_PASS;
     struct flow_counters zero = {};
-    struct flow_counters *c = spanlet_network_bytes_total.lookup_or_try_init(&p.key, &zero);
+    struct flow_counters *c = tc_flow_counters.lookup_or_try_init(&p.key, &zero);
     if (c) {
         c->packets[dir] += 1;
         c->bytes[dir] += skb->len;
-        if (c->settled)
+        c->last_ns = bpf_ktime_get_coarse_ns();
+        if (c->settled == CLS_FINAL || (c->settled == CLS_LAST && p.payload_len == 0)) {
+            class_add(c->cls, dir, 1, skb->len);
             return TC_PASS;
+        }
     }
-    if (p.payload_len == 0)
+    struct flow_info *fi;
+    if (p.payload_len == 0) {
+        fi = flow_info.lookup(&p.key);
+        account(skb, &p, fi, dir, MEDIA_NONE, 0);
         return TC_PASS;
-    struct flow_info *fi = flow_lookup(skb, &p, dir);
-    if (!fi)
+    }
+    fi = flow_lookup(skb, &p, dir);
+    if (!fi) {
+        account(skb, &p, 0, dir, MEDIA_NONE, 0);
         return TC_PASS;
-    media_packet(skb, &p, fi, dir);
-    if (c && settled(fi))
-        c->settled = 1;
+    }
+    int was_pending = fi->proto == SPANLET_PROTO_UNKNOWN;
+    int media = media_packet(skb, &p, fi, dir);
     if (fi->proto == SPANLET_PROTO_HTTP1) {
         struct http_request *r = http_request_bytes.lookup(&p.key);
         if (r)
             __sync_fetch_and_add(&r->bytes[dir], skb->len);
     }
-    /* Last: a request packet ends in a tail call that does not come back. */
+    /* A request packet ends in a tail call that does not come back: the
+     * request parser accounts for it. */
     if (p.key.l4proto == IPPROTO_TCP)
-        tcp_payload(skb, &p, fi, dir);
+        tcp_payload(skb, &p, fi, dir, media, was_pending);
+    account(skb, &p, fi, dir, media, was_pending);
+    cache_class(c, fi);
     return TC_PASS;
 }
 

@@ -63,9 +63,40 @@
 struct flow_counters {
     __u64 packets[2];   /* by SPANLET_DIR_* */
     __u64 bytes[2];     /* skb->len: what TC sees, Ethernet header included */
-    /* This CPU found the flow settled (see settled()): it skips flow_info. */
-    __u64 settled;
+    /* CLS_*: what this CPU knows of the flow's class `cls` (the slot of the
+     * class totals): settled (see settled()), every packet skips flow_info;
+     * or the class at its last payload packet, for packets without payload. */
+    __u32 settled;
+    __u32 cls;
+    __u64 last_ns;      /* bpf_ktime_get_coarse_ns() of this CPU's last packet (idle flows) */
 };
+
+/* Class totals (metrics 3 and 4): one slot per (protocol, modality), index
+ * class_of(). A packet is added to its flow's class when it is counted, so
+ * a flow that leaves the per-flow maps (idle, LRU eviction) takes nothing
+ * from them. */
+#define TC_MOD_N 5         /* SPANLET_MOD_OTHER .. SPANLET_MOD_VIDEO */
+#define TC_PROTO_N 8       /* SPANLET_PROTO_*, 3 bits */
+#define TC_CLASSES (TC_PROTO_N * TC_MOD_N)
+
+struct class_traffic {
+    __u64 packets[2];   /* by SPANLET_DIR_* */
+    __u64 bytes[2];
+};
+
+/* Packets of a TCP flow counted before its class is known (the handshake),
+ * added to the class the flow ends up with when its first payload packet
+ * classifies it, to tcp when a FIN or RST ends it first, and by the agent to
+ * tcp once older than its pending grace. */
+struct pending_traffic {
+    __u64 packets[2];
+    __u64 bytes[2];
+    __u64 first_ns;     /* bpf_ktime_get_ns() of the first packet */
+};
+
+#define CLS_NONE 0
+#define CLS_LAST 1
+#define CLS_FINAL 2
 
 struct jitter_counters {
     __u64 media_packets;
@@ -88,6 +119,11 @@ struct flow_info {
     __u8 _pad[5];
 };
 
+/* What media_packet() made of a packet (added to the class totals with it). */
+#define MEDIA_NONE 0
+#define MEDIA_ON_TIME 1
+#define MEDIA_LATE 2
+
 struct rtp_pt_info {
     __u32 clock_hz;   /* 0: not a configured payload type */
     __u8 modality;
@@ -100,7 +136,8 @@ struct pkt {
     __u32 payload_off;    /* from the start of the frame */
     __u32 payload_len;
     __u8 swapped;         /* the packet travels from key.daddr to key.saddr */
-    __u8 _pad[7];
+    __u8 tcp_end;         /* a TCP packet with FIN or RST */
+    __u8 _pad[6];
 };
 
 /* Per-CPU scratch: the request packet handed to tc_classify_req (tail call),
@@ -116,6 +153,8 @@ struct tc_scratch {
     __u32 upgrade_at;
     __u32 scan_len;          /* valid bytes in buf */
     __u32 lines;             /* header lines found (line_at) */
+    __u32 media;             /* media_packet() of the packet: MEDIA_* */
+    __u32 was_pending;       /* the flow had no class before the packet */
     __u32 line_at[TC_MAX_LINES];
     __u8 buf[SPANLET_TC_SCAN_BYTES + TC_SCAN_SLACK];
 };

@@ -21,7 +21,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            body, status, ctype = generate_latest(self.server.registry), 200, CONTENT_TYPE_LATEST
+            reg = self.server.registry
+            body = reg.text() if hasattr(reg, "text") else generate_latest(reg)
+            status, ctype = 200, CONTENT_TYPE_LATEST
         elif path == "/v1/hints" and self.server.hints is not None:
             body = (json.dumps(self.server.hints(), indent=1) + "\n").encode()
             status, ctype = 200, "application/json"

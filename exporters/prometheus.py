@@ -1,19 +1,25 @@
 """Prometheus exposition of the metric engine (agent/metrics): the collector
-that renders its Families at scrape time (served by exporters/http.py)."""
+that renders its Families at scrape time (served by exporters/http.py), and
+the text of /metrics written straight from the Families: the same bytes
+prometheus_client's generate_latest makes of the collector, without a
+prometheus_client object per series and sample (most of a scrape's time
+with 100 pods of histograms)."""
 
 from __future__ import annotations
 
 import logging
+from itertools import accumulate
 from typing import Iterable
 
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
+from prometheus_client.openmetrics.exposition import escape_label_name, escape_metric_name
 from prometheus_client.utils import floatToGoString
 
 from spanlet.metrics import Family, HistogramSample, catalogue
 
 log = logging.getLogger(__name__)
-
 
 
 def _metric_family(type_: str, name: str, help_: str, label_names: list[str]) -> Metric:
@@ -60,3 +66,110 @@ class SpanletCollector:
     def collect(self) -> Iterable[Metric]:
         for fam in self.engine.families():
             yield _render(fam, self.node)
+
+
+# ---- the text format, written directly ----------------------------------------------
+
+_NAMES: dict[str, str] = {}
+
+
+def _label_name(k: str) -> str:
+    out = _NAMES.get(k)
+    if out is None:
+        out = _NAMES[k] = escape_label_name(k)
+    return out
+
+
+def _label_value(v: str) -> str:
+    if "\\" in v or "\n" in v or '"' in v:
+        return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+    return v
+
+
+def _pairs(pairs) -> str:
+    return ",".join(f'{_label_name(k)}="{_label_value(v)}"' for k, v in pairs)
+
+
+def _num(v) -> str:
+    """floatToGoString(v), without its float formatting for the small integers
+    that most samples and bucket counts are."""
+    if type(v) is int and -1_000_000 < v < 1_000_000:
+        return f"{v}.0"
+    return floatToGoString(v)
+
+
+_BOUNDS: dict[tuple[float, ...], list[str]] = {}
+
+
+def _bounds(bounds: tuple[float, ...]) -> list[str]:
+    out = _BOUNDS.get(bounds)
+    if out is None:
+        out = [floatToGoString(b) for b in bounds] + ["+Inf"]
+        if len(_BOUNDS) < 64:
+            _BOUNDS[bounds] = out
+    return out
+
+
+def _text_of(fam: Family, node: str, out: list[str]) -> None:
+    """One Family as generate_latest writes it after _render(): labels sorted
+    by name (node and le among them), counters named with _total."""
+    base = fam.name.removesuffix("_total") if fam.type == "counter" else fam.name
+    name = escape_metric_name(base + "_total" if fam.type == "counter" else base)
+    doc = fam.help.replace("\\", r"\\").replace("\n", r"\n")
+    out.append(f"# HELP {name} {doc}\n# TYPE {name} {fam.type}\n")
+    names = ["node"] + [k for k, _ in (fam.samples[0].labels if fam.samples else ())]
+    for s in fam.samples:
+        pairs = sorted(dict(zip(names, [node] + [v for _, v in s.labels])).items())
+        if not isinstance(s, HistogramSample):
+            out.append(f"{name}{{{_pairs(pairs)}}} {_num(s.value)}\n")
+            continue
+        below = _pairs(p for p in pairs if p[0] < "le")
+        above = _pairs(p for p in pairs if p[0] > "le")
+        head = f"{name}_bucket{{{below}{',' if below else ''}le=\""
+        tail = f"\"{',' if above else ''}{above}}} "
+        counts = list(accumulate(s.bucket_counts[:len(s.bounds)])) + [s.count]
+        if all(type(n) is int for n in counts) and 0 <= min(counts) and max(counts) < 1_000_000:
+            out.extend([f"{head}{le}{tail}{n}.0\n" for le, n in zip(_bounds(s.bounds), counts)])
+        else:
+            out.extend([f"{head}{le}{tail}{_num(n)}\n" for le, n in zip(_bounds(s.bounds), counts)])
+        if not s.bounds or s.bounds[0] >= 0:
+            labelled = _pairs(pairs)
+            out.append(f"{name}_count{{{labelled}}} {_num(s.count)}\n"
+                       f"{name}_sum{{{labelled}}} {_num(s.sum)}\n")
+
+
+def render_text(families: Iterable[Family], node: str) -> bytes:
+    """The Prometheus text format (0.0.4) of engine Families, `node` on every series."""
+    out: list[str] = []
+    for fam in families:
+        _text_of(fam, node, out)
+    return "".join(out).encode("utf-8")
+
+
+class SpanletRegistry(CollectorRegistry):
+    """A CollectorRegistry whose text() writes the SpanletCollectors' families
+    directly (render_text) when they are all it holds; generate_latest otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._spanlet: list[SpanletCollector] = []
+        self._others = 0
+
+    def register(self, collector) -> None:
+        super().register(collector)
+        if isinstance(collector, SpanletCollector):
+            self._spanlet.append(collector)
+        else:
+            self._others += 1
+
+    def unregister(self, collector) -> None:
+        super().unregister(collector)
+        if collector in self._spanlet:
+            self._spanlet.remove(collector)
+        else:
+            self._others -= 1
+
+    def text(self) -> bytes:
+        if self._others:
+            return generate_latest(self)
+        return b"".join(render_text(c.engine.families(), c.node) for c in self._spanlet)

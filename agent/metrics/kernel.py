@@ -15,6 +15,9 @@ SYNC_WAIT_BOUNDS_S = tuple((2 ** i) / 1e6 for i in range(0, 27, 2))
 # kernel bucket i (waits below 2^i µs) → index of the first exported bound above it
 _FOLD = [next((j for j, b in enumerate(SYNC_WAIT_BOUNDS_S) if (2 ** i) / 1e6 <= b),
               len(SYNC_WAIT_BOUNDS_S)) for i in range(64)]
+# exported bucket j ← the kernel buckets _SLICES[j] (_FOLD never goes down)
+_SLICES = [slice(_FOLD.index(j), len(_FOLD) - _FOLD[::-1].index(j)) if j in _FOLD else slice(0, 0)
+           for j in range(len(SYNC_WAIT_BOUNDS_S) + 1)]
 
 Workload = Callable[[int], dict[str, str]]   # cgroup id → namespace, pod, container labels
 
@@ -48,10 +51,7 @@ def spanlet_gpu_sync_wait_seconds(gpu, workload: Workload) -> Family:
         lab = labels(**workload(cgroup), modality=modality.name, api=api.name)
         count, total_ns = stats.get(key, (0, 0))
         # fold the log2 buckets into the exported ones
-        per = [0] * (len(SYNC_WAIT_BOUNDS_S) + 1)
-        for i, n in enumerate(kernel_buckets):
-            if n:
-                per[_FOLD[i]] += n
+        per = [sum(kernel_buckets[sl]) for sl in _SLICES]
         prev = acc.get(lab)
         if prev is not None:
             per = [a + b for a, b in zip(prev[0], per)]

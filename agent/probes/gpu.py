@@ -6,22 +6,29 @@ launch, graph launch and sync wait maps."""
 
 from __future__ import annotations
 
+import ctypes as C
 import errno
 import logging
+import operator
 import os
 import re
+import struct
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from spanlet import events
 from spanlet.config import Config
 from spanlet.discovery import LibraryFinder, MappedLibrary
 from spanlet.probes import uprobe_multi
 from spanlet.probes.base import EventSink, Probe
+from spanlet.probes.maps import read_batches
 
 log = logging.getLogger(__name__)
 
 # Must match SPANLET_GPU_WAIT_BUCKETS in gpu_launch.bpf.c: bucket i < 2^i us.
 WAIT_BUCKETS = 32
+# struct gpu_count_key: cgroup id, modality, api
+COUNT_KEY = struct.Struct("=QBB6x")
 
 
 @dataclass(frozen=True)
@@ -507,13 +514,28 @@ class GpuProbe(Probe):
         (api graph). Launches recorded during a stream capture are not here."""
         return self._per_cpu_counts(b"spanlet_gpu_kernel_launches_total")
 
+    def _per_cpu_rows(self, name: bytes) -> Iterator[tuple[CountKey, list[int]]]:
+        """(key, the value's u64 fields summed over the CPUs) of a per-CPU
+        hash keyed by gpu_count_key, read in batches and unpacked whole (a
+        scrape with 100 pods reads these maps: no ctypes object per field)."""
+        table = self.bpf[name]
+        fields = C.sizeof(table.sLeaf) // 8
+        keys, values = read_batches(table)
+        n = len(keys) // COUNT_KEY.size
+        ncpu = len(values) // (n * fields * 8) if n else 0
+        rows = struct.iter_unpack(f"={fields}Q", values)
+        for cgroup, modality, api in COUNT_KEY.iter_unpack(keys):
+            acc = list(next(rows))
+            for _ in range(ncpu - 1):
+                acc = list(map(operator.add, acc, next(rows)))
+            yield (cgroup, _modality(modality), events.Api(api)), acc
+
     def _per_cpu_counts(self, name: bytes) -> dict[CountKey, int]:
         out: dict[CountKey, int] = {}
         if self.bpf is None:
             return out
-        for k, per_cpu in self.bpf[name].items():
-            key = (k.cgroup_id, _modality(k.modality), events.Api(k.api))
-            out[key] = out.get(key, 0) + sum(int(v) for v in per_cpu)
+        for key, (n,) in self._per_cpu_rows(name):
+            out[key] = out.get(key, 0) + n
         return out
 
     def graph_launches(self) -> dict[CountKey, int]:
@@ -540,12 +562,10 @@ class GpuProbe(Probe):
         out: dict[CountKey, tuple[int, int, list[int]]] = {}
         if self.bpf is None:
             return out
-        for k, per_cpu in self.bpf[b"spanlet_gpu_sync_wait_seconds"].items():
-            key = (k.cgroup_id, _modality(k.modality), events.Api(k.api))
-            count, total, buckets = out.get(key, (0, 0, [0] * WAIT_BUCKETS))
-            for v in per_cpu:
-                count += v.count
-                total += v.sum_ns
-                buckets = [b + int(x) for b, x in zip(buckets, v.bucket)]
+        for key, (count, total, *buckets) in self._per_cpu_rows(b"spanlet_gpu_sync_wait_seconds"):
+            prev = out.get(key)
+            if prev is not None:
+                count, total = count + prev[0], total + prev[1]
+                buckets = [a + b for a, b in zip(buckets, prev[2])]
             out[key] = (count, total, buckets)
         return out

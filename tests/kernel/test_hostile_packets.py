@@ -429,7 +429,7 @@ def expected_late(frames, sent) -> tuple[int, list[int]]:
 def jitter_of(probe: TcProbe) -> dict[int, tuple[int, int]]:
     """{server port: (media, late)} straight from the kernel's per-flow map."""
     out = {}
-    for key, leaf in dump_table(probe.bpf["spanlet_jitter_sensitivity_score"]).items():
+    for key, leaf in dump_table(probe.bpf["tc_flow_jitter"]).items():
         k = events.FlowKey.from_buffer_copy(key)
         port = k.dport if k.addresses()[0] == CLIENT_IP else k.sport
         out[port] = (sum(c.media_packets for c in leaf), sum(c.late_packets for c in leaf))

@@ -20,7 +20,8 @@ import pytest
 from spanlet import config, events
 from spanlet.probes.tc.attach import FILTER_NAME
 from spanlet.probes.tc.probe import Method, TcProbe, path_hash
-from tc_harness import CLIENT_IP, SERVER_IP, Env, TcpPair
+from tc_harness import (CLIENT_IP, SERVER_IP, Env, TcpPair, converge_by_port, delta, server_port,
+                        tally_by_port)
 from netns import Capture, Namespace, eth, ipv4, ipv6, socket_in, tcp, udp, veth_pair
 
 pytestmark = pytest.mark.kernel
@@ -217,40 +218,12 @@ def drive_udp(env: Env) -> None:
 
 # ---- the independent count -----------------------------------------------------------
 
-def server_port(frame) -> int:
-    return frame.sport if frame.egress else frame.dport
-
-
 def tally(frames) -> dict[tuple[str, str, str], tuple[int, int]]:
-    out: dict[tuple[str, str, str], list[int]] = {}
-    for f in frames:
-        proto, mod = PORT_CLASS.get(server_port(f), (f"unexpected port {server_port(f)}", "?"))
-        t = out.setdefault((f.direction, proto, mod), [0, 0])
-        t[0] += 1
-        t[1] += f.length
-    return {k: (v[0], v[1]) for k, v in out.items()}
-
-
-def delta(now: dict, before: dict) -> dict:
-    out = {}
-    for k, (p, b) in now.items():
-        p0, b0 = before.get(k, (0, 0))
-        if (p - p0, b - b0) != (0, 0):
-            out[k] = (p - p0, b - b0)
-    return out
+    return tally_by_port(frames, PORT_CLASS)
 
 
 def converge(env: Env, cap: Capture, before: dict, timeout: float = 5.0):
-    """The last ACKs of a close travel after the test's own handshake ends:
-    read until the probe and the capture agree or the deadline passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        cap.drain()
-        expected = tally(cap.frames)
-        got = delta(env.probe.totals(), before)
-        if got == expected or time.monotonic() > deadline:
-            return got, expected
-        time.sleep(0.02)
+    return converge_by_port(env.probe, cap, before, PORT_CLASS, timeout)
 
 
 # ---- tests ---------------------------------------------------------------------------

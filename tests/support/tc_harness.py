@@ -1,13 +1,14 @@
 """What the TC classifier's kernel tests share: the addresses of the test's
-namespace pair, the probe with the events it received, and a connected TCP
-pair across the namespaces."""
+namespace pair, the probe with the events it received, a connected TCP pair
+across the namespaces, and the capture's count of the same traffic by class."""
 
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass, field
 
-from netns import Namespace, socket_in
+from netns import Capture, Namespace, socket_in
 from spanlet import events
 from spanlet.probes.tc.probe import TcProbe
 
@@ -71,3 +72,44 @@ class TcpPair:
         self.server.close()
         assert self.client.recv(1) == b""
         self.client.close()
+
+
+# ---- the independent count: the capture's frames by server port --------------------
+
+def server_port(frame) -> int:
+    return frame.sport if frame.egress else frame.dport
+
+
+def tally_by_port(frames, classes: dict[int, tuple[str, str]]) -> dict[tuple[str, str, str], tuple[int, int]]:
+    """{(direction, protocol, modality): (frames, bytes)} of captured frames,
+    by what the test knows each server port carries."""
+    out: dict[tuple[str, str, str], list[int]] = {}
+    for f in frames:
+        proto, mod = classes.get(server_port(f), (f"unexpected port {server_port(f)}", "?"))
+        t = out.setdefault((f.direction, proto, mod), [0, 0])
+        t[0] += 1
+        t[1] += f.length
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def delta(now: dict, before: dict) -> dict:
+    out = {}
+    for k, (p, b) in now.items():
+        p0, b0 = before.get(k, (0, 0))
+        if (p - p0, b - b0) != (0, 0):
+            out[k] = (p - p0, b - b0)
+    return out
+
+
+def converge_by_port(probe: TcProbe, cap: Capture, before: dict, classes: dict[int, tuple[str, str]],
+                     timeout: float = 5.0):
+    """The last ACKs of a close travel after the test's own handshake ends:
+    read until the probe and the capture agree or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        cap.drain()
+        expected = tally_by_port(cap.frames, classes)
+        got = delta(probe.totals(), before)
+        if got == expected or time.monotonic() > deadline:
+            return got, expected
+        time.sleep(0.02)

@@ -1,11 +1,16 @@
 """The Prometheus collector on fake sources: names, labels, values, histogram
-buckets, and a failing source that never fails the scrape."""
+buckets, a failing source that never fails the scrape, and the text of
+/metrics written directly: the bytes generate_latest makes of the collector."""
 
+import math
 
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from spanlet import events
+from spanlet.exporters.prometheus import SpanletCollector, SpanletRegistry
+from spanlet.metrics import Family, HistogramSample, Sample, labels
 from spanlet.probes.tc.flows import JitterStats
-from collector_fakes import FakeProbe, registry, sources
+from collector_fakes import FakeProbe, engine, every_source, registry, sources
 
 M = events.Modality
 A = events.Api
@@ -87,3 +92,65 @@ def test_no_nvml_means_no_device_metrics():
     reg = registry(sources([]))
     assert reg.get_sample_value("spanlet_nvml_available", {"node": "n1"}) == 0
     assert reg.get_sample_value("spanlet_gpu_utilization_ratio", {"node": "n1", "gpu": "x"}) is None
+
+
+# ---- the text of /metrics, written directly ---------------------------------------
+
+class FixedEngine:
+    """An engine whose families are given (the collector and render_text read the same)."""
+
+    def __init__(self, families):
+        self._families = families
+
+    def families(self):
+        return list(self._families)
+
+
+def both_texts(eng, node="n1") -> tuple[bytes, bytes]:
+    """(what SpanletRegistry.text() serves, what generate_latest makes of the collector)."""
+    fast, slow = SpanletRegistry(), CollectorRegistry()
+    fast.register(SpanletCollector(eng, node))
+    slow.register(SpanletCollector(eng, node))
+    return fast.text(), generate_latest(slow)
+
+
+def test_the_direct_text_is_generate_latest_byte_for_byte_on_every_source():
+    eng = FixedEngine(engine(every_source()).families())
+    fast, slow = both_texts(eng)
+    assert fast == slow
+    assert fast.count(b"\n") > 100
+
+
+def test_the_direct_text_escapes_formats_and_orders_as_generate_latest():
+    lab = labels(pod='a"b\\c\nd', api="driver", zone="z")
+    fams = [
+        Family("spanlet_x_total", "counter", 'help with \\ and\nnewline', samples=[
+            Sample(lab, 1_234_567_890), Sample(labels(pod="p", api="a", zone=""), 0)]),
+        Family("spanlet_g", "gauge", "g", samples=[
+            Sample(labels(gpu="0"), 0.1), Sample(labels(gpu="1"), math.inf),
+            Sample(labels(gpu="2"), -math.inf), Sample(labels(gpu="3"), math.nan),
+            Sample(labels(gpu="4"), 1e-9), Sample(labels(gpu="5"), 12345678.5)]),
+        Family("spanlet_empty", "gauge", "nothing yet"),
+        Family("spanlet_h_seconds", "histogram", "h", samples=[
+            HistogramSample(lab, (1e-6, 0.004, 2.0, 67.108864), (1, 0, 2, 3, 4), 12.5, 10),
+            HistogramSample(labels(aa="1", zz="2"), (0.5,), (0, 0), 0.0, 0),
+            HistogramSample(labels(aa="2"), (0.5, 1.0), (999_999, 1, 5), 7e5, 1_000_005)]),
+        Family("spanlet_h2", "histogram", "no bounds", samples=[
+            HistogramSample(labels(x="1"), (), (3,), 1.5, 3)]),
+    ]
+    fast, slow = both_texts(FixedEngine(fams), node='node "7"')
+    assert fast == slow
+    assert b'pod="a\\"b\\\\c\\nd"' in fast and b"1.23456789e+09" in fast
+    assert b" 1.000005e+06\n" in fast and b" 999999.0\n" in fast   # both int paths
+
+
+def test_a_registry_holding_another_collector_falls_back_to_generate_latest():
+    reg = SpanletRegistry()
+    reg.register(SpanletCollector(FixedEngine([Family("spanlet_g", "gauge", "g", samples=[
+        Sample(labels(gpu="0"), 1)])]), "n1"))
+    other = Gauge("other_gauge", "another library's", registry=reg)
+    other.set(3)
+    assert reg.text() == generate_latest(reg)
+    assert b"other_gauge 3.0" in reg.text()
+    reg.unregister(other)
+    assert b"other_gauge" not in reg.text()

@@ -1,5 +1,5 @@
 """Pure-Python parts of the TC classifier's loader: config → map contents and
--D flags, path hashing, interface choice, per-flow → monotonic totals, JSS
+-D flags, path hashing, interface choice, class slots → labelled totals, idle flows, JSS
 windows, and the C/Python constants that must agree. No root, no BCC."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from spanlet import config, events
 from spanlet.probes.base import BPF_DIR, expand_source
 from spanlet.probes.tc import attach as tcattach
 from spanlet.probes.tc.attach import Link, select_interfaces
-from spanlet.probes.tc.flows import FlowAggregator, FlowSample, JssWindow
+from spanlet.probes.tc.flows import (CLASSES, MOD_N, PROTO_N, JssWindow, class_jitter, class_name,
+                                     class_traffic, idle_flows)
 from spanlet.probes.tc.probe import (Method, TcProbe, Uncounted, fnv1a_32, late_threshold_ns,
                                      path_hash, payload_type_entries, port_map_entries)
 
@@ -105,89 +106,37 @@ def test_configured_interfaces_report_the_missing_and_unusable():
     assert problems == ["eth9: no such interface", "wg0: not an Ethernet interface"]
 
 
-# ---- aggregation -----------------------------------------------------------------
+# ---- class totals ----------------------------------------------------------------
 
-def sample(key=b"k1", proto=P.http1, mod=M.text, l4=TCP, pk=(0, 0), by=(0, 0), media=0, late=0):
-    return FlowSample(key=key, l4proto=l4, proto=int(proto), modality=int(mod),
-                      packets=pk, bytes=by, media=media, late=late)
-
-
-def test_totals_sum_flows_per_direction_class_and_modality():
-    agg = FlowAggregator(idle_timeout_s=60)
-    agg.update(0, [sample(b"a", P.http1, M.image, pk=(3, 2), by=(300, 200)),
-                   sample(b"b", P.http1, M.image, pk=(1, 1), by=(100, 50)),
-                   sample(b"c", P.udp, M.other, l4=UDP, pk=(5, 0), by=(500, 0))])
-    assert agg.traffic == {("ingress", "http1", "image"): [4, 400],
-                           ("egress", "http1", "image"): [3, 250],
-                           ("ingress", "udp", "other"): [5, 500]}
+def slot(proto, mod) -> int:
+    return int(proto) * MOD_N + int(mod)
 
 
-def test_handshake_waits_for_the_class_the_flow_ends_up_with():
-    agg = FlowAggregator(idle_timeout_s=60, pending_grace_s=10)
-    agg.update(0, [sample(proto=P.unknown, pk=(2, 1), by=(120, 60))])  # SYN, SYN-ACK, ACK
-    assert agg.traffic == {}
-    agg.update(1, [sample(proto=P.websocket, mod=M.other, pk=(3, 1), by=(400, 60))])
-    assert agg.traffic == {("ingress", "websocket", "other"): [3, 400],
-                           ("egress", "websocket", "other"): [1, 60]}
+def test_class_slots_name_protocol_and_modality():
+    assert class_name(slot(P.http1, M.image)) == ("http1", "image")
+    assert class_name(slot(P.rtp, M.audio)) == ("rtp", "audio")
+    assert class_name(slot(P.udp, M.video)) == ("udp", "video")
+    assert [class_name(slot(P.tcp, m)) for m in M] == [("tcp", m.name) for m in M]
+    assert CLASSES == PROTO_N * MOD_N and len(P) <= PROTO_N and len(M) == MOD_N
 
 
-def test_a_flow_that_never_carries_payload_counts_as_tcp_after_the_grace():
-    agg = FlowAggregator(idle_timeout_s=60, pending_grace_s=10)
-    syn = sample(proto=P.unknown, mod=M.other, pk=(1, 0), by=(60, 0))
-    agg.update(0, [syn])
-    agg.update(9, [syn])
-    assert agg.traffic == {}
-    agg.update(10, [syn])
-    assert agg.traffic == {("ingress", "tcp", "other"): [1, 60]}
+def test_class_traffic_is_per_direction_and_leaves_out_empty_slots():
+    rows = [(slot(P.http1, M.image), (3, 2), (300, 200)), (slot(P.udp, M.other), (5, 0), (500, 0)),
+            (slot(P.tcp, M.text), (0, 0), (0, 0))]
+    assert class_traffic(rows) == {("ingress", "http1", "image"): (3, 300),
+                                   ("egress", "http1", "image"): (2, 200),
+                                   ("ingress", "udp", "other"): (5, 500)}
 
 
-def test_an_evicted_flow_keeps_what_was_counted_and_pending_ones_fall_back():
-    agg = FlowAggregator(idle_timeout_s=60)
-    agg.update(0, [sample(b"a", P.http2, pk=(5, 5), by=(500, 500)),
-                   sample(b"u", P.unknown, l4=UDP, pk=(1, 0), by=(70, 0))])
-    agg.update(1, [])  # both evicted from the LRU maps
-    assert agg.traffic == {("ingress", "http2", "text"): [5, 500],
-                           ("egress", "http2", "text"): [5, 500],
-                           ("ingress", "udp", "text"): [1, 70]}
-    assert len(agg) == 0
+def test_class_jitter_keeps_slots_with_media():
+    rows = [(slot(P.rtp, M.audio), 100, 10), (slot(P.tcp, M.video), 0, 0)]
+    assert class_jitter(rows) == {("rtp", "audio"): (100, 10)}
 
 
-def test_counters_never_go_down_when_a_flow_is_recreated_between_reads():
-    agg = FlowAggregator(idle_timeout_s=60)
-    agg.update(0, [sample(pk=(10, 0), by=(1000, 0))])
-    agg.update(1, [sample(pk=(2, 0), by=(200, 0))])  # evicted, then new packets
-    assert agg.traffic[("ingress", "http1", "text")] == [12, 1200]
-    agg.update(2, [sample(pk=(3, 0), by=(300, 0))])
-    assert agg.traffic[("ingress", "http1", "text")] == [13, 1300]
-
-
-def test_a_change_of_modality_moves_only_later_packets():
-    agg = FlowAggregator(idle_timeout_s=60)
-    agg.update(0, [sample(mod=M.other, pk=(2, 0), by=(200, 0))])
-    agg.update(1, [sample(mod=M.audio, pk=(5, 0), by=(500, 0))])
-    assert agg.traffic == {("ingress", "http1", "other"): [2, 200],
-                           ("ingress", "http1", "audio"): [3, 300]}
-
-
-def test_idle_flows_are_returned_for_deletion_and_keep_their_counts():
-    agg = FlowAggregator(idle_timeout_s=30)
-    assert agg.update(0, [sample(b"a", pk=(1, 0), by=(10, 0)), sample(b"b", pk=(1, 0), by=(10, 0))]) == []
-    assert agg.update(20, [sample(b"a", pk=(1, 0), by=(10, 0)), sample(b"b", pk=(2, 0), by=(20, 0))]) == []
-    idle = agg.update(30, [sample(b"a", pk=(1, 0), by=(10, 0)), sample(b"b", pk=(2, 0), by=(20, 0))])
-    assert idle == [b"a"]
-    agg.forget(idle)
-    assert len(agg) == 1
-    assert agg.traffic[("ingress", "http1", "text")] == [3, 30]
-    # A new flow with the same key later starts from zero without double counting.
-    agg.update(40, [sample(b"a", pk=(1, 0), by=(10, 0)), sample(b"b", pk=(2, 0), by=(20, 0))])
-    assert agg.traffic[("ingress", "http1", "text")] == [4, 40]
-
-
-def test_jitter_counts_follow_the_flow_class_and_modality():
-    agg = FlowAggregator(idle_timeout_s=60)
-    agg.update(0, [sample(b"r", P.rtp, M.audio, l4=UDP, pk=(50, 0), by=(5000, 0), media=50, late=5)])
-    agg.update(1, [sample(b"r", P.rtp, M.audio, l4=UDP, pk=(100, 0), by=(10000, 0), media=100, late=10)])
-    assert agg.jitter == {("rtp", "audio"): [100, 10]}
+def test_idle_flows_go_by_the_latest_cpu():
+    counters = [(b"a", (100, 900)), (b"b", (100, 200)), (b"c", (0, 0))]
+    assert idle_flows(counters, now_ns=1000, idle_ns=800) == [b"b", b"c"]
+    assert idle_flows(counters, now_ns=1000, idle_ns=2000) == []
 
 
 # ---- JSS window -------------------------------------------------------------------
@@ -228,6 +177,11 @@ def _c_defines(prefix: str) -> dict[str, int]:
 
 def test_method_numbers_match_the_c():
     assert _c_defines("METHOD_") == {m.name: int(m) for m in Method if m.name != "unknown"}
+
+
+def test_class_slots_match_the_c():
+    c = _c_defines("TC_")
+    assert (c["MOD_N"], c["PROTO_N"]) == (MOD_N, PROTO_N)
 
 
 def test_uncounted_reasons_match_the_c():

@@ -1,52 +1,21 @@
-"""Per-flow counters of the TC classifier → cumulative totals per (direction,
-protocol, modality) that never go down, and the Jitter Sensitivity Score over
-a window of those totals."""
+"""The TC classifier's class totals (kept by the kernel per protocol and
+modality) as labelled totals, the flows idle long enough to leave the per-flow
+maps, and the Jitter Sensitivity Score over a window of the totals."""
 
 from __future__ import annotations
 
 import socket
 from collections import deque
-from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
 from spanlet import events
 
 # The kernel's per-direction arrays are indexed in this order (SPANLET_DIR_*).
 DIRECTIONS = ("ingress", "egress")
-# Flows whose TCP payload has not been seen yet are held back from the totals
-# (so that their handshake counts under the class they end up with) until
-# classified, idle, gone, or this old.
+# The packets of a TCP flow that has carried no payload are held back from the
+# totals (so that its handshake counts under the class it ends up with) until
+# the flow is classified, ends (FIN, RST), or is this old: then they are tcp.
 PENDING_GRACE_S = 10.0
-
-
-@dataclass
-class FlowSample:
-    """One flow as read from the maps."""
-    key: bytes
-    l4proto: int
-    proto: int          # events.Proto; 0 while a TCP flow has carried no payload
-    modality: int
-    packets: tuple[int, int]   # by direction
-    bytes: tuple[int, int]
-    media: int = 0
-    late: int = 0
-
-    def values(self) -> tuple[int, ...]:
-        return (*self.packets, *self.bytes, self.media, self.late)
-
-
-_ZERO = (0, 0, 0, 0, 0, 0)
-
-
-@dataclass
-class _FlowState:
-    first_seen: float
-    last_change: float
-    attributed: tuple[int, ...] = _ZERO
-    seen: tuple[int, ...] = _ZERO
-    proto: int = 0
-    modality: int = 0
-    l4proto: int = 0
 
 
 def _proto_name(proto: int, l4proto: int) -> str:
@@ -59,69 +28,41 @@ def _modality_name(m: int) -> str:
     return events.Modality(m).name if m < len(events.Modality) else "other"
 
 
-class FlowAggregator:
-    """Per-flow kernel counters → cumulative totals that never go down.
+# The kernel's class totals: slot proto * MOD_N + modality (bpf/tc_classify.h:
+# class_of(), TC_MOD_N, TC_PROTO_N).
+MOD_N = 5
+PROTO_N = 8
+CLASSES = PROTO_N * MOD_N
 
-    Each read adds what a flow gained since the previous read to the class and
-    modality the flow has at that read; a flow that vanished (evicted) or was
-    re-created (its counters went down) keeps what was already counted."""
 
-    def __init__(self, idle_timeout_s: float, pending_grace_s: float = PENDING_GRACE_S):
-        self.idle_timeout_s = idle_timeout_s
-        self.pending_grace_s = pending_grace_s
-        self._flows: dict[bytes, _FlowState] = {}
-        self.traffic: dict[tuple[str, str, str], list[int]] = {}
-        self.jitter: dict[tuple[str, str], list[int]] = {}
+def class_name(index: int) -> tuple[str, str]:
+    """(protocol, modality) of a class slot; the kernel never fills proto 0."""
+    proto, mod = divmod(index, MOD_N)
+    return (events.Proto(proto).name if 0 < proto < len(events.Proto) else "tcp"), _modality_name(mod)
 
-    def _attribute(self, st: _FlowState) -> None:
-        delta = [s - a for s, a in zip(st.seen, st.attributed)]
-        st.attributed = st.seen
-        if not any(delta):
-            return
-        proto, mod = _proto_name(st.proto, st.l4proto), _modality_name(st.modality)
+
+def class_traffic(rows: Iterable[tuple[int, tuple[int, int], tuple[int, int]]]
+                  ) -> dict[tuple[str, str, str], tuple[int, int]]:
+    """{(direction, protocol, modality): (packets, bytes)} of the class slots
+    (index, packets by direction, bytes by direction) that saw traffic."""
+    out = {}
+    for index, packets, nbytes in rows:
+        proto, mod = class_name(index)
         for d, direction in enumerate(DIRECTIONS):
-            if delta[d] or delta[2 + d]:
-                t = self.traffic.setdefault((direction, proto, mod), [0, 0])
-                t[0] += delta[d]
-                t[1] += delta[2 + d]
-        if delta[4] or delta[5]:
-            j = self.jitter.setdefault((proto, mod), [0, 0])
-            j[0] += delta[4]
-            j[1] += delta[5]
+            if packets[d] or nbytes[d]:
+                out[(direction, proto, mod)] = (packets[d], nbytes[d])
+    return out
 
-    def update(self, now: float, samples: Iterable[FlowSample]) -> list[bytes]:
-        """Fold one read of the maps in; return the keys idle for idle_timeout_s
-        (delete them from the maps, then call forget())."""
-        present = set()
-        for s in samples:
-            present.add(s.key)
-            vals = s.values()
-            st = self._flows.get(s.key)
-            if st is None:
-                st = self._flows[s.key] = _FlowState(first_seen=now, last_change=now)
-            elif any(v < o for v, o in zip(vals, st.seen)):
-                # Evicted and re-created between two reads: close the old one.
-                self._attribute(st)
-                st.attributed = st.seen = _ZERO
-                st.first_seen = now
-            if vals != st.seen:
-                st.last_change = now
-            st.seen, st.proto, st.modality, st.l4proto = vals, s.proto, s.modality, s.l4proto
-            if st.proto or now - st.first_seen >= self.pending_grace_s:
-                self._attribute(st)
-        for key in [k for k in self._flows if k not in present]:
-            self._attribute(self._flows.pop(key))
-        return [k for k, st in self._flows.items() if now - st.last_change >= self.idle_timeout_s]
 
-    def forget(self, keys: Iterable[bytes]) -> None:
-        """The flows were deleted from the maps: count what they still held."""
-        for key in keys:
-            st = self._flows.pop(key, None)
-            if st is not None:
-                self._attribute(st)
+def class_jitter(rows: Iterable[tuple[int, int, int]]) -> dict[tuple[str, str], tuple[int, int]]:
+    """{(protocol, modality): (media, late)} of the class slots (index, media, late) with media."""
+    return {class_name(i): (media, late) for i, media, late in rows if media or late}
 
-    def __len__(self) -> int:
-        return len(self._flows)
+
+def idle_flows(counters: Iterable[tuple[bytes, tuple[int, ...]]], now_ns: int,
+               idle_ns: int) -> list[bytes]:
+    """Keys whose last packet (the latest of the per-CPU last_ns) is idle_ns old."""
+    return [key for key, last in counters if now_ns - max(last) >= idle_ns]
 
 
 class JitterStats(NamedTuple):

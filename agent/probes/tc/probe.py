@@ -1,7 +1,8 @@
 """Loader of bpf/tc_classify.bpf.c: attaches the TC classifier to clsact ingress
 and egress of the node's interfaces (and of veths that appear later), pushes
-the config into its maps, and turns its per-flow maps into monotonic totals
-per (direction, protocol, modality) and Jitter Sensitivity Scores."""
+the config into its maps, and reads the totals the kernel keeps per (protocol,
+modality) as metrics 3 and 4: a scrape reads those few slots, never the
+per-flow maps (which serve inspection and the deletion of idle flows)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import time
 from spanlet import events
 from spanlet.config import Config, TcConfig
 from spanlet.probes.base import Probe, ProbeError
-from spanlet.probes.maps import dump_table
+from spanlet.probes.maps import dump_table, read_batches
 from spanlet.probes.tc.attach import (PROGRAMS, REQUEST_PARSER, Link, LinkMonitor, TcAttacher,
                                       _Attachment, _netlink_error_text, _prog_id, open_iproute,
                                       select_interfaces)
-from spanlet.probes.tc.flows import (DIRECTIONS, FlowAggregator, FlowSample, JitterStats,
-                                     JssWindow, _modality_name, _proto_name)
+from spanlet.probes.tc.flows import (CLASSES, DIRECTIONS, PENDING_GRACE_S, JitterStats,
+                                     JssWindow, _modality_name, _proto_name, class_jitter,
+                                     class_traffic, idle_flows)
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +122,6 @@ def _reversed(flow: events.FlowKey) -> events.FlowKey:
     return r
 
 
-KEY_L4PROTO_OFFSET = events.FlowKey.l4proto.offset
 KEY_PORTS_OFFSET = events.FlowKey.sport.offset
 
 
@@ -133,7 +134,9 @@ class TcProbe(Probe):
         super().__init__(cfg, sink=sink, clock=clock)
         self.netns = netns or cfg.tc.netns or None
         tc = cfg.tc
-        self._agg = FlowAggregator(idle_timeout_s=tc.flow_idle_timeout_s)
+        self._traffic: dict[tuple[str, str, str], tuple[int, int]] = {}
+        # Old pending TCP flows the agent took out of tc_pending (tcp, by port modality).
+        self._swept: dict[tuple[str, str, str], list[int]] = {}
         self._jss = JssWindow(horizon_s=max(900.0, 2 * tc.jss_window_s))
         self._read_lock = threading.Lock()
         self._attach_lock = threading.Lock()
@@ -143,9 +146,10 @@ class TcProbe(Probe):
         self._monitor = LinkMonitor(self.netns, self.reconcile)
         self.prog_ids: dict[str, int] = {}
         self._port_modality = port_map_entries(tc)
-        # refresh() folds the maps in this often (scrapes read them anyway).
+        # refresh() records the JSS history and looks for idle flows this often.
         self._read_every_s = min(5.0, tc.flow_idle_timeout_s / 4)
         self._last_read = 0.0
+        self._last_sweep = 0.0
 
     # -- compile-time switches -----------------------------------------------------
     def cflags(self) -> list[str]:
@@ -282,30 +286,44 @@ class TcProbe(Probe):
             self.reconcile()
         if time.monotonic() - self._last_read >= self._read_every_s:
             self._read()
+        if time.monotonic() - self._last_sweep >= self._read_every_s:
+            self._last_sweep = time.monotonic()
+            self._sweep_idle()
+            self._sweep_pending()
 
     # -- reading ---------------------------------------------------------------------
-    def _samples(self) -> list[FlowSample]:
-        counters = dump_table(self.bpf["spanlet_network_bytes_total"])
-        info = dump_table(self.bpf["flow_info"])
-        jitter = dump_table(self.bpf["spanlet_jitter_sensitivity_score"])
-        out = []
-        for key, leaf in counters.items():
-            packets, nbytes = _counter_sums(leaf)
-            fi = info.get(key)
-            jl = jitter.get(key)
-            media = late = 0
-            if jl is not None:
-                for cpu in jl:
-                    media += cpu.media_packets
-                    late += cpu.late_packets
-            if fi is not None:
-                proto, modality = fi.proto, fi.modality
-            else:  # no payload yet: the kernel made no flow_info
-                proto, modality = 0, self._port_modality_of(key)
-            out.append(FlowSample(key=key, l4proto=key[KEY_L4PROTO_OFFSET], proto=proto,
-                                  modality=modality, packets=packets, bytes=nbytes,
-                                  media=media, late=late))
-        return out
+    def _class_rows(self, name: str) -> list[tuple[int, list[int]]]:
+        """(slot, its u64 fields summed over the CPUs) of a class map, read in
+        one batch."""
+        table = self.bpf[name]
+        fields = C.sizeof(table.sLeaf) // 8
+        keys, values = read_batches(table, chunk=CLASSES)
+        n = len(keys) // 4
+        ncpu = len(values) // (n * fields * 8) if n else 0
+        sums = [[0] * fields for _ in range(n)]
+        for i, row in enumerate(struct.iter_unpack(f"={fields}Q", values)):
+            acc = sums[i // ncpu]
+            for f in range(fields):
+                acc[f] += row[f]
+        return list(zip(struct.unpack(f"={n}I", keys), sums))
+
+    def _read(self) -> None:
+        """Read the class totals (two maps of CLASSES slots); a read younger
+        than MIN_READ_GAP_S is fresh enough (a scrape asks for totals and
+        jitter one after the other)."""
+        with self._read_lock:
+            if self.bpf is None or time.monotonic() - self._last_read < MIN_READ_GAP_S:
+                return
+            now = self._last_read = time.monotonic()
+            traffic = class_traffic((index, (v[0], v[1]), (v[2], v[3]))
+                                    for index, v in self._class_rows("spanlet_network_bytes_total"))
+            for key, (p, b) in self._swept.items():
+                p0, b0 = traffic.get(key, (0, 0))
+                traffic[key] = (p0 + p, b0 + b)
+            self._traffic = traffic
+            jitter = class_jitter((index, v[0], v[1])
+                                  for index, v in self._class_rows("spanlet_jitter_sensitivity_score"))
+            self._jss.record(now, jitter)
 
     def _port_modality_of(self, key: bytes) -> int:
         """The port map applied as the kernel does (source port first)."""
@@ -313,35 +331,56 @@ class TcProbe(Probe):
         ports = self._port_modality
         return ports.get(sport, ports.get(dport, 0))
 
-    def _read(self) -> None:
-        """Fold the maps into the totals; a read younger than MIN_READ_GAP_S
-        is fresh enough (a scrape asks for totals and jitter one after the
-        other: one pass over the maps serves both)."""
-        with self._read_lock:
-            if self.bpf is None or time.monotonic() - self._last_read < MIN_READ_GAP_S:
-                return
-            now = self._last_read = time.monotonic()
-            idle = self._agg.update(now, self._samples())
-            if idle:
-                self._delete_flows(idle)
-                self._agg.forget(idle)
-            self._jss.record(now, self._agg.jitter)
-
-    def _delete_flows(self, keys: list[bytes]) -> None:
-        for name in ("spanlet_network_bytes_total", "flow_info", "spanlet_jitter_sensitivity_score"):
-            table = self.bpf[name]
-            for key in keys:
+    def _sweep_idle(self) -> None:
+        """Delete the flows idle for tc.flow_idle_timeout_s from the per-flow
+        maps (their packets stay in the class totals)."""
+        table = self.bpf["tc_flow_counters"]
+        keys, values = read_batches(table)
+        k_size, cpu_size = C.sizeof(table.Key), C.sizeof(table.sLeaf)
+        ncpu = C.sizeof(table.Leaf) // cpu_size
+        last_at = table.sLeaf.last_ns.offset
+        last = [v for (v,) in struct.iter_unpack(f"={last_at}xQ{cpu_size - last_at - 8}x", values)]
+        counters = zip((keys[i:i + k_size] for i in range(0, len(keys), k_size)),
+                       zip(*(last[c::ncpu] for c in range(ncpu))))
+        idle = idle_flows(counters, time.monotonic_ns(),
+                          int(self.cfg.tc.flow_idle_timeout_s * 1e9))
+        for name in ("tc_flow_counters", "flow_info", "tc_flow_jitter"):
+            t = self.bpf[name]
+            for key in idle:
                 try:
-                    del table[table.Key.from_buffer_copy(key)]
+                    del t[t.Key.from_buffer_copy(key)]
                 except KeyError:
                     pass
+
+    def _sweep_pending(self) -> None:
+        """TCP flows pending longer than PENDING_GRACE_S (no payload, no FIN
+        or RST: a SYN left unanswered, say) count as tcp: the entry is taken
+        out of tc_pending, and counted only if this deletion is the one that
+        removed it (the kernel adds it to a class the same way)."""
+        table = self.bpf["tc_pending"]
+        now = time.monotonic_ns()
+        old = [(k, v) for k, v in dump_table(table).items()
+               if now - v.first_ns >= PENDING_GRACE_S * 1e9]
+        for key, v in old:
+            try:
+                del table[table.Key.from_buffer_copy(key)]
+            except KeyError:
+                continue  # classified meanwhile: the kernel counted it
+            mod = _modality_name(self._port_modality_of(key))
+            with self._read_lock:
+                for d, direction in enumerate(DIRECTIONS):
+                    if v.packets[d] or v.bytes[d]:
+                        t = self._swept.setdefault((direction, "tcp", mod), [0, 0])
+                        t[0] += v.packets[d]
+                        t[1] += v.bytes[d]
+                self._last_read = 0.0  # the next totals() shows them
 
     def totals(self) -> dict[tuple[str, str, str], tuple[int, int]]:
         """{(direction, protocol, modality): (packets, bytes)}, cumulative since
         start; read at scrape time (metric 3, spanlet_network_bytes_total)."""
         self._read()
         with self._read_lock:
-            return {k: (v[0], v[1]) for k, v in self._agg.traffic.items()}
+            return dict(self._traffic)
 
     def jitter(self, window_s: float | None = None) -> dict[tuple[str, str], JitterStats]:
         """{(protocol, modality): JitterStats} for media flows (metric 4): cumulative
@@ -389,7 +428,7 @@ class TcProbe(Probe):
         if self.bpf is None:
             return []
         info = dump_table(self.bpf["flow_info"])
-        counters = dump_table(self.bpf["spanlet_network_bytes_total"])
+        counters = dump_table(self.bpf["tc_flow_counters"])
         out = []
         for key, leaf in counters.items():
             k = events.FlowKey.from_buffer_copy(key)
