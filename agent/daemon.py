@@ -21,7 +21,7 @@ from spanlet.pipeline.spans import SpanPath
 from spanlet.pipeline.store import StorePath
 from spanlet.scheduler import Scheduler, WindowInputs
 from spanlet.nvml import NvmlPoller
-from spanlet.probes.base import Probe, ProbeStatus, release_compiler_memory
+from spanlet.probes.base import Probe, ProbeStatus, release_startup_memory
 
 from spanlet.exporters.otlp.metric_exporter import OtlpMetricsExporter
 from spanlet.exporters.http import AgentHttpServer
@@ -171,12 +171,12 @@ class Daemon:
             statuses.append(probe.start(pin_dir=owner.shared_pin_dir()))
             self.probes.append(probe)
         log.info("probes compiled and attached in %.2f s", time.monotonic() - t0)
-        released = release_compiler_memory()
-        log.info("compiler memory released: %.0f MB of LLVM/clang mappings paged out, heap trimmed",
-                 released / 2**20)
         if self.store is not None:
             self.store.start()
         self.spans.start()
+        released = release_startup_memory()
+        log.info("start-up memory given back: %.0f MB of LLVM/clang/chdb mappings paged out, heap trimmed",
+                 released / 2**20)
         for st in statuses:
             if st.attached:
                 extra = f" ({len(st.failed_attachments)} failed: " \

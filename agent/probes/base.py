@@ -192,20 +192,24 @@ class Probe:
             self.status.attached = False
 
 
-# -- what compiling leaves resident ---------------------------------------------
+# -- what the start leaves resident --------------------------------------------
 # BCC compiles with the LLVM and clang libraries it links: ~80 MB of their code
 # is paged in by the compiles at start and stays counted in the agent's RSS,
-# as does the heap the compiles freed. Neither is needed again unless a probe
-# is compiled again (then it is paged back in from disk).
-COMPILER_LIBRARIES = re.compile(r"/lib(?:LLVM|clang-cpp|clang)[^/]*\.so[^/]*$")
+# as does the heap the compiles freed; the embedded store's engine library
+# (chdb, ~170 MB of pages touched by its start and schema checks) likewise.
+# The compilers are not needed again unless a probe is compiled again, and of
+# the engine only the code its inserts and queries run: what is paged out is
+# read back from disk if used.
+STARTUP_LIBRARIES = re.compile(r"/(?:lib(?:LLVM|clang-cpp|clang)[^/]*\.so[^/]*|_chdb[^/]*\.so)$")
 MADV_PAGEOUT = 21          # uapi/asm-generic/mman-common.h, Linux 5.4
 
 
-def release_compiler_memory(maps_path: str = "/proc/self/maps") -> int:
+def release_startup_memory(maps_path: str = "/proc/self/maps") -> int:
     """Return the freed heap to the kernel (malloc_trim) and page out the
-    compiler libraries' file pages (MADV_PAGEOUT: clean pages, dropped, read
-    back if used). Returns the bytes of mappings paged out; 0 where the
-    kernel or libc cannot (nothing else changes)."""
+    STARTUP_LIBRARIES' file pages (MADV_PAGEOUT: clean pages are dropped,
+    read back if used; the kernel leaves those another process maps too).
+    Returns the bytes of mappings advised; 0 where the kernel or libc cannot
+    (nothing else changes)."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -223,7 +227,7 @@ def release_compiler_memory(maps_path: str = "/proc/self/maps") -> int:
         return 0
     for line in lines:
         fields = line.split(maxsplit=5)
-        if len(fields) < 6 or not COMPILER_LIBRARIES.search(fields[5].strip()):
+        if len(fields) < 6 or not STARTUP_LIBRARIES.search(fields[5].strip()):
             continue
         start, end = (int(x, 16) for x in fields[0].split("-"))
         if madvise(start, end - start, MADV_PAGEOUT) == 0:

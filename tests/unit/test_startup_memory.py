@@ -1,5 +1,5 @@
 """What compiling leaves resident is given back after the start
-(probes.base.release_compiler_memory): the compiler libraries' file pages
+(probes.base.release_startup_memory): the compiler libraries' file pages
 paged out, the freed heap trimmed. Shown in a child process on a library
 file only it maps, read in full first."""
 
@@ -11,7 +11,7 @@ import textwrap
 
 CHILD = textwrap.dedent("""
     import mmap, os, sys
-    from spanlet.probes.base import release_compiler_memory
+    from spanlet.probes.base import release_startup_memory
 
     def rss_kb(name):
         total, cur = 0, None
@@ -27,7 +27,7 @@ CHILD = textwrap.dedent("""
         m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
     sum(m[i] for i in range(0, len(m), 4096))          # every page read: resident
     before = rss_kb(os.path.basename(path))
-    released = release_compiler_memory()
+    released = release_startup_memory()
     after = rss_kb(os.path.basename(path))
     print(before, after, released)
 """)

@@ -1,0 +1,89 @@
+"""The agent's resident memory idle with its defaults, store off and store on,
+side by side in one run: VmRSS, its anonymous and file-backed parts, and the
+mappings that hold most of it. After its start the agent gives back what
+compiling left resident (probes.base.release_compiler_memory): the kernel
+pages out LLVM's and clang's file pages only where no other process maps
+them, so the bench says how many other processes map them now.
+
+    sudo .venv/bin/python bench/rss_bench.py [--settle 8] [--set KEY=VALUE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
+
+from common import Agent, agent_bench_args  # noqa: E402
+from processes import free_port  # noqa: E402
+from soak import rss_mb  # noqa: E402
+
+GOALS = {"store off": 150, "store on": 300}
+
+
+def biggest(pid: int, n: int = 5) -> list[tuple[str, float]]:
+    """The mappings (by file name, or [heap]/[anon]) with the most resident MB."""
+    per: collections.Counter = collections.Counter()
+    name = "[anon]"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            parts = line.split(maxsplit=5)
+            name = os.path.basename(parts[5]) if len(parts) > 5 else "[anon]"
+        elif line.startswith("Rss:"):
+            per[name] += int(line.split()[1]) / 1024
+    return per.most_common(n)
+
+
+def others_mapping_llvm() -> int:
+    me = os.getpid()
+    n = 0
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            if int(maps.split("/")[2]) != me and "libLLVM" in Path(maps).read_text():
+                n += 1
+        except (OSError, ValueError):
+            continue
+    return n
+
+
+def measure(store: bool, settle_s: float, extra: list[str]) -> tuple[dict, list]:
+    with tempfile.TemporaryDirectory(prefix="spanlet-rss-bench-") as tmp:
+        agent = Agent(["tc.enabled=false", f"store.enabled={str(store).lower()}", f"data_dir={tmp}/data",
+                       f"admin_socket={tmp}/admin.sock", f"otlp.grpc_port={free_port()}",
+                       f"otlp.http_port={free_port()}", f"http_port={free_port()}",
+                       "http_address=127.0.0.1", *extra])
+        try:
+            if not agent.wait_running():
+                raise SystemExit("the agent did not start:\n" + "".join(agent.tail))
+            time.sleep(settle_s)
+            return rss_mb(agent.proc.pid), biggest(agent.proc.pid)
+        finally:
+            agent.proc.terminate()
+            agent.proc.wait(30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--settle", type=float, default=8.0, help="seconds idle before reading")
+    a = agent_bench_args(ap, "the bench")
+    print(f"agent RSS idle, defaults (TC off), {a.settle:g} s after it runs; "
+          f"other processes mapping LLVM now: {others_mapping_llvm()}")
+    print(f"  {'':12}{'RSS MB':>8}{'anon':>8}{'file':>8}   goal    biggest mappings (MB)")
+    for label, store in (("store off", False), ("store on", True)):
+        m, top = measure(store, a.settle, a.agent_set)
+        print(f"  {label:12}{m['rss']:>8.0f}{m['anon']:>8.0f}{m['file']:>8.0f}   <= {GOALS[label]:<4} "
+              + ", ".join(f"{n} {v:.0f}" for n, v in top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
