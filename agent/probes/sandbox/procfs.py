@@ -35,22 +35,34 @@ def _fd_target(link: str) -> str | None:
 Inodes = dict[tuple[int, int], tuple[int, int]]
 
 
-def fd_pool(link: str, policy: Policy, by_inode: Inodes | None = None) -> tuple[int, int] | None:
-    """(pool id, max bytes) of the file an fd link (/proc/<pid>/fd/<n>) leads
-    to: by its inode when `by_inode` knows it (a hard link or symlink reaches
-    a pool under any name), else by the path the kernel shows for it."""
+def link_pool(link: str, policy: Policy, by_inode: Inodes | None = None
+              ) -> tuple[bool, os.stat_result | None, tuple[int, int] | None]:
+    """(whether the link is there, stat of its file or None, (pool id, max
+    bytes) or None) of what a /proc link (/proc/<pid>/fd/<n>,
+    /proc/<pid>/map_files/<range>) leads to: by its inode when `by_inode`
+    knows it (a hard link or symlink reaches a pool under any name), else by
+    the path the kernel shows for it."""
     target = _fd_target(link)
-    if not target or not target.startswith("/"):
-        return None
+    if not target:
+        return False, None, None
+    try:
+        st = os.stat(link)
+    except OSError:
+        st = None
+    if not target.startswith("/"):
+        return True, st, None                     # a socket, pipe, anon inode...
     if by_inode:
-        try:
-            st = os.stat(link)
-        except OSError:
-            return None
+        if st is None:
+            return False, None, None
         ref = by_inode.get((st.st_dev, st.st_ino))
         if ref is not None:
-            return ref
-    return policy.lookup(target)
+            return True, st, ref
+    return True, st, policy.lookup(target)
+
+
+def fd_pool(link: str, policy: Policy, by_inode: Inodes | None = None) -> tuple[int, int] | None:
+    """(pool id, max bytes) of the file an fd link leads to (see link_pool)."""
+    return link_pool(link, policy, by_inode)[2]
 
 
 def scan_pool_fds(policy: Policy, proc: str = "/proc",
@@ -204,9 +216,11 @@ def pool_mappings(maps: bytes, by_inode: Inodes) -> list[PoolMapping]:
     return out
 
 
-def rule_of(access: int, prot: int, shared: bool, length: int, offset: int, max_bytes: int) -> int:
+def rule_of(access: int, prot: int, shared: bool, length: int, offset: int, max_bytes: int,
+            as_called: bool = False) -> int:
     """sandbox_rule() of the kernel side, for a mapping as /proc shows it
-    (its length rounded up to pages, so is the limit)."""
+    (its length rounded up to pages, so is the limit), or as_called: for
+    the length and offset the mmap call asked for (exactly the kernel's)."""
     if access == 0:
         return events.Rule.unauthorized
     if access == ACCESS["ro"] and prot & PROT_WRITE and shared:
@@ -214,7 +228,7 @@ def rule_of(access: int, prot: int, shared: bool, length: int, offset: int, max_
     if prot & PROT_EXEC:
         return events.Rule.exec
     if max_bytes:
-        page = os.sysconf("SC_PAGE_SIZE")
+        page = 1 if as_called else os.sysconf("SC_PAGE_SIZE")
         limit = -(-max_bytes // page) * page
         if length > limit or offset > limit - length:
             return events.Rule.oversize
