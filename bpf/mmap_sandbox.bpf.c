@@ -150,6 +150,14 @@ static __always_inline int sandbox_slot_busy(__u64 pid_tgid)
     return slot && *slot;
 }
 
+/* 0x80 in each byte of w that is c, 0 elsewhere (exact, no borrow between bytes). */
+static __always_inline __u64 sandbox_bytes_eq(__u64 w, __u64 c)
+{
+    const __u64 low7 = 0x7f7f7f7f7f7f7f7fULL;
+    __u64 x = w ^ (c * 0x0101010101010101ULL);
+    return ~(((x & low7) + low7) | x | low7);
+}
+
 /* The early return of an open: can this path be under a prefix? Only if its
  * first SANDBOX_HEAD_LEN bytes start like one, or hold a "//" or "/." that
  * normalising may remove (then they are not what the normalised path starts
@@ -158,16 +166,14 @@ static __always_inline int sandbox_head_may_match(const char *filename)
 {
     __u64 w[3] = {};
     long n = bpf_probe_read_user_str(w, SANDBOX_HEAD_LEN + 1, filename);
-    if (n <= 1)
+    if (n <= 1 || (w[0] & 0xff) != '/')
         return 0;
-    const char *c = (const char *)w;
-    if (c[0] != '/')
-        return 0;
-#pragma unroll
-    for (int i = 0; i < SANDBOX_HEAD_LEN - 1; i++) {
-        if (c[i] == '/' && (c[i + 1] == '/' || c[i + 1] == '.'))
-            return 1;
-    }
+    /* a '/' followed by '/' or '.', within the 16 bytes (little endian: the
+     * next byte is the next 8 bits up) */
+    __u64 s0 = sandbox_bytes_eq(w[0], '/'), s1 = sandbox_bytes_eq(w[1], '/');
+    __u64 f0 = s0 | sandbox_bytes_eq(w[0], '.'), f1 = s1 | sandbox_bytes_eq(w[1], '.');
+    if (((s0 << 8) & f0) | ((s1 << 8) & f1) | ((s0 >> 56) & f1))
+        return 1;
     int zero = 0;
     struct sandbox_heads *h = sandbox_heads.lookup(&zero);
     if (!h)

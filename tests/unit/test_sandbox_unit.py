@@ -392,3 +392,33 @@ def test_prefix_heads_let_only_paths_that_may_be_under_a_prefix_through():
     for p in through + stopped:
         if pol.lookup(p) is not None:
             assert _head_match(heads, p), p
+
+
+def _bytes_eq(w: int, c: int) -> int:
+    """sandbox_bytes_eq() of the kernel side, on 64-bit words."""
+    low7, full = 0x7F7F7F7F7F7F7F7F, (1 << 64) - 1
+    x = w ^ (c * 0x0101010101010101)
+    return ~(((x & low7) + low7) | x | low7) & full
+
+
+def _has_pair_words(raw: bytes) -> bool:
+    """The word-wise "'/' then '/' or '.'" test of sandbox_head_may_match()."""
+    raw = raw.ljust(16, b"\0")
+    w0, w1 = int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
+    full = (1 << 64) - 1
+    s0, s1 = _bytes_eq(w0, ord("/")), _bytes_eq(w1, ord("/"))
+    f0, f1 = s0 | _bytes_eq(w0, ord(".")), s1 | _bytes_eq(w1, ord("."))
+    return bool((((s0 << 8) & full) & f0) | (((s1 << 8) & full) & f1) | ((s0 >> 56) & f1))
+
+
+def test_word_wise_pair_test_is_the_byte_loop():
+    import random
+    rnd = random.Random(20)
+    cases = [b"/dev/sh//x", b"/dev/sh/.x", b"/abcdef/", b"/abcdef/x", b"/abcdefg/.", b"x" * 15 + b"/",
+             b"/./", b"//", b"/", b"/a.b/c.d/e", b"/\xff/\x80.", b"/\x2e\x2f\xaf"]
+    cases += [bytes(rnd.choice(b"/.a\xaf\x2e\x00") for _ in range(16)) for _ in range(5000)]
+    for raw in cases:
+        raw = raw[:16]
+        raw = raw.split(b"\0", 1)[0]
+        loop = any(raw[i] == ord("/") and raw[i + 1] in b"/." for i in range(len(raw) - 1))
+        assert _has_pair_words(raw) == loop, raw

@@ -358,7 +358,8 @@ class SandboxProbe(Probe):
 
     def _forget_gone(self) -> None:
         """Drop what is kept for processes that ended (cost: the processes
-        that mapped a pool)."""
+        that mapped a pool; what the last full sweep kept of the others goes
+        at the next one)."""
         table = self.bpf["sandbox_pool_procs"]
         for k in list(table.keys()):
             if not os.path.exists(f"{self.proc}/{k.value}"):
@@ -367,7 +368,8 @@ class SandboxProbe(Probe):
                 except KeyError:
                     pass
         self._reported = {r for r in self._reported if os.path.exists(f"{self.proc}/{r[0]}")}
-        for pid in [p for p in self._proc_maps if not os.path.exists(f"{self.proc}/{p}")]:
+        for pid in [p for p, seen in self._proc_maps.items()
+                    if seen.pools and not os.path.exists(f"{self.proc}/{p}")]:
             del self._proc_maps[pid]
 
     def _adopt_fds(self) -> None:
@@ -536,7 +538,7 @@ class SandboxProbe(Probe):
                     if any(fd == stop for fd, _ in ready):
                         return
                 wait = NOTICE_ROUND_S - (time.monotonic() - last)
-                if wait > 0 and any(fd == stop for fd, _ in ep.poll(wait)):
+                if wait > 0 and select.select([stop], [], [], wait)[0]:   # not the ring: it stays ready
                     return
                 last = time.monotonic()
                 self.settle()
@@ -646,6 +648,7 @@ class SandboxProbe(Probe):
         self._proc_maps.pop(pid, None)
         seen = self._pool_maps_of(pid, time.monotonic())
         if seen is None or not seen.pools:
+            self._proc_maps.pop(pid, None)      # kept only for processes that map a pool
             return
         self._mark_pool_proc(pid)
         for key, (cgroup, rule) in self._breaking_of(pid, seen, self._judged_of(pid, seen.pools)).items():
