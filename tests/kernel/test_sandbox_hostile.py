@@ -355,56 +355,52 @@ def test_pool_mapping_inherited_across_fork(audit, pools, spawn, bystander, own_
 # -- names under the prefix that the path string judges wrong -----------------------
 def test_symlink_in_the_prefix_pointing_out_of_it(audit, pools, names, spawn, bystander,
                                                   own_cgroup_id):
-    """Until the sweep has seen the symlink, what is opened through it is a
-    file of the prefix without grants (the path string says so); the sweep
-    makes it an alias that leads to no pool: not tracked, not counted."""
+    """The agent watches the prefix's folder: a symlink made there that
+    points out of every pool becomes, at once, an alias that leads to no
+    pool (no periodic walk needed): what is opened through it is not tracked,
+    not counted. (Opened before the agent saw it, the path string would
+    judge it a file of the prefix without grants.)"""
     audit.grant(pools.config())
+    t0 = time.monotonic()
     evil = names.symlink(pools.dir / "evil", pools.outside)
+    detected("symlink in the prefix: alias", t0,
+             lambda: audit.probe.index.aliases == {str(evil): (NOT_A_POOL, 0)})
     steps = [{"op": "go"}, {"op": "open", "path": str(evil)},
              {"op": "map", "len": 4 * KIB, "keep": "m"}, {"op": "go"}]
-    early, late = spawn(steps), spawn(steps)
-    unlisted_id = audit.probe.policy.prefixes[pools.prefix][1]
+    child = spawn(steps)
     before = Counts(audit)
-    (opened, _) = early.go()
-    assert _rule_events(audit, early) == [("unauthorized", unlisted_id, opened["fd"])]
-    assert before.delta() == ({(own_cgroup_id, "unauthorized", "audit"): 1}, {}, 0)
-
+    (opened, mapped) = child.go()
+    assert mapped["ok"]
+    audit.probe.settle()
+    assert _rule_events(audit, child) == [] and not audit.pool_fd_known(child, opened["fd"])
     audit.probe.sweep()
-    assert audit.probe.index.aliases == {str(evil): (NOT_A_POOL, 0)}
-    assert not audit.pool_fd_known(early, opened["fd"])     # it names no pool: forgotten
-    (opened, _) = late.go()
-    assert _rule_events(audit, late) == [] and not audit.pool_fd_known(late, opened["fd"])
-    audit.probe.sweep()
-    assert before.delta() == ({(own_cgroup_id, "unauthorized", "audit"): 1}, {}, 0)
+    assert before.delta() == ({}, {}, 0)
     assert _rule_events(audit, bystander) == []
 
 
 @pytest.mark.parametrize("kind", ["symlink", "hard link"])
 def test_other_name_of_a_pool_in_the_prefix(kind, audit, pools, names, spawn, own_cgroup_id):
-    """Another name under the prefix for pool "rw": until the sweep, the call
-    judges it a file without grants (a process granted "rw" is reported);
-    after it, as "rw" itself (granted: nothing; not granted: "rw" by id)."""
+    """Another name under the prefix for pool "rw": the agent sees it made
+    and writes it as an alias of "rw" at once, so the call judges it as "rw"
+    itself (granted: nothing; not granted: "rw" by id)."""
     rw = pools.path("rw")
     steps = [{"op": "go"}, {"op": "open", "path": pools.path("alias"), "mode": "rw"},
              {"op": "map", "len": 4 * KIB, "prot": "rw"}]
-    early, granted, stranger = spawn(steps), spawn(steps), spawn(steps)
-    mine = [SandboxGrant(pids=[early.pid, granted.pid], access="rw")]
-    audit.grant(pools.config({"rw": mine}))
+    granted, stranger = spawn(steps), spawn(steps)
+    audit.grant(pools.config({"rw": [SandboxGrant(pids=[granted.pid], access="rw")]}))
+    rw_id = audit.pool_id(rw)
+    t0 = time.monotonic()
     (names.symlink if kind == "symlink" else names.hardlink)(pools.path("alias"), rw)
-    rw_id, unlisted_id = audit.pool_id(rw), audit.probe.policy.prefixes[pools.prefix][1]
+    detected(f"{kind} in the prefix: alias", t0,
+             lambda: audit.probe.index.aliases == {pools.path("alias"): (rw_id, 0)})
     before = Counts(audit)
-    (opened, mapped) = early.go()
-    assert mapped["ok"]
-    assert _rule_events(audit, early) == [("unauthorized", unlisted_id, opened["fd"])]
-
-    audit.probe.sweep()
-    assert audit.probe.index.aliases == {pools.path("alias"): (rw_id, 0)}
     for c in (granted, stranger):
         (opened, mapped) = c.go()
         assert mapped["ok"] and c.wait() == 0
+    audit.probe.settle()
     assert _rule_events(audit, granted) == []
     assert _rule_events(audit, stranger) == [("unauthorized", rw_id, opened["fd"])]
-    assert before.delta() == ({(own_cgroup_id, "unauthorized", "audit"): 2}, {}, 0)
+    assert before.delta() == ({(own_cgroup_id, "unauthorized", "audit"): 1}, {}, 0)
 
 
 # -- pools replaced while mapped ----------------------------------------------------------

@@ -47,14 +47,14 @@ from spanlet.probes.base import Probe, ProbeError
 from spanlet.probes.maps import dump_table, percpu_sum
 from spanlet.probes.node_check import TRACEFS
 from spanlet.probes.ringbuf import RingBufferReader
-from spanlet.probes.sandbox.policy import (GRANT_CGROUP, GRANT_PID, MAX_GRANTS, MAX_HEADS,
+from spanlet.probes.sandbox.policy import (GRANT_CGROUP, GRANT_PID, MAX_GRANTS, MAX_HEADS, PREFIX_FULL,
                                            MAX_JUDGED_MAPS, MAX_POOL_FDS, MAX_POOLS,
                                            MAX_PREFIX_ENTRIES, SLOTS, MapSync, Policy, PoolIds,
                                            _fd_key, _grant_key, _pool_key, _pool_ref,
                                            _prefix_key, _prefix_leaf, _u8, compile_policy,
                                            prefix_heads)
 from spanlet.probes.sandbox.procfs import (MAP_SHARED, MAP_SHARED_VALIDATE, MAP_TYPE,
-                                           WALK_LIMIT, PoolIndex, PoolMapping, _ProcMaps,
+                                           WALK_LIMIT, FolderWatch, PoolIndex, PoolMapping, _ProcMaps,
                                            _read_bytes, _stat_fields, index_pools, judged_cover,
                                            kill_if_same, link_pool, pool_mappings,
                                            process_cgroups, rule_of, scan_pool_fds,
@@ -154,6 +154,7 @@ class SandboxProbe(Probe):
         self._notice_stop: int | None = None      # eventfd that wakes the reader to stop
         self._heads: list = []
         self._lost_seen = 0
+        self._watch: FolderWatch | None = None    # the prefixes' folders (inotify)
         # What the agent did in /proc since start, by kind: the notices read,
         # the links it stat'ed for them (fd, mapping), the maps files it read
         # for them, and the full sweeps.
@@ -261,6 +262,10 @@ class SandboxProbe(Probe):
                 self.status.failed_attachments.append(f"tracepoint:{tp}: {e}")
                 raise ProbeError(f"cannot attach tracepoint {tp}: {e}") from None
         self._notices = RingBufferReader(self.bpf["sandbox_notices"].map_fd, NOTICE_PAGES * PAGE)
+        try:
+            self._watch = FolderWatch()
+        except OSError as e:   # then links under a prefix wait for the periodic walk
+            log.warning("mmap_sandbox: cannot watch the prefixes' folders: %s", e)
         self._sweep()  # also adopts the pool fds opened before the probe started
         if self.adopted_fds:
             log.info("mmap_sandbox: %d pool fds were open before start", self.adopted_fds)
@@ -354,6 +359,8 @@ class SandboxProbe(Probe):
         changed = index.by_inode.keys() != self.index.by_inode.keys()
         self.index = index
         self._push(self.policy)                 # the aliases
+        if self._watch is not None:
+            self._watch.follow(index.folders)
         return changed
 
     def _forget_gone(self) -> None:
@@ -531,6 +538,8 @@ class SandboxProbe(Probe):
         try:
             ep.register(self.bpf["sandbox_notices"].map_fd, select.EPOLLIN)
             ep.register(stop, select.EPOLLIN)
+            if self._watch is not None:
+                ep.register(self._watch.fd, select.EPOLLIN)
             last = 0.0
             while True:
                 if not ring.pending():
@@ -560,6 +569,9 @@ class SandboxProbe(Probe):
                 log.warning("mmap_sandbox: resolving notices failed: %s", e)
 
     def _round(self) -> None:
+        if self._watch is not None and self._watch.changed(
+                p for p, (kind, _, _) in self.policy.prefixes.items() if kind == PREFIX_FULL):
+            self._reindex()                     # before the notices: they may need its aliases
         got: list[tuple] = []
         self._notices.consume(lambda buf, off, size: got.append(NOTICE.unpack_from(buf, off)))
         unknown = {(k.tgid, k.fd): _int(v)
@@ -667,6 +679,9 @@ class SandboxProbe(Probe):
             if self._notices is not None:
                 self._notices.close()
                 self._notices = None
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
             super().stop()
             self._maps = {}
 

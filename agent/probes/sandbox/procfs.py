@@ -4,10 +4,12 @@ and how the call's rules judge them, and the process facts the sweep needs."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
 import stat
+import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -104,11 +106,13 @@ class PoolIndex:
     # prefix that the path string alone would judge wrong
     aliases: dict[str, tuple[int, int]] = field(default_factory=dict)
     truncated: bool = False                              # WALK_LIMIT was reached
+    folders: set[str] = field(default_factory=set)       # the folders walked ('/' at the end)
 
 
-def _under_prefix(prefix: str, limit: int) -> Iterator[tuple[str, os.DirEntry]]:
+def _under_prefix(prefix: str, limit: int, folders: set[str] | None = None
+                  ) -> Iterator[tuple[str, os.DirEntry]]:
     """Files, symlinks and the like whose path starts with `prefix` (symlinked
-    folders are not followed)."""
+    folders are not followed); the folders read are added to `folders`."""
     top = prefix[: prefix.rfind("/") + 1]
     stack, seen = [top], 0
     while stack:
@@ -117,6 +121,8 @@ def _under_prefix(prefix: str, limit: int) -> Iterator[tuple[str, os.DirEntry]]:
             it = os.scandir(folder)
         except OSError:
             continue
+        if folders is not None:
+            folders.add(folder)
         with it:
             for e in it:
                 seen += 1
@@ -152,7 +158,7 @@ def index_pools(policy: Policy, limit: int = WALK_LIMIT) -> PoolIndex:
         if kind != PREFIX_FULL:
             continue
         try:
-            for path, entry in _under_prefix(prefix, limit):
+            for path, entry in _under_prefix(prefix, limit, idx.folders):
                 if entry.is_symlink():
                     links.append(path)
                     continue
@@ -181,6 +187,64 @@ def index_pools(policy: Policy, limit: int = WALK_LIMIT) -> PoolIndex:
     for path in [p for p in idx.aliases if len(p.encode()) >= PATH_MAX or normalise_path(p) != p]:
         del idx.aliases[path]
     return idx
+
+
+# -- the prefixes' folders, watched ------------------------------------------------
+IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
+IN_ONLYDIR, IN_DONT_FOLLOW = 0x0100_0000, 0x0200_0000
+_WATCH_MASK = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_ONLYDIR | IN_DONT_FOLLOW
+_EVENT = struct.Struct("iIII")
+
+
+class FolderWatch:
+    """inotify on the prefixes' folders: names created, removed or moved
+    there (a symlink or hard link made under a prefix, a pool replaced), so
+    that the agent walks the prefixes again at once, not at its next
+    periodic walk. The watch follows the folders of the last walk."""
+
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        self._folders: dict[int, str] = {}            # watch descriptor → folder
+
+    def follow(self, folders: Iterable[str]) -> None:
+        """Watch these folders (those gone drop out by themselves)."""
+        watched = set(self._folders.values())
+        for folder in folders:
+            if folder in watched:
+                continue
+            wd = self._libc.inotify_add_watch(self.fd, folder.encode(), _WATCH_MASK)
+            if wd >= 0:
+                self._folders[wd] = folder
+
+    def changed(self, prefixes: Iterable[str]) -> bool:
+        """Read the pending events: whether any names a path under one of the
+        prefixes, or a folder on the way to one."""
+        prefixes = list(prefixes)
+        hit = False
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return hit
+            off = 0
+            while off + _EVENT.size <= len(buf):
+                wd, _, _, n = _EVENT.unpack_from(buf, off)
+                name = buf[off + _EVENT.size: off + _EVENT.size + n].split(b"\0", 1)[0]
+                off += _EVENT.size + n
+                folder = self._folders.get(wd)
+                if folder is None:
+                    continue
+                path = folder + name.decode(errors="replace")
+                if any(path.startswith(p) or p.startswith(path + "/") for p in prefixes):
+                    hit = True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 @dataclass(frozen=True)
