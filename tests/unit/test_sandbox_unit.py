@@ -422,3 +422,15 @@ def test_word_wise_pair_test_is_the_byte_loop():
         raw = raw.split(b"\0", 1)[0]
         loop = any(raw[i] == ord("/") and raw[i + 1] in b"/." for i in range(len(raw) - 1))
         assert _has_pair_words(raw) == loop, raw
+
+
+def test_index_knows_the_file_systems_pools_can_be_on(tmp_path):
+    made, later = tmp_path / "pools", tmp_path / "not_yet" / "deeper"
+    made.mkdir()
+    (made / "kv").write_bytes(b"x")
+    pol = _compile(_sb([], prefixes=(f"{made}/", f"{later}/")))
+    idx = procfs.index_pools(pol)
+    # the folder that exists, and the nearest existing one above the one not made yet
+    assert idx.devices == {os.stat(made).st_dev, os.stat(tmp_path).st_dev}
+    assert f"{made}/" in idx.folders and not any(f.startswith(str(later)) for f in idx.folders)
+    assert (os.stat(made / "kv").st_dev, os.stat(made / "kv").st_ino) in idx.by_inode

@@ -606,6 +606,12 @@ class SandboxProbe(Probe):
         again when a file that may be a hard link of a pool is not known
         (made since the last walk)."""
         self.work["links"] += 1
+        try:
+            st = os.stat(link)
+        except OSError:
+            st = None
+        if st is not None and st.st_dev not in self.index.devices:
+            return True, st, None               # on no pool's file system: nothing more to read
         there, st, ref = link_pool(link, self.policy, self.index.by_inode)
         if st is not None and ref is None and st.st_nlink > 1 and stat.S_ISREG(st.st_mode) and \
                 st.st_dev in {d for d, _ in self.index.by_inode}:
@@ -615,23 +621,24 @@ class SandboxProbe(Probe):
 
     def _resolve_mmap(self, tgid: int, fd: int, prot: int, addr: int, length: int, off: int,
                       flags: int) -> bool:
-        """One mmap of an fd the kernel did not know: its fd handed to the
-        kernel if it names a pool; the mapping judged as the call would have
-        judged it if it maps a pool. False when the mapping is not where the
-        call left it (merged with a neighbour, or gone): then that process's
-        maps are read."""
+        """One mmap of an fd the kernel did not know: the mapping judged as
+        the call would have judged it if it maps a pool, and then (or when
+        the mapping is not to be found) its fd handed to the kernel if it
+        names a pool. A mapping on no pool's file system costs one stat.
+        False when the mapping is not where the call left it (merged with a
+        neighbour, or gone): then that process's maps are read."""
+        end = addr + -(-length // PAGE) * PAGE
+        there, st, mapped = self._pool_of(f"{self.proc}/{tgid}/map_files/{addr:x}-{end:x}")
+        if there and mapped is None:
+            return True   # the fd named no pool then (if it does now, its next mmap is noticed)
         _, _, ref = self._pool_of(f"{self.proc}/{tgid}/fd/{fd}")
         if ref is not None:
             table = self._fds_table()
             key = _fd_key(table, (tgid, fd))
             if table.get(key) is None or (table[key].pool_id, table[key].max_bytes) != ref:
                 self._adopt((tgid, fd), ref, table.get(key))
-        end = addr + -(-length // PAGE) * PAGE
-        there, st, mapped = self._pool_of(f"{self.proc}/{tgid}/map_files/{addr:x}-{end:x}")
         if not there:
             return False
-        if mapped is None:
-            return True
         fields = _stat_fields(self.proc, tgid)
         if not fields or len(fields) < 21:
             return True                                       # gone

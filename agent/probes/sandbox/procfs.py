@@ -107,6 +107,9 @@ class PoolIndex:
     aliases: dict[str, tuple[int, int]] = field(default_factory=dict)
     truncated: bool = False                              # WALK_LIMIT was reached
     folders: set[str] = field(default_factory=set)       # the folders walked ('/' at the end)
+    # st_dev of every file system a pool can be on: its folder's, or the
+    # nearest existing folder above a prefix not made yet
+    devices: set[int] = field(default_factory=set)
 
 
 def _under_prefix(prefix: str, limit: int, folders: set[str] | None = None
@@ -140,12 +143,26 @@ def _under_prefix(prefix: str, limit: int, folders: set[str] | None = None
                     yield path, e
 
 
+def _device_of(folder: str) -> int:
+    """st_dev of a folder, or of the nearest one above it that exists."""
+    while True:
+        try:
+            return os.stat(folder).st_dev
+        except OSError:
+            if folder in ("/", ""):
+                return -1
+            folder = os.path.dirname(folder.rstrip("/")) or "/"
+
+
 def index_pools(policy: Policy, limit: int = WALK_LIMIT) -> PoolIndex:
     """Stat the configured pools and walk the prefixes: every regular file
     under a prefix by inode (a configured pool's, else its prefix's unlisted
     id), and as aliases the names that reach a pool under another name (hard
     links, symlinks) or lead out of every pool (symlinks)."""
     idx = PoolIndex()
+    for prefix, (kind, _, _) in policy.prefixes.items():
+        if kind == PREFIX_FULL:
+            idx.devices.add(_device_of(prefix[: prefix.rfind("/") + 1]))
     for path, ref in policy.pools.items():
         try:
             st = os.stat(path)
@@ -186,6 +203,7 @@ def index_pools(policy: Policy, limit: int = WALK_LIMIT) -> PoolIndex:
             idx.aliases[path] = ref
     for path in [p for p in idx.aliases if len(p.encode()) >= PATH_MAX or normalise_path(p) != p]:
         del idx.aliases[path]
+    idx.devices |= {d for d, _ in idx.by_inode}
     return idx
 
 
