@@ -60,7 +60,7 @@ def watch_proc(monkeypatch):
 
 def _refresh_due(probe) -> None:
     """refresh() with every periodic step due."""
-    probe._last_sweep = float("-inf")
+    probe._last_sweep = probe._last_walk = float("-inf")
     probe.refresh()
 
 
@@ -101,3 +101,26 @@ def test_an_unrelated_mmap_costs_that_fd_and_mapping_only(audit, pools, watch_pr
         assert fds == {f"/proc/{child.pid}/fd/{fd7}"}, sorted(seen)
     finally:
         child.end()
+
+
+def test_lost_notices_bring_a_full_sweep_bounded_in_time(audit, pools):
+    """Notices lost to a full ring: refresh() sweeps in full, then not again
+    before sandbox.sweep_interval_s, nor before ten times the last sweep's
+    duration."""
+    p = audit.probe
+    audit.grant(pools.config())
+    p._last_sweep = float("-inf")
+    p._lost_seen = p.lost_notices() - 1        # as if one notice had been lost
+    sweeps = p.work["sweeps"]
+    p.refresh()
+    assert p.work["sweeps"] == sweeps + 1 and p._lost_seen == p.lost_notices()
+    p._lost_seen -= 1
+    p.refresh()                                 # within sandbox.sweep_interval_s: not yet
+    assert p.work["sweeps"] == sweeps + 1
+    p._last_sweep -= p.cfg.sandbox.sweep_interval_s
+    p.sweep_seconds = p.cfg.sandbox.sweep_interval_s   # a sweep that took that long
+    p.refresh()                                 # due by the interval, not by 10 x its cost
+    assert p.work["sweeps"] == sweeps + 1
+    p._last_sweep -= 10 * p.sweep_seconds
+    p.refresh()
+    assert p.work["sweeps"] == sweeps + 2

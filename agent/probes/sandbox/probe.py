@@ -96,6 +96,9 @@ NOTICE_PAGES = 16
 # costs the agent a bounded share of a core, a single one waits no longer.
 NOTICE_ROUND_S = 0.01
 PAGE = mmap.PAGESIZE
+# After lost notices, full sweeps are this many times their own duration apart
+# at least (so they take at most a tenth of a core).
+FULL_SWEEP_SHARE = 10
 
 
 def tracepoint_exists(tp: str) -> bool:
@@ -142,7 +145,8 @@ class SandboxProbe(Probe):
         self.tracepoints: list[tuple[str, str]] = list(REQUIRED_TRACEPOINTS)
         # the sweep (see the module doc)
         self.index = PoolIndex()
-        self._last_sweep = float("-inf")
+        self._last_sweep = float("-inf")         # the last full sweep
+        self._last_walk = float("-inf")          # the last periodic walk of the prefixes
         self._proc_maps: dict[int, _ProcMaps] = {}
         self._reported: set[tuple] = set()       # sweep violations still mapped
         self._swept: dict[tuple[int, str, str], int] = {}
@@ -305,15 +309,20 @@ class SandboxProbe(Probe):
                     self._problems = policy.problems
                 self._push(policy)
                 self._sweep_fds()
-                due = time.monotonic() - self._last_sweep >= self.cfg.sandbox.sweep_interval_s
+                now = time.monotonic()
+                interval = self.cfg.sandbox.sweep_interval_s
                 lost = self.lost_notices()
-                if lost != self._lost_seen and due:
+                # a full sweep at most every sweep_interval_s, and never more
+                # than a tenth of the time: its cost per second stays bounded
+                if lost != self._lost_seen and now - self._last_sweep >= max(
+                        interval, FULL_SWEEP_SHARE * self.sweep_seconds):
                     log.warning("mmap_sandbox: %d notices lost (full ring): sweeping /proc",
                                 lost - self._lost_seen)
                     self._lost_seen = lost
                     self._sweep()
-                elif due:
-                    self._last_sweep = time.monotonic()
+                    self._last_walk = now
+                elif now - self._last_walk >= interval:
+                    self._last_walk = now
                     self._reindex()
                     self._forget_gone()
             except Exception as e:
