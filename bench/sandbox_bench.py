@@ -138,7 +138,7 @@ def main() -> int:
                 toggle(probe, attach=True)
                 with_.append(run_all(exe, cases))
             per_prog = program_ns(probe, exe, cases)
-            work = dict(probe.work)
+            work = dict(getattr(probe, "work", {}))
         finally:
             probe.stop()
     print(f"mmap sandbox cost to unrelated calls (median of {ROUNDS} alternating rounds x "
