@@ -151,8 +151,11 @@ class SandboxConfig(_Section):
     mode: Literal["audit", "enforce"] = "audit"
     prefixes: list[str] = ["/dev/shm/tensor_pool/"]
     pools: list[SandboxPool] = []
-    # The /proc sweep by inode: what the path match at open cannot see
-    # (links, relative paths, inherited or dup'd fds, mprotect), this late.
+    # What the path match at open cannot see (links, relative paths,
+    # inherited or dup'd fds, mprotect) is noticed as it happens; this is how
+    # often the prefixes' folders are walked again besides their inotify
+    # watch, and the least time between two full /proc sweeps after lost
+    # notices.
     sweep_interval_s: float = Field(default=5.0, gt=0, le=3600)
 
     @model_validator(mode="after")

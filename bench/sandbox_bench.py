@@ -138,6 +138,7 @@ def main() -> int:
                 toggle(probe, attach=True)
                 with_.append(run_all(exe, cases))
             per_prog = program_ns(probe, exe, cases)
+            work = dict(getattr(probe, "work", {}))
         finally:
             probe.stop()
     print(f"mmap sandbox cost to unrelated calls (median of {ROUNDS} alternating rounds x "
@@ -149,6 +150,7 @@ def main() -> int:
         b = statistics.median(r[i] for r in with_)
         added = statistics.median(w[i] - wo[i] for w, wo in zip(with_, without))
         print(f"{name:<24}{a:>12.0f}{b:>10.0f}{added:>10.0f}{b / a:>8.3f}")
+    print(f"the agent's work for those calls: {work}")
     if per_prog:
         print("time in each program per run (kernel BPF statistics, includes their own "
               "accounting):")

@@ -5,35 +5,48 @@
  *
  * Syscall tracepoints only (no kprobes/LSM on the target kernels), so the
  * sandbox sees what a process *asked* for, by path string and fd number.
- * Known limits here, each narrowed by the agent's periodic sweep
- * (agent/probes/sandbox/procfs.py), which works by inode from /proc:
- *  - a pool is recognised by the path string given to the open call. Paths
- *    are normalised for repeated '/' and '.' components only. Paths relative
- *    to a dirfd or the cwd and symlinks are not resolved here: the sweep
- *    writes the symlinks and hard links it finds under a prefix into
- *    sandbox_pools as aliases (pool id 0: leads to no pool), and adopts
- *    pool fds the open did not show. A path under a prefix with a '..'
+ * What the path string cannot judge is noticed when it happens and resolved
+ * by the agent from /proc at once (agent/probes/sandbox/probe.py), by inode:
+ *  - a pool is recognised at open by the path string. Paths are normalised
+ *    for repeated '/' and '.' components only. Paths relative to a dirfd or
+ *    the cwd and symlinks are not resolved here; the agent writes the
+ *    symlinks and hard links it finds under a prefix into sandbox_pools as
+ *    aliases (pool id 0: leads to no pool). A path under a prefix with a '..'
  *    component cannot be judged from its string: its fd is not tracked
- *    (counted in spanlet_sandbox_unresolved_opens_total) until the sweep
- *    adopts it;
- *  - fds that reach a process without an open call (fork inheritance, dup*,
- *    fcntl F_DUPFD, SCM_RIGHTS) are tracked only once the sweep adopts them;
- *    fds dropped without close(2) (close_range, exec closing O_CLOEXEC fds,
- *    dup2 over them, process exit) are forgotten by the sweep, not here;
- *  - only mmap(2) is checked at the call: mprotect(2) or mremap(2) on a pool
- *    mapping afterwards, and mappings of pools made through untracked fds,
- *    are judged by the sweep (from /proc/<pid>/maps, against the mappings
- *    recorded here in sandbox_judged_maps); 32-bit compat syscalls are not
- *    traced at all;
+ *    (counted in spanlet_sandbox_unresolved_opens_total);
+ *  - so every file mmap of an fd this program does not know as a pool's
+ *    (opened one of those ways, inherited across fork, dup*, fcntl F_DUPFD,
+ *    SCM_RIGHTS, io_uring...) is sent as a notice (sandbox_notices) with the
+ *    address it returned; the agent stats the mapping and the fd, judges a
+ *    pool mapping by the same rules, and hands the fd to sandbox_pool_fds so
+ *    that its next mmap is judged here. A second mmap of the same fd before
+ *    the agent read the first notice is only counted (sandbox_unknown_fds):
+ *    the agent then reads that process's maps. A "not a pool" answer is never
+ *    kept here: an fd number can get another file in ways no tracepoint here
+ *    shows;
+ *  - mprotect/pkey_mprotect adding write or exec, and mremap, by a process
+ *    known to map a pool (sandbox_pool_procs), and forks of such a process,
+ *    are noticed too: the agent reads that process's maps;
+ *  - fds dropped without close(2) (close_range, exec closing O_CLOEXEC fds,
+ *    dup2 over them, process exit) are forgotten by the agent's refresh, not
+ *    here; 32-bit compat syscalls are not traced at all;
  *  - in enforce mode the mmap itself completes; SIGKILL is delivered before
  *    the offender returns to user space, so it never touches the mapping.
- * Unrelated processes pay one failed hash lookup per mmap of a file and one
- * at every mmap's exit, a path read and one LPM lookup per open (plus a
- * failed hash lookup at its exit) and one failed hash lookup per close. */
+ *    What a notice shows is killed by the agent, as soon as it resolved it.
+ * Unrelated processes pay: per open, a 17-byte read of the path compared with
+ * the prefixes' first bytes (paths that could need normalising there, or that
+ * start like a prefix, take the full path read and LPM lookup), and an array
+ * read at its exit; an array read per close; per file mmap a failed hash
+ * lookup (a notice for an fd new to it) and an array read at its exit. */
 #include <uapi/linux/mman.h>
 #include "spanlet.h"
 #include "mmap_sandbox.h"
 
+#ifndef SANDBOX_NOTICE_PAGES
+#define SANDBOX_NOTICE_PAGES 16
+#endif
+
+BPF_ARRAY(sandbox_heads, struct sandbox_heads, 1);
 BPF_LPM_TRIE(sandbox_prefixes, struct sandbox_lpm_key, struct sandbox_prefix, SANDBOX_MAX_PREFIX_ENTRIES);
 BPF_HASH(sandbox_pools, struct sandbox_path, struct sandbox_pool_ref, SANDBOX_MAX_POOLS);
 BPF_HASH(sandbox_grants, struct sandbox_grant_key, __u8, SANDBOX_MAX_GRANTS);
@@ -42,9 +55,26 @@ BPF_HASH(sandbox_pool_fds, struct sandbox_fd_key, struct sandbox_pool_ref, SANDB
 BPF_HASH(sandbox_pending_opens, __u64, struct sandbox_pool_ref, 16384);
 BPF_PERCPU_ARRAY(sandbox_scratch_buf, struct sandbox_scratch, 1);
 /* Pool mmaps between entry and exit of the call, by thread. */
-BPF_HASH(sandbox_pending_maps, __u64, struct sandbox_judged, 16384);
+BPF_HASH(sandbox_pending_maps, __u64, struct sandbox_pending_map, 16384);
 BPF_TABLE("lru_hash", struct sandbox_map_key, struct sandbox_judged, sandbox_judged_maps,
           SANDBOX_MAX_JUDGED_MAPS);
+/* Calls of this thread slot that left state for their exit (counted, so that
+ * two threads sharing a slot only cost each other a lookup). */
+BPF_ARRAY(sandbox_thread_slots, __u32, SANDBOX_SLOTS);
+/* Non-zero: a process of this tgid slot may have pool fds (written before
+ * any entry of sandbox_pool_fds, by this program and by the agent). */
+BPF_ARRAY(sandbox_proc_slots, __u32, SANDBOX_SLOTS);
+/* Unknown fds noticed and not yet read by the agent: mmaps of them since. */
+BPF_HASH(sandbox_unknown_fds, struct sandbox_fd_key, __u32, 4096);
+/* Processes that map a pool (written here at a pool mmap, and by the agent). */
+BPF_HASH(sandbox_pool_procs, __u32, __u8, 16384);
+/* mprotect/mremap of those between entry and exit, by thread. */
+BPF_HASH(sandbox_pending_changes, __u64, __u32, 16384);
+/* Changes noticed and not yet read by the agent: changes since, by tgid. */
+BPF_HASH(sandbox_changed_procs, __u32, __u32, 4096);
+BPF_RINGBUF_OUTPUT(sandbox_notices, SANDBOX_NOTICE_PAGES);
+/* Notices that did not fit in sandbox_notices (the agent then sweeps). */
+BPF_PERCPU_ARRAY(sandbox_lost_notices, __u64, 1);
 /* Opens of a path under a prefix with a '..' component (not tracked). */
 BPF_PERCPU_ARRAY(spanlet_sandbox_unresolved_opens_total, __u64, 1);
 /* Metric 5, keyed by the offender's cgroup, rule and action. */
@@ -83,9 +113,87 @@ static __always_inline void sandbox_normalise(struct sandbox_scratch *s, __u32 l
     s->norm.prefixlen = (s->out & (SANDBOX_PATH_MAX - 1)) * 8;
 }
 
-/* Entry of an open: is this path a pool? Most paths leave at the first lookup. */
+/* Slot helpers: the counter of this thread's slot, and the flag of this
+ * process's slot (array reads, which the verifier inlines). */
+static __always_inline __u32 *sandbox_thread_slot(__u64 pid_tgid)
+{
+    __u32 i = (__u32)pid_tgid & (SANDBOX_SLOTS - 1);
+    return sandbox_thread_slots.lookup(&i);
+}
+
+static __always_inline int sandbox_may_have_pool_fds(__u32 tgid)
+{
+    __u32 i = tgid & (SANDBOX_SLOTS - 1);
+    __u32 *v = sandbox_proc_slots.lookup(&i);
+    return v && *v;
+}
+
+static __always_inline void sandbox_mark_proc_slot(__u32 tgid)
+{
+    __u32 i = tgid & (SANDBOX_SLOTS - 1);
+    __u32 *v = sandbox_proc_slots.lookup(&i);
+    if (v && !*v)
+        *v = 1;
+}
+
+/* State for this thread's exit was stored (pending) or taken (done). */
+static __always_inline void sandbox_slot_add(__u64 pid_tgid, int d)
+{
+    __u32 *slot = sandbox_thread_slot(pid_tgid);
+    if (slot)
+        __sync_fetch_and_add(slot, d);
+}
+
+static __always_inline int sandbox_slot_busy(__u64 pid_tgid)
+{
+    __u32 *slot = sandbox_thread_slot(pid_tgid);
+    return slot && *slot;
+}
+
+/* 0x80 in each byte of w that is c, 0 elsewhere (exact, no borrow between bytes). */
+static __always_inline __u64 sandbox_bytes_eq(__u64 w, __u64 c)
+{
+    const __u64 low7 = 0x7f7f7f7f7f7f7f7fULL;
+    __u64 x = w ^ (c * 0x0101010101010101ULL);
+    return ~(((x & low7) + low7) | x | low7);
+}
+
+/* The early return of an open: can this path be under a prefix? Only if its
+ * first SANDBOX_HEAD_LEN bytes start like one, or hold a "//" or "/." that
+ * normalising may remove (then they are not what the normalised path starts
+ * with). A relative path never matches a prefix by its string. */
+static __always_inline int sandbox_head_may_match(const char *filename)
+{
+    __u64 w[3] = {};
+    long n = bpf_probe_read_user_str(w, SANDBOX_HEAD_LEN + 1, filename);
+    if (n <= 1 || (w[0] & 0xff) != '/')
+        return 0;
+    /* a '/' followed by '/' or '.', within the 16 bytes (little endian: the
+     * next byte is the next 8 bits up) */
+    __u64 s0 = sandbox_bytes_eq(w[0], '/'), s1 = sandbox_bytes_eq(w[1], '/');
+    __u64 f0 = s0 | sandbox_bytes_eq(w[0], '.'), f1 = s1 | sandbox_bytes_eq(w[1], '.');
+    if (((s0 << 8) & f0) | ((s1 << 8) & f1) | ((s0 >> 56) & f1))
+        return 1;
+    int zero = 0;
+    struct sandbox_heads *h = sandbox_heads.lookup(&zero);
+    if (!h)
+        return 1;
+#pragma unroll
+    for (int i = 0; i < SANDBOX_MAX_HEADS; i++) {
+        if (!h->mask[2 * i])
+            break;
+        if ((w[0] & h->mask[2 * i]) == h->value[2 * i] &&
+            (w[1] & h->mask[2 * i + 1]) == h->value[2 * i + 1])
+            return 1;
+    }
+    return 0;
+}
+
+/* Entry of an open: is this path a pool? Most paths leave at the first bytes. */
 static __always_inline int sandbox_open_enter(const char *filename)
 {
+    if (!sandbox_head_may_match(filename))
+        return 0;
     int zero = 0;
     struct sandbox_scratch *s = sandbox_scratch_buf.lookup(&zero);
     if (!s)
@@ -111,7 +219,7 @@ static __always_inline int sandbox_open_enter(const char *filename)
     if (*(volatile __u8 *)&s->dotdot) {
         /* Which file '..' leads to depends on what the components before it
          * are (symlinks); judged wrong, a granted process would be reported or
-         * killed. Left to the agent's sweep, which works by inode. */
+         * killed. Its fd is unknown here: its mmap is noticed. */
         int zero = 0;
         __u64 *n = spanlet_sandbox_unresolved_opens_total.lookup(&zero);
         if (n)
@@ -129,7 +237,8 @@ static __always_inline int sandbox_open_enter(const char *filename)
         ref.max_bytes = 0;
     }
     __u64 pid_tgid = bpf_get_current_pid_tgid();
-    sandbox_pending_opens.update(&pid_tgid, &ref);
+    if (sandbox_pending_opens.update(&pid_tgid, &ref) == 0)
+        sandbox_slot_add(pid_tgid, 1);
     return 0;
 }
 
@@ -137,7 +246,7 @@ static __always_inline int sandbox_open_enter(const char *filename)
  * and nearly every fd is absent. */
 static __always_inline void sandbox_forget_fd(struct sandbox_fd_key *key)
 {
-    if (sandbox_pool_fds.lookup(key))
+    if (sandbox_may_have_pool_fds(key->tgid) && sandbox_pool_fds.lookup(key))
         sandbox_pool_fds.delete(key);
 }
 
@@ -147,19 +256,25 @@ static __always_inline int sandbox_open_exit(long ret)
 {
     __u64 pid_tgid = bpf_get_current_pid_tgid();
     struct sandbox_fd_key key = {.tgid = pid_tgid >> 32, .fd = (__s32)ret};
-    struct sandbox_pool_ref *ref = sandbox_pending_opens.lookup(&pid_tgid);
+    struct sandbox_pool_ref *ref = 0;
+    if (sandbox_slot_busy(pid_tgid))
+        ref = sandbox_pending_opens.lookup(&pid_tgid);
     if (!ref) {
         if (ret >= 0)
             sandbox_forget_fd(&key);
         return 0;
     }
-    if (ret >= 0 && sandbox_pool_fds.update(&key, ref) != 0) {
-        int zero = 0;
-        __u64 *n = spanlet_sandbox_untracked_fds_total.lookup(&zero);
-        if (n)
-            *n += 1;
+    if (ret >= 0) {
+        sandbox_mark_proc_slot(key.tgid);
+        if (sandbox_pool_fds.update(&key, ref) != 0) {
+            int zero = 0;
+            __u64 *n = spanlet_sandbox_untracked_fds_total.lookup(&zero);
+            if (n)
+                *n += 1;
+        }
     }
     sandbox_pending_opens.delete(&pid_tgid);
+    sandbox_slot_add(pid_tgid, -1);
     return 0;
 }
 
@@ -260,6 +375,62 @@ static __always_inline __u8 sandbox_rule(__u8 access, __u64 prot, __u64 flags,
 #define SANDBOX_ACTION SPANLET_ACTION_AUDIT
 #endif
 
+static __always_inline void sandbox_count_lost(void)
+{
+    int zero = 0;
+    __u64 *n = sandbox_lost_notices.lookup(&zero);
+    if (n)
+        *n += 1;
+}
+
+/* -1 when it did not fit (counted). */
+static __always_inline int sandbox_notice(__u32 kind, __u32 tgid, __s32 fd, __u64 addr,
+                                          __u64 len, __u64 off, __u32 prot, __u32 flags)
+{
+    struct sandbox_notice *n = sandbox_notices.ringbuf_reserve(sizeof(*n));
+    if (!n) {
+        sandbox_count_lost();
+        return -1;
+    }
+    n->kind = kind;
+    n->tgid = tgid;
+    n->fd = fd;
+    n->prot = prot;
+    n->addr = addr;
+    n->len = len;
+    n->off = off;
+    n->flags = flags;
+    n->_pad = 0;
+    sandbox_notices.ringbuf_submit(n, 0);
+    return 0;
+}
+
+/* An mmap of an fd not known as a pool's: noticed at its exit (with the
+ * address), unless a notice of this fd is still unread (then counted). */
+static __always_inline int sandbox_unknown_mmap(__u64 pid_tgid, struct sandbox_fd_key *key,
+                                                __u64 len, __u64 prot, __u64 flags, __u64 off)
+{
+    __u32 *count = sandbox_unknown_fds.lookup(key);
+    if (count) {
+        __sync_fetch_and_add(count, 1);
+        return 0;
+    }
+    __u32 one = 1;
+    sandbox_unknown_fds.update(key, &one); /* full: every mmap is noticed */
+    struct sandbox_pending_map p = {};
+    p.judged.len = len;
+    p.judged.prot = (__u32)prot;
+    p.judged.flags = (__u32)flags;
+    p.off = off;
+    p.fd = key->fd;
+    p.unknown = 1;
+    if (sandbox_pending_maps.update(&pid_tgid, &p) == 0)
+        sandbox_slot_add(pid_tgid, 1);
+    else
+        sandbox_unknown_fds.delete(key);
+    return 0;
+}
+
 int sbx_mmap(struct tracepoint__syscalls__sys_enter_mmap *args)
 {
     __u64 flags = args->flags;
@@ -267,20 +438,26 @@ int sbx_mmap(struct tracepoint__syscalls__sys_enter_mmap *args)
         return 0;
     __u64 pid_tgid = bpf_get_current_pid_tgid();
     struct sandbox_fd_key key = {.tgid = pid_tgid >> 32, .fd = (__s32)args->fd};
-    struct sandbox_pool_ref *ref = sandbox_pool_fds.lookup(&key);
+    if (key.fd < 0)
+        return 0; /* fails: EBADF */
+    struct sandbox_pool_ref *ref = 0;
+    if (sandbox_may_have_pool_fds(key.tgid))
+        ref = sandbox_pool_fds.lookup(&key);
     if (!ref)
-        return 0; /* not a pool: the only cost to everyone else */
+        return sandbox_unknown_mmap(pid_tgid, &key, args->len, args->prot, flags, args->off);
 
     __u32 pool_id = ref->pool_id;
     __u64 max_bytes = ref->max_bytes;
     __u64 prot = args->prot, len = args->len, off = args->off;
     __u8 rule = sandbox_rule(sandbox_access(pool_id, key.tgid), prot, flags, len, off, max_bytes);
-    struct sandbox_judged judged = {
-        .len = len, .pool_id = pool_id, .prot = (__u32)prot, .flags = (__u32)flags, .rule = rule};
-    sandbox_pending_maps.update(&pid_tgid, &judged);
+    struct sandbox_pending_map pending = {
+        .judged = {.len = len, .pool_id = pool_id, .prot = (__u32)prot, .flags = (__u32)flags,
+                   .rule = rule},
+        .off = off, .fd = key.fd};
+    if (sandbox_pending_maps.update(&pid_tgid, &pending) == 0)
+        sandbox_slot_add(pid_tgid, 1);
     if (!rule)
         return 0;
-
 #ifdef SANDBOX_ENFORCE
     bpf_send_signal(9);
 #endif
@@ -318,20 +495,105 @@ int sbx_mmap(struct tracepoint__syscalls__sys_enter_mmap *args)
     return 0;
 }
 
-/* Exit of every mmap: where a judged pool mapping landed. */
+/* Exit of every mmap: where a judged pool mapping landed, or the notice of
+ * an unknown fd's. */
 int sbx_mmap_out(struct tracepoint__syscalls__sys_exit_mmap *args)
 {
     __u64 pid_tgid = bpf_get_current_pid_tgid();
-    struct sandbox_judged *j = sandbox_pending_maps.lookup(&pid_tgid);
-    if (!j)
+    if (!sandbox_slot_busy(pid_tgid))
         return 0;
+    struct sandbox_pending_map *p = sandbox_pending_maps.lookup(&pid_tgid);
+    if (!p)
+        return 0;
+    struct sandbox_pending_map got = *p;
+    sandbox_pending_maps.delete(&pid_tgid);
+    sandbox_slot_add(pid_tgid, -1);
+    __u32 tgid = pid_tgid >> 32;
     long ret = args->ret;
-    if (ret < 0 && ret > -4096) { /* an error, not an address */
-        sandbox_pending_maps.delete(&pid_tgid);
+    int failed = ret < 0 && ret > -4096; /* an error, not an address */
+    if (got.unknown) {
+        struct sandbox_fd_key key = {.tgid = tgid, .fd = got.fd};
+        if (failed) {
+            sandbox_unknown_fds.delete(&key);
+            return 0;
+        }
+        if (sandbox_notice(SANDBOX_NOTICE_MMAP, tgid, got.fd, (__u64)ret, got.judged.len,
+                           got.off, got.judged.prot, got.judged.flags) != 0)
+            sandbox_unknown_fds.delete(&key); /* the next mmap tries again */
         return 0;
     }
-    struct sandbox_map_key key = {.tgid = pid_tgid >> 32, .addr = (__u64)ret};
-    sandbox_judged_maps.update(&key, j);
-    sandbox_pending_maps.delete(&pid_tgid);
+    if (failed)
+        return 0;
+    struct sandbox_map_key key = {.tgid = tgid, .addr = (__u64)ret};
+    sandbox_judged_maps.update(&key, &got.judged);
+    __u8 one = 1;
+    sandbox_pool_procs.update(&tgid, &one);
+    return 0;
+}
+
+/* mprotect (adding write or exec) and mremap of a process that maps a pool:
+ * noticed at the exit, once until the agent read it. */
+static __always_inline int sandbox_change_enter(void)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tgid = pid_tgid >> 32;
+    if (!sandbox_pool_procs.lookup(&tgid))
+        return 0;
+    __u32 one = 1;
+    if (sandbox_pending_changes.update(&pid_tgid, &one) == 0)
+        sandbox_slot_add(pid_tgid, 1);
+    return 0;
+}
+
+static __always_inline int sandbox_change_exit(long ret)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    if (!sandbox_slot_busy(pid_tgid) || !sandbox_pending_changes.lookup(&pid_tgid))
+        return 0;
+    sandbox_pending_changes.delete(&pid_tgid);
+    sandbox_slot_add(pid_tgid, -1);
+    if (ret < 0 && ret > -4096)
+        return 0;
+    __u32 tgid = pid_tgid >> 32;
+    __u32 *count = sandbox_changed_procs.lookup(&tgid);
+    if (count) {
+        __sync_fetch_and_add(count, 1);
+        return 0;
+    }
+    __u32 one = 1;
+    sandbox_changed_procs.update(&tgid, &one);
+    sandbox_notice(SANDBOX_NOTICE_CHANGE, tgid, -1, 0, 0, 0, 0, 0);
+    return 0;
+}
+
+/* Programs named sbx_<name>_in/_out: a program name has at most 15 bytes. */
+#define SANDBOX_CHANGE_SYSCALL(sc, name, test)                                  \
+    int sbx_##name##_in(struct tracepoint__syscalls__sys_enter_##sc *args)  \
+    {                                                                         \
+        if (!(test))                                                          \
+            return 0;                                                         \
+        return sandbox_change_enter();                                        \
+    }                                                                         \
+    int sbx_##name##_out(struct tracepoint__syscalls__sys_exit_##sc *args)  \
+    {                                                                         \
+        return sandbox_change_exit(args->ret);                                \
+    }
+
+SANDBOX_CHANGE_SYSCALL(mprotect, mprot, args->prot & (PROT_WRITE | PROT_EXEC))
+SANDBOX_CHANGE_SYSCALL(mremap, mremap, 1)
+#ifdef SANDBOX_TP_PKEY_MPROTECT
+SANDBOX_CHANGE_SYSCALL(pkey_mprotect, pkey, args->prot & (PROT_WRITE | PROT_EXEC))
+#endif
+
+/* A fork of a process that maps a pool: the child holds the mappings now. */
+int sbx_fork(struct tracepoint__sched__sched_process_fork *args)
+{
+    __u32 parent = bpf_get_current_pid_tgid() >> 32;
+    if (!sandbox_pool_procs.lookup(&parent))
+        return 0;
+    __u32 child = (__u32)args->child_pid;
+    __u8 one = 1;
+    sandbox_pool_procs.update(&child, &one);
+    sandbox_notice(SANDBOX_NOTICE_FORK, child, -1, parent, 0, 0, 0, 0);
     return 0;
 }

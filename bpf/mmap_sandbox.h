@@ -22,6 +22,12 @@
 #ifndef SANDBOX_MAX_JUDGED_MAPS
 #define SANDBOX_MAX_JUDGED_MAPS 65536
 #endif
+/* Slots of the arrays that let an unrelated call skip a hash lookup: by
+ * thread id (a call of this thread left state for its exit) and by tgid (the
+ * process may have pool fds). Powers of two. */
+#ifndef SANDBOX_SLOTS
+#define SANDBOX_SLOTS 65536
+#endif
 /* Deepest cgroup level whose grant still covers a process below it. */
 #ifndef SANDBOX_CGROUP_DEPTH
 #define SANDBOX_CGROUP_DEPTH 16
@@ -29,6 +35,17 @@
 /* SANDBOX_ENFORCE: kill offenders instead of only reporting them. */
 
 #define SANDBOX_PATH_MAX 256 /* LPM_DATA_SIZE_MAX: longest LPM trie key */
+
+/* The open's early return: its first SANDBOX_HEAD_LEN bytes are compared with
+ * the first bytes of each prefix (at most SANDBOX_MAX_HEADS, the config's
+ * limit on prefixes) before any other string work. */
+#define SANDBOX_HEAD_LEN 16
+#define SANDBOX_MAX_HEADS 8
+
+struct sandbox_heads {
+    __u64 value[SANDBOX_MAX_HEADS * 2]; /* the prefix's first bytes, as two words each */
+    __u64 mask[SANDBOX_MAX_HEADS * 2];  /* which bytes count (0: no head here) */
+};
 
 /* What a prefix entry of the trie is: a real prefix (whose unlisted files
  * are pools without grants), or a directory above one ("/dev/", "/dev/shm/"),
@@ -115,6 +132,35 @@ struct sandbox_judged {
     __u32 flags;
     __u8 rule;
     __u8 _pad[3];
+};
+
+/* What a call left for its exit, by thread: a pool mmap judged at the call,
+ * or an mmap of an fd the sandbox does not know (`unknown`), to be noticed
+ * with the address it returns. */
+struct sandbox_pending_map {
+    struct sandbox_judged judged;
+    __u64 off;
+    __s32 fd;
+    __u32 unknown;
+};
+
+/* Notices to the agent (agent/probes/sandbox/probe.py: Notice): what happened
+ * that the path match at open could not judge, for the agent to resolve from
+ * /proc at once. */
+#define SANDBOX_NOTICE_MMAP 1    /* an mmap of an fd the sandbox did not know */
+#define SANDBOX_NOTICE_CHANGE 2  /* mprotect/mremap by a process that maps pools */
+#define SANDBOX_NOTICE_FORK 3    /* a process that maps pools forked (addr: the parent) */
+
+struct sandbox_notice {
+    __u32 kind;
+    __u32 tgid;
+    __s32 fd;
+    __u32 prot;
+    __u64 addr;
+    __u64 len;
+    __u64 off;
+    __u32 flags;
+    __u32 _pad;
 };
 
 #endif /* MMAP_SANDBOX_H */

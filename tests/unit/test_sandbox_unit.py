@@ -212,14 +212,25 @@ def test_python_constants_match_the_program():
     assert (d["SANDBOX_ACCESS_RO"], d["SANDBOX_ACCESS_RW"]) == (policy.ACCESS["ro"], policy.ACCESS["rw"])
 
 
+def _expand_macro(text: str, name: str) -> str:
+    """The C with each `name(args)` line replaced by what the macro, as the
+    file defines it, makes of it (its parameters pasted where `##p` names them)."""
+    m = re.search(rf"^#define {name}\(([^)]*)\)(.*?[^\\])\n", text, re.M | re.S)
+    params = [p.strip() for p in m.group(1).split(",")]
+    body = m.group(2).replace("\\\n", "\n")
+
+    def expand(call: re.Match) -> str:
+        out = body
+        args = [a.strip() for a in call.group(1).split(",", len(params) - 1)]
+        for p, a in zip(params, args):
+            out = out.replace(f"##{p}##", a).replace(f"##{p}", a)
+        return "\n".join(line.strip() for line in out.splitlines())
+    return re.sub(rf"^{name}\((.*)\)$", expand, text, flags=re.M)
+
+
 def _expand_open_syscalls(text: str) -> str:
-    """The C with each SANDBOX_OPEN_SYSCALL(sc) line replaced by what the
-    macro, as the file defines it, makes of it (its `##sc` pasted)."""
-    body = re.search(r"^#define SANDBOX_OPEN_SYSCALL\(sc\)(.*?[^\\])\n", text, re.M | re.S).group(1)
-    body = body.replace("\\\n", "\n")
-    return re.sub(r"^SANDBOX_OPEN_SYSCALL\((\w+)\)$",
-                  lambda m: "\n".join(line.strip() for line in body.replace("##sc##", m[1])
-                                       .replace("##sc", m[1]).splitlines()), text, flags=re.M)
+    """The C with the sandbox's program-making macros expanded."""
+    return _expand_macro(_expand_macro(text, "SANDBOX_OPEN_SYSCALL"), "SANDBOX_CHANGE_SYSCALL")
 
 
 def test_optional_open_calls_follow_the_kernel(cfg, monkeypatch):
@@ -352,3 +363,74 @@ def test_sweep_finds_fds_that_went_away_or_changed(fake_proc):
                   ((555, 3), (1, 8192))]                   # process gone
     assert dict(procfs.stale_pool_fds(remembered, _kv_policy(), str(fake_proc))) == {
         (100, 5): None, (200, 9): (1, 8192), (555, 3): None}
+
+
+def _head_match(heads, path: str) -> bool:
+    """sandbox_head_may_match() of the kernel side, over the table."""
+    raw = path.encode()[:policy.HEAD_LEN]
+    if not raw or raw[:1] != b"/":
+        return False
+    if any(raw[i:i + 1] == b"/" and raw[i + 1:i + 2] in (b"/", b".") for i in range(len(raw) - 1)):
+        return True
+    raw = raw.ljust(policy.HEAD_LEN, b"\0")
+    w0, w1 = int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
+    return any(w0 & m0 == v0 and w1 & m1 == v1 for v0, v1, m0, m1 in heads)
+
+
+def test_prefix_heads_let_only_paths_that_may_be_under_a_prefix_through():
+    pol = _compile(_sb([], prefixes=("/dev/shm/tensor_pool/", "/pools/", "/dev/shm/tensor_pool/b/")))
+    heads = policy.prefix_heads(pol.prefixes)
+    assert len(heads) == 2   # the first 16 bytes of the two /dev/shm prefixes are the same
+    through = ["/dev/shm/tensor_pool/kv", "/dev/shm/tensor_", "/pools/a", "/pools/",
+               "//dev/shm/tensor_pool/kv", "/dev/./shm/x", "/dev/shm//tensor_pool/kv",
+               "/a/../dev/shm/tensor_pool/kv", "/dev/shm/.x"]
+    stopped = ["/dev/shm/tensor", "/dev/shm/spanlet_bench_1", "/dev/null", "/pool", "/poolsx/a",
+               "relative/dev/shm/tensor_pool/kv", "./pools/a", "", "/usr/lib/libc.so.6"]
+    assert [p for p in through if not _head_match(heads, p)] == []
+    assert [p for p in stopped if _head_match(heads, p)] == []
+    # Whatever normalises to a path under a prefix gets through.
+    for p in through + stopped:
+        if pol.lookup(p) is not None:
+            assert _head_match(heads, p), p
+
+
+def _bytes_eq(w: int, c: int) -> int:
+    """sandbox_bytes_eq() of the kernel side, on 64-bit words."""
+    low7, full = 0x7F7F7F7F7F7F7F7F, (1 << 64) - 1
+    x = w ^ (c * 0x0101010101010101)
+    return ~(((x & low7) + low7) | x | low7) & full
+
+
+def _has_pair_words(raw: bytes) -> bool:
+    """The word-wise "'/' then '/' or '.'" test of sandbox_head_may_match()."""
+    raw = raw.ljust(16, b"\0")
+    w0, w1 = int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
+    full = (1 << 64) - 1
+    s0, s1 = _bytes_eq(w0, ord("/")), _bytes_eq(w1, ord("/"))
+    f0, f1 = s0 | _bytes_eq(w0, ord(".")), s1 | _bytes_eq(w1, ord("."))
+    return bool((((s0 << 8) & full) & f0) | (((s1 << 8) & full) & f1) | ((s0 >> 56) & f1))
+
+
+def test_word_wise_pair_test_is_the_byte_loop():
+    import random
+    rnd = random.Random(20)
+    cases = [b"/dev/sh//x", b"/dev/sh/.x", b"/abcdef/", b"/abcdef/x", b"/abcdefg/.", b"x" * 15 + b"/",
+             b"/./", b"//", b"/", b"/a.b/c.d/e", b"/\xff/\x80.", b"/\x2e\x2f\xaf"]
+    cases += [bytes(rnd.choice(b"/.a\xaf\x2e\x00") for _ in range(16)) for _ in range(5000)]
+    for raw in cases:
+        raw = raw[:16]
+        raw = raw.split(b"\0", 1)[0]
+        loop = any(raw[i] == ord("/") and raw[i + 1] in b"/." for i in range(len(raw) - 1))
+        assert _has_pair_words(raw) == loop, raw
+
+
+def test_index_knows_the_file_systems_pools_can_be_on(tmp_path):
+    made, later = tmp_path / "pools", tmp_path / "not_yet" / "deeper"
+    made.mkdir()
+    (made / "kv").write_bytes(b"x")
+    pol = _compile(_sb([], prefixes=(f"{made}/", f"{later}/")))
+    idx = procfs.index_pools(pol)
+    # the folder that exists, and the nearest existing one above the one not made yet
+    assert idx.devices == {os.stat(made).st_dev, os.stat(tmp_path).st_dev}
+    assert f"{made}/" in idx.folders and not any(f.startswith(str(later)) for f in idx.folders)
+    assert (os.stat(made / "kv").st_dev, os.stat(made / "kv").st_ino) in idx.by_inode

@@ -28,6 +28,13 @@ MAX_POOLS = 4096
 MAX_GRANTS = 65536
 MAX_POOL_FDS = 65536
 MAX_JUDGED_MAPS = 65536
+# Slots of the kernel's per-thread and per-process arrays (SANDBOX_SLOTS).
+SLOTS = 65536
+# The open's early return: the first HEAD_LEN bytes of a path against the
+# first bytes of each prefix, at most MAX_HEADS of them (SANDBOX_HEAD_LEN,
+# SANDBOX_MAX_HEADS).
+HEAD_LEN = 16
+MAX_HEADS = 8
 # Pool id of an alias that leads to no pool (a symlink under a prefix that
 # points elsewhere): the kernel does not track what is opened through it.
 NOT_A_POOL = 0
@@ -60,6 +67,27 @@ def ancestors(prefix: str) -> list[str]:
     while 0 < end < len(prefix) - 1:
         out.append(prefix[: end + 1])
         end = prefix.find("/", end + 1)
+    return out
+
+
+def prefix_heads(prefixes: dict[str, tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """(value word 0, value word 1, mask word 0, mask word 1) of the first
+    HEAD_LEN bytes of each real prefix, once each: a path whose first bytes
+    match none (and hold no '//' or '/.') is under no prefix."""
+    out: list[tuple[int, int, int, int]] = []
+    for prefix, (kind, _, _) in prefixes.items():
+        if kind != PREFIX_FULL:
+            continue
+        head = prefix.encode()[:HEAD_LEN].ljust(HEAD_LEN, b"\0")
+        n = min(len(prefix.encode()), HEAD_LEN)
+        mask = (b"\xff" * n).ljust(HEAD_LEN, b"\0")
+        words = (int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little"),
+                 int.from_bytes(mask[:8], "little"), int.from_bytes(mask[8:], "little"))
+        if words not in out:
+            out.append(words)
+    if len(out) > MAX_HEADS:
+        raise ProbeError(f"sandbox.prefixes: {len(out)} different first {HEAD_LEN} bytes; "
+                         f"at most {MAX_HEADS}")
     return out
 
 

@@ -4,10 +4,12 @@ and how the call's rules judge them, and the process facts the sweep needs."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
 import stat
+import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -35,22 +37,34 @@ def _fd_target(link: str) -> str | None:
 Inodes = dict[tuple[int, int], tuple[int, int]]
 
 
-def fd_pool(link: str, policy: Policy, by_inode: Inodes | None = None) -> tuple[int, int] | None:
-    """(pool id, max bytes) of the file an fd link (/proc/<pid>/fd/<n>) leads
-    to: by its inode when `by_inode` knows it (a hard link or symlink reaches
-    a pool under any name), else by the path the kernel shows for it."""
+def link_pool(link: str, policy: Policy, by_inode: Inodes | None = None
+              ) -> tuple[bool, os.stat_result | None, tuple[int, int] | None]:
+    """(whether the link is there, stat of its file or None, (pool id, max
+    bytes) or None) of what a /proc link (/proc/<pid>/fd/<n>,
+    /proc/<pid>/map_files/<range>) leads to: by its inode when `by_inode`
+    knows it (a hard link or symlink reaches a pool under any name), else by
+    the path the kernel shows for it."""
     target = _fd_target(link)
-    if not target or not target.startswith("/"):
-        return None
+    if not target:
+        return False, None, None
+    try:
+        st = os.stat(link)
+    except OSError:
+        st = None
+    if not target.startswith("/"):
+        return True, st, None                     # a socket, pipe, anon inode...
     if by_inode:
-        try:
-            st = os.stat(link)
-        except OSError:
-            return None
+        if st is None:
+            return False, None, None
         ref = by_inode.get((st.st_dev, st.st_ino))
         if ref is not None:
-            return ref
-    return policy.lookup(target)
+            return True, st, ref
+    return True, st, policy.lookup(target)
+
+
+def fd_pool(link: str, policy: Policy, by_inode: Inodes | None = None) -> tuple[int, int] | None:
+    """(pool id, max bytes) of the file an fd link leads to (see link_pool)."""
+    return link_pool(link, policy, by_inode)[2]
 
 
 def scan_pool_fds(policy: Policy, proc: str = "/proc",
@@ -92,11 +106,16 @@ class PoolIndex:
     # prefix that the path string alone would judge wrong
     aliases: dict[str, tuple[int, int]] = field(default_factory=dict)
     truncated: bool = False                              # WALK_LIMIT was reached
+    folders: set[str] = field(default_factory=set)       # the folders walked ('/' at the end)
+    # st_dev of every file system a pool can be on: its folder's, or the
+    # nearest existing folder above a prefix not made yet
+    devices: set[int] = field(default_factory=set)
 
 
-def _under_prefix(prefix: str, limit: int) -> Iterator[tuple[str, os.DirEntry]]:
+def _under_prefix(prefix: str, limit: int, folders: set[str] | None = None
+                  ) -> Iterator[tuple[str, os.DirEntry]]:
     """Files, symlinks and the like whose path starts with `prefix` (symlinked
-    folders are not followed)."""
+    folders are not followed); the folders read are added to `folders`."""
     top = prefix[: prefix.rfind("/") + 1]
     stack, seen = [top], 0
     while stack:
@@ -105,6 +124,8 @@ def _under_prefix(prefix: str, limit: int) -> Iterator[tuple[str, os.DirEntry]]:
             it = os.scandir(folder)
         except OSError:
             continue
+        if folders is not None:
+            folders.add(folder)
         with it:
             for e in it:
                 seen += 1
@@ -122,12 +143,26 @@ def _under_prefix(prefix: str, limit: int) -> Iterator[tuple[str, os.DirEntry]]:
                     yield path, e
 
 
+def _device_of(folder: str) -> int:
+    """st_dev of a folder, or of the nearest one above it that exists."""
+    while True:
+        try:
+            return os.stat(folder).st_dev
+        except OSError:
+            if folder in ("/", ""):
+                return -1
+            folder = os.path.dirname(folder.rstrip("/")) or "/"
+
+
 def index_pools(policy: Policy, limit: int = WALK_LIMIT) -> PoolIndex:
     """Stat the configured pools and walk the prefixes: every regular file
     under a prefix by inode (a configured pool's, else its prefix's unlisted
     id), and as aliases the names that reach a pool under another name (hard
     links, symlinks) or lead out of every pool (symlinks)."""
     idx = PoolIndex()
+    for prefix, (kind, _, _) in policy.prefixes.items():
+        if kind == PREFIX_FULL:
+            idx.devices.add(_device_of(prefix[: prefix.rfind("/") + 1]))
     for path, ref in policy.pools.items():
         try:
             st = os.stat(path)
@@ -140,7 +175,7 @@ def index_pools(policy: Policy, limit: int = WALK_LIMIT) -> PoolIndex:
         if kind != PREFIX_FULL:
             continue
         try:
-            for path, entry in _under_prefix(prefix, limit):
+            for path, entry in _under_prefix(prefix, limit, idx.folders):
                 if entry.is_symlink():
                     links.append(path)
                     continue
@@ -168,7 +203,66 @@ def index_pools(policy: Policy, limit: int = WALK_LIMIT) -> PoolIndex:
             idx.aliases[path] = ref
     for path in [p for p in idx.aliases if len(p.encode()) >= PATH_MAX or normalise_path(p) != p]:
         del idx.aliases[path]
+    idx.devices |= {d for d, _ in idx.by_inode}
     return idx
+
+
+# -- the prefixes' folders, watched ------------------------------------------------
+IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
+IN_ONLYDIR, IN_DONT_FOLLOW = 0x0100_0000, 0x0200_0000
+_WATCH_MASK = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_ONLYDIR | IN_DONT_FOLLOW
+_EVENT = struct.Struct("iIII")
+
+
+class FolderWatch:
+    """inotify on the prefixes' folders: names created, removed or moved
+    there (a symlink or hard link made under a prefix, a pool replaced), so
+    that the agent walks the prefixes again at once, not at its next
+    periodic walk. The watch follows the folders of the last walk."""
+
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        self._folders: dict[int, str] = {}            # watch descriptor → folder
+
+    def follow(self, folders: Iterable[str]) -> None:
+        """Watch these folders (those gone drop out by themselves)."""
+        watched = set(self._folders.values())
+        for folder in folders:
+            if folder in watched:
+                continue
+            wd = self._libc.inotify_add_watch(self.fd, folder.encode(), _WATCH_MASK)
+            if wd >= 0:
+                self._folders[wd] = folder
+
+    def changed(self, prefixes: Iterable[str]) -> bool:
+        """Read the pending events: whether any names a path under one of the
+        prefixes, or a folder on the way to one."""
+        prefixes = list(prefixes)
+        hit = False
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return hit
+            off = 0
+            while off + _EVENT.size <= len(buf):
+                wd, _, _, n = _EVENT.unpack_from(buf, off)
+                name = buf[off + _EVENT.size: off + _EVENT.size + n].split(b"\0", 1)[0]
+                off += _EVENT.size + n
+                folder = self._folders.get(wd)
+                if folder is None:
+                    continue
+                path = folder + name.decode(errors="replace")
+                if any(path.startswith(p) or p.startswith(path + "/") for p in prefixes):
+                    hit = True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 @dataclass(frozen=True)
@@ -204,9 +298,11 @@ def pool_mappings(maps: bytes, by_inode: Inodes) -> list[PoolMapping]:
     return out
 
 
-def rule_of(access: int, prot: int, shared: bool, length: int, offset: int, max_bytes: int) -> int:
+def rule_of(access: int, prot: int, shared: bool, length: int, offset: int, max_bytes: int,
+            as_called: bool = False) -> int:
     """sandbox_rule() of the kernel side, for a mapping as /proc shows it
-    (its length rounded up to pages, so is the limit)."""
+    (its length rounded up to pages, so is the limit), or as_called: for
+    the length and offset the mmap call asked for (exactly the kernel's)."""
     if access == 0:
         return events.Rule.unauthorized
     if access == ACCESS["ro"] and prot & PROT_WRITE and shared:
@@ -214,7 +310,7 @@ def rule_of(access: int, prot: int, shared: bool, length: int, offset: int, max_
     if prot & PROT_EXEC:
         return events.Rule.exec
     if max_bytes:
-        page = os.sysconf("SC_PAGE_SIZE")
+        page = 1 if as_called else os.sysconf("SC_PAGE_SIZE")
         limit = -(-max_bytes // page) * page
         if length > limit or offset > limit - length:
             return events.Rule.oversize
