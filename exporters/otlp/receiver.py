@@ -545,7 +545,8 @@ class _HttpServer(ThreadingHTTPServer):
             try:
                 conn.do_handshake()
             except (OSError, ValueError) as e:   # ssl.SSLError is an OSError
-                self.receiver._count("http", TLS_HANDSHAKE_FAILED)
+                if not self.cut_off(conn):         # else counted as a timeout
+                    self.receiver._count("http", TLS_HANDSHAKE_FAILED)
                 log.debug("OTLP HTTP TLS handshake with %s failed: %s", client_address[0], e)
                 return
             super().finish_request(conn, client_address)
@@ -558,6 +559,11 @@ class _HttpServer(ThreadingHTTPServer):
         with self._conns_lock:
             if raw in self._conns:
                 self._conns[conn] = self._conns.pop(raw)
+
+    def cut_off(self, conn: socket.socket) -> bool:
+        """Whether close_expired shut the connection (before its request was in)."""
+        with self._conns_lock:
+            return self._conns.get(conn) == float("inf")
 
     def track(self, conn: socket.socket, alive: bool) -> None:
         """Renew the connection's deadline (after an answer); forget it."""

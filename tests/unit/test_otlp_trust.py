@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import http.client
 import logging
+import socket
 import ssl
 import time
 
 import grpc
 import pytest
 import requests
+from collector_fakes import registry, sources
+from otlp_upstream import wait_for
 from google.rpc import error_details_pb2
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
@@ -170,6 +173,21 @@ def test_raw_tls_handshake_without_a_client_certificate_is_refused(receiver, pki
     assert requests_of(rx, "http") == {"tls_handshake_failed": 1, "ok": 1}
 
 
+def test_silent_and_stalled_tls_handshakes_are_cut_off_and_others_served(receiver, pki):
+    rx, got = receiver(tls_cert_file=str(pki.server_cert), tls_key_file=str(pki.server_key))
+    rx.request_timeout_s = 0.5
+    silent = socket.create_connection(("127.0.0.1", rx.http_port), timeout=10)
+    stalled = socket.create_connection(("127.0.0.1", rx.http_port), timeout=10)
+    stalled.sendall(b"\x16\x03\x01\x02\x00")          # a ClientHello's record header only
+    assert export("http", rx, sdk_spans(1, "served"), tls=True, pki=pki) == SpanExportResult.SUCCESS
+    wait_for(lambda: requests_of(rx, "http").get("timeout") == 2, 10, "both cut off")
+    for s in (silent, stalled):
+        assert s.recv(1) == b""                           # closed by the receiver
+        s.close()
+    assert got.names == ["served-0"]
+    assert requests_of(rx, "http") == {"timeout": 2, "ok": 1}
+
+
 # ---- bearer token ----
 
 @pytest.fixture
@@ -196,6 +214,13 @@ def test_wrong_or_missing_token_unauthenticated_right_token_delivers(receiver, t
     # not retryable; a connection or TLS failure would have been retried)
     assert requests_of(rx, protocol) == {"unauthenticated": 2, "ok": 1}
     assert TOKEN not in caplog.text
+    # as the agent's self-metrics show them
+    src = sources([])
+    src.receiver = rx
+    reg = registry(src)
+    for outcome, n in (("unauthenticated", 2), ("ok", 1)):
+        assert reg.get_sample_value("spanlet_otlp_receiver_requests_total", {
+            "node": "n1", "transport": protocol, "outcome": outcome}) == n
 
 
 def test_token_answers_on_the_wire_and_a_changed_file_is_reread(receiver, token_file, monkeypatch):
