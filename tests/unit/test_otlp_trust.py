@@ -364,6 +364,16 @@ def test_defaults_stay_plain_and_node_local():
     assert OtlpReceiver(cfg, Spans()).lockdown() == "plain (no TLS), no token, no rate limit"
 
 
+def test_settings_from_the_environment(token_file):
+    cfg = config.load(None, env={"SPANLET_OTLP_BEARER_TOKEN_FILE": str(token_file),
+                                 "SPANLET_OTLP_RATE_LIMIT_SPANS_PER_S": "250",
+                                 "SPANLET_OTLP_RATE_LIMIT_BURST": "1000"})
+    assert cfg.otlp.bearer_token_file == str(token_file)
+    assert (cfg.otlp.rate_limit_spans_per_s, cfg.otlp.rate_limit_burst) == (250, 1000)
+    assert OtlpReceiver(cfg.otlp, Spans()).lockdown() == \
+        "plain (no TLS), a bearer token, 250 spans/s a sender (burst 1000)"
+
+
 @pytest.mark.parametrize("sets, words", [
     (["otlp.tls_cert_file={cert}"], "tls_cert_file and tls_key_file are set together"),
     (["otlp.tls_key_file={key}"], "tls_cert_file and tls_key_file are set together"),
