@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 import socket
+import ssl
 import typing
 from collections.abc import Mapping
 from enum import Enum
@@ -240,6 +241,68 @@ class OtlpConfig(_Section):
     batch_size: int = Field(default=512, ge=1, le=100_000)
     batch_interval_s: float = Field(default=1.0, gt=0, le=60)
     max_retry_s: float = Field(default=60.0, ge=0, le=3600)
+    # Lock-down of the receiver (README, "Trust and multi-tenancy"); the
+    # defaults keep it as it was: plain, no token, no limit.
+    # TLS on both ports with this certificate (PEM, chain after it) and key:
+    # senders know they talk to the agent, and nobody on the path reads spans.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # When set, a client must present a certificate this CA (PEM) signed, or
+    # the TLS handshake is refused: only holders of such a certificate send.
+    tls_client_ca_file: str = ""
+    # A mounted secret holding the one token clients must send
+    # (authorization: Bearer <token>; else UNAUTHENTICATED / 401). Re-read
+    # when the file changes; never logged.
+    bearer_token_file: str = ""
+    # Spans a second each sender (peer IP address) may send, both ports
+    # together (over it: RESOURCE_EXHAUSTED with RetryInfo / 429 with
+    # Retry-After), so one client cannot crowd out the rest; 0: no limit.
+    rate_limit_spans_per_s: float = Field(default=0.0, ge=0, le=100_000_000)
+    # Spans a sender may send at once on top of its rate; 0: one second's worth.
+    rate_limit_burst: int = Field(default=0, ge=0, le=100_000_000)
+    # Senders whose buckets are kept (the least recently seen is forgotten).
+    rate_limit_max_senders: int = Field(default=4096, ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _receiver_trust(self) -> "OtlpConfig":
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file are set together or not at all")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file "
+                             "(client certificates are checked in TLS)")
+        problem = _trust_files_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+def _trust_files_problem(otlp: OtlpConfig) -> str:
+    """Why the receiver's certificate, key, CA or token file cannot serve
+    ('' when they can): found when the config is read, so a bad file stops
+    the start with one line. Never quotes a file's content."""
+    files = [(k, getattr(otlp, k)) for k in ("tls_cert_file", "tls_key_file",
+                                              "tls_client_ca_file", "bearer_token_file")]
+    for key, path in files:
+        if not path:
+            continue
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            return f"{key} {path!r} cannot be read: {e.strerror}"
+        if key == "bearer_token_file" and not data.strip():
+            return f"{key} {path!r} is empty"
+    try:
+        if otlp.tls_cert_file:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(otlp.tls_cert_file,
+                                                                   otlp.tls_key_file)
+    except ssl.SSLError as e:
+        return f"tls_cert_file / tls_key_file are not a PEM certificate and its key ({e.reason or e})"
+    try:
+        if otlp.tls_client_ca_file:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(otlp.tls_client_ca_file)
+    except ssl.SSLError as e:
+        return f"tls_client_ca_file is not PEM CA certificates ({e.reason or e})"
+    return ""
 
 
 class SpanContextConfig(_Section):
@@ -549,6 +612,13 @@ class Config(_Section):
             user = self.store.user or _url_part(self.store.url, "username") or "default"
             if password:   # as HTTP basic auth carries it
                 found.add(base64.b64encode(f"{user}:{password}".encode()).decode())
+        if self.otlp.bearer_token_file:
+            try:
+                text = Path(self.otlp.bearer_token_file).read_text(encoding="utf-8",
+                                                                   errors="replace")
+            except OSError:
+                text = ""
+            found.update((text, text.strip()))
         for url in (self.store.url, self.otlp.upstream_endpoint):
             password = _url_password(url)
             found.update((password, unquote(password)))

@@ -195,7 +195,8 @@ SELF = (
            "Serialized bytes of spans waiting for upstream export", (), EXPORT),
     Metric("spanlet_otlp_receiver_requests_total", "counter", "",
            "OTLP export requests by transport and outcome (ok, partial, invalid, too_large, "
-           "not_received, timeout, malformed_http, ...)", ("transport", "outcome"), RECEIVER),
+           "not_received, timeout, malformed_http, unauthenticated, rate_limited, "
+           "tls_handshake_failed, ...)", ("transport", "outcome"), RECEIVER),
     Metric("spanlet_otlp_receiver_rejected_spans_total", "counter", "",
            "Spans the OTLP receiver refused, by reason", ("reason",), RECEIVER),
     Metric("spanlet_otlp_receiver_accepted_spans_total", "counter", "",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import ssl
 import threading
 import time
 import zlib
@@ -28,12 +29,17 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
 from spanlet.config import OtlpConfig
 from spanlet.exporters.otlp.common import PROTOBUF, STATUS_DETAILS_KEY, TRACES_PATH
+from spanlet.exporters.otlp.trust import (BearerToken, SenderRateLimiter, grpc_server_credentials,
+                                          normal_sender, sender_of_peer, server_ssl_context)
 from spanlet.exporters.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
 GRPC_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 GRPC_METHOD = f"/{GRPC_SERVICE}/Export"
+# The trailer the OTel SDKs read a RetryInfo from (besides the Status in
+# STATUS_DETAILS_KEY, where the gRPC rules put it).
+RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
 HTTP_PATH = TRACES_PATH
 
 GRPC_WORKERS = 4
@@ -123,10 +129,11 @@ def drop_invalid_spans(request: ExportTraceServiceRequest) -> tuple[int, Counter
 
 def shut_down(conns: Iterable[socket.socket]) -> None:
     """Shut both ways of each connection, which wakes a handler blocked on it;
-    one already closed is passed over."""
+    one already closed is passed over. A TLS connection's socket is shut
+    under its TLS state, which the handler's thread is still using."""
     for conn in conns:
         try:
-            conn.shutdown(socket.SHUT_RDWR)
+            socket.socket.shutdown(conn, socket.SHUT_RDWR)
         except OSError:
             pass
 
@@ -153,6 +160,12 @@ MALFORMED_HTTP = "malformed_http"
 TOO_MANY_CONNECTIONS = "too_many_connections"
 # Cut off at REQUEST_TIMEOUT_S (both transports).
 TIMEOUT = "timeout"
+# Refused by the lock-down (trust.py): no or a wrong bearer token; the
+# sender over its rate; (HTTP) a TLS handshake that failed: not TLS, no or
+# an untrusted client certificate. gRPC refuses those handshakes itself,
+# unseen by the handler: they are not counted.
+UNAUTHENTICATED, RATE_LIMITED, TLS_HANDSHAKE_FAILED = (
+    "unauthenticated", "rate_limited", "tls_handshake_failed")
 # gRPC: the call ended without a whole message: over the size limit, in a
 # compression grpc could not undo, cancelled by the client (grpc answers those
 # itself: RESOURCE_EXHAUSTED, INTERNAL, CANCELLED), or none was sent
@@ -174,11 +187,14 @@ _GRPC_CODES = {
     BUSY: grpc.StatusCode.UNAVAILABLE,
     STOPPED: grpc.StatusCode.UNAVAILABLE,
     ERROR: grpc.StatusCode.INTERNAL,
+    UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    # the OTLP spec's answer to throttling: retryable, with RetryInfo
+    RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 _HTTP_STATUS = {
     OK: 200, PARTIAL: 200, INVALID: 400, TOO_LARGE: 413, BUSY: 503, STOPPED: 503,
     ERROR: 500, UNSUPPORTED_MEDIA_TYPE: 415, NOT_FOUND: 404, METHOD_NOT_ALLOWED: 405,
-    LENGTH_REQUIRED: 411,
+    LENGTH_REQUIRED: 411, UNAUTHENTICATED: 401, RATE_LIMITED: 429,
 }
 # google.rpc.Status.code for HTTP error bodies (informational per the spec).
 _RPC_CODES = {
@@ -186,15 +202,21 @@ _RPC_CODES = {
     BUSY: code_pb2.UNAVAILABLE, STOPPED: code_pb2.UNAVAILABLE, ERROR: code_pb2.INTERNAL,
     UNSUPPORTED_MEDIA_TYPE: code_pb2.INVALID_ARGUMENT, NOT_FOUND: code_pb2.NOT_FOUND,
     METHOD_NOT_ALLOWED: code_pb2.UNIMPLEMENTED, LENGTH_REQUIRED: code_pb2.INVALID_ARGUMENT,
+    UNAUTHENTICATED: code_pb2.UNAUTHENTICATED, RATE_LIMITED: code_pb2.RESOURCE_EXHAUSTED,
 }
+UNAUTHENTICATED_MESSAGE = "missing or wrong bearer token"
+
+
+def _retry_info(retry_after_s: float) -> error_details_pb2.RetryInfo:
+    info = error_details_pb2.RetryInfo()
+    info.retry_delay.FromNanoseconds(int(max(retry_after_s, 0.0) * 1e9))
+    return info
 
 
 def _status_bytes(kind: str, message: str, retry_after_s: float | None = None) -> bytes:
     st = status_pb2.Status(code=_RPC_CODES.get(kind, code_pb2.UNKNOWN), message=message)
     if retry_after_s is not None:
-        info = error_details_pb2.RetryInfo()
-        info.retry_delay.FromNanoseconds(int(max(retry_after_s, 0.0) * 1e9))
-        st.details.add().Pack(info)
+        st.details.add().Pack(_retry_info(retry_after_s))
     return st.SerializeToString()
 
 
@@ -234,6 +256,12 @@ class OtlpReceiver:
         self._calls_lock = threading.Lock()
         self._reaper: threading.Thread | None = None
         self._reaper_stop = threading.Event()
+        # The lock-down (trust.py), made by start() from the files named in cfg.
+        self._ssl_context: ssl.SSLContext | None = None
+        self._token: BearerToken | None = None
+        self._limiter = (SenderRateLimiter(cfg.rate_limit_spans_per_s, cfg.rate_limit_burst,
+                                           cfg.rate_limit_max_senders)
+                         if cfg.rate_limit_spans_per_s > 0 else None)
 
     # ---- lifecycle ----
 
@@ -243,7 +271,11 @@ class OtlpReceiver:
         with self._lifecycle:
             if self._running:
                 return
-            grpc_server = self._start_grpc()
+            # Files first: a bad one is an OSError naming its key, before any port opens.
+            self._ssl_context = server_ssl_context(self._cfg)
+            credentials = grpc_server_credentials(self._cfg)
+            self._token = BearerToken(self._cfg.bearer_token_file) if self._cfg.bearer_token_file else None
+            grpc_server = self._start_grpc(credentials)
             try:
                 self._start_http()
             except BaseException:
@@ -254,8 +286,8 @@ class OtlpReceiver:
             self._reaper_stop.clear()
             self._reaper = threading.Thread(target=self._reap_loop, name="otlp-reaper", daemon=True)
             self._reaper.start()
-            log.info("OTLP receiver on %s: gRPC port %d, HTTP port %d",
-                     self._cfg.receiver_address, self.grpc_port, self.http_port)
+            log.info("OTLP receiver on %s: gRPC port %d, HTTP port %d; %s",
+                     self._cfg.receiver_address, self.grpc_port, self.http_port, self.lockdown())
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop both servers, letting in-flight requests finish for `grace`
@@ -282,7 +314,17 @@ class OtlpReceiver:
     def running(self) -> bool:
         return self._running
 
-    def _start_grpc(self) -> grpc.Server:
+    def lockdown(self) -> str:
+        """What the receiver asks of a sender, in words (no secret in them)."""
+        cfg = self._cfg
+        tls = ("plain (no TLS)" if not cfg.tls_cert_file else
+               "TLS with client certificates" if cfg.tls_client_ca_file else "TLS")
+        token = "a bearer token" if cfg.bearer_token_file else "no token"
+        rate = (f"{cfg.rate_limit_spans_per_s:g} spans/s a sender (burst "
+                f"{self._limiter.burst:g})" if self._limiter else "no rate limit")
+        return f"{tls}, {token}, {rate}"
+
+    def _start_grpc(self, credentials: grpc.ServerCredentials | None) -> grpc.Server:
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="otlp-grpc"),
             options=[
@@ -302,8 +344,10 @@ class OtlpReceiver:
         server.add_generic_rpc_handlers((handler,))
         addr = self._cfg.receiver_address
         host = f"[{addr}]" if ":" in addr else addr
+        target = f"{host}:{self._cfg.grpc_port}"
         try:
-            port = server.add_insecure_port(f"{host}:{self._cfg.grpc_port}")
+            port = (server.add_secure_port(target, credentials) if credentials is not None
+                    else server.add_insecure_port(target))
         except RuntimeError as e:
             raise OSError(f"OTLP gRPC receiver cannot bind {host}:{self._cfg.grpc_port}: {e}") from None
         if not port:
@@ -365,13 +409,17 @@ class OtlpReceiver:
 
     # ---- the one request path both transports share ----
 
-    def _handle_payload(self, payload: bytes, transport: str) -> _Outcome:
+    def _handle_payload(self, payload: bytes, transport: str, sender: str) -> _Outcome:
         """Parse, validate and pass on one serialized ExportTraceServiceRequest."""
-        outcome = self._handle(payload)
+        outcome = self._handle(payload, sender)
         self._count(transport, outcome.kind)
         return outcome
 
-    def _handle(self, payload: bytes) -> _Outcome:
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether a request with this `authorization` value may deliver."""
+        return self._token is None or self._token.accepts(authorization)
+
+    def _handle(self, payload: bytes, sender: str) -> _Outcome:
         if not self._accepting:
             return _Outcome(STOPPED, "receiver is shutting down")
         if len(payload) > self.max_message_bytes:
@@ -381,6 +429,12 @@ class OtlpReceiver:
             request = ExportTraceServiceRequest.FromString(payload)
         except (DecodeError, ValueError, RecursionError) as e:
             return _Outcome(INVALID, f"request is not a valid ExportTraceServiceRequest: {e}")
+        if self._limiter is not None:
+            wait = self._limiter.take(sender, count_spans(request.resource_spans))
+            if wait is not None:
+                return _Outcome(RATE_LIMITED, f"over the rate of {self._limiter.rate:g} spans/s "
+                                              f"for this sender; retry in {wait:.2f} s",
+                                retry_after_s=wait)
         valid, rejected = drop_invalid_spans(request)
         accepted = 0
         if valid:
@@ -428,21 +482,28 @@ class OtlpReceiver:
         return _Outcome(NOT_RECEIVED, "Export takes exactly one request message")
 
     def _grpc_export(self, request_iterator, context: grpc.ServicerContext) -> bytes:
+        if self._token is not None:
+            sent = [v for k, v in context.invocation_metadata() if k == "authorization"]
+            if len(sent) != 1 or not self.authorized(sent[0]):
+                self._count("grpc", UNAUTHENTICATED)
+                context.abort(_GRPC_CODES[UNAUTHENTICATED], UNAUTHENTICATED_MESSAGE)
         payload = self._grpc_receive(request_iterator, context)
         if isinstance(payload, _Outcome):
             self._count("grpc", payload.kind)
             # where grpc has already answered, this changes nothing
             context.abort(_GRPC_CODES[INVALID], payload.message)
         try:
-            outcome = self._handle_payload(payload, "grpc")
+            outcome = self._handle_payload(payload, "grpc", sender_of_peer(context.peer()))
         except Exception:   # never let a request take a worker down
             self._ratelog(logging.ERROR, "grpc", "OTLP gRPC request failed", exc_info=True)
             outcome = _Outcome(ERROR, "internal error")
         if outcome.kind in (OK, PARTIAL):
             return outcome.response
         if outcome.retry_after_s is not None:
-            context.set_trailing_metadata(((STATUS_DETAILS_KEY, _status_bytes(
-                outcome.kind, outcome.message, outcome.retry_after_s)),))
+            context.set_trailing_metadata((
+                (STATUS_DETAILS_KEY, _status_bytes(outcome.kind, outcome.message,
+                                                   outcome.retry_after_s)),
+                (RETRY_INFO_KEY, _retry_info(outcome.retry_after_s).SerializeToString())))
         context.abort(_GRPC_CODES[outcome.kind], outcome.message)
 
 
@@ -469,6 +530,40 @@ class _HttpServer(ThreadingHTTPServer):
         except BaseException:          # no thread for it: forget it (serve_forever closes it)
             self.track(request, False)
             raise
+
+    def finish_request(self, request, client_address) -> None:
+        ctx = self.receiver._ssl_context
+        if ctx is None:
+            super().finish_request(request, client_address)
+            return
+        # The handshake runs here, on the connection's own thread (a slow
+        # client holds no one else up), under the connection's deadline.
+        conn = ctx.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+        self.rekey(request, conn)
+        try:
+            conn.settimeout(_HttpHandler.timeout)
+            try:
+                conn.do_handshake()
+            except (OSError, ValueError) as e:   # ssl.SSLError is an OSError
+                if not self.cut_off(conn):         # else counted as a timeout
+                    self.receiver._count("http", TLS_HANDSHAKE_FAILED)
+                log.debug("OTLP HTTP TLS handshake with %s failed: %s", client_address[0], e)
+                return
+            super().finish_request(conn, client_address)
+        finally:
+            self.track(conn, False)
+            self.shutdown_request(conn)
+
+    def rekey(self, raw: socket.socket, conn: socket.socket) -> None:
+        """The TLS socket took over the raw one's descriptor: track it instead."""
+        with self._conns_lock:
+            if raw in self._conns:
+                self._conns[conn] = self._conns.pop(raw)
+
+    def cut_off(self, conn: socket.socket) -> bool:
+        """Whether close_expired shut the connection (before its request was in)."""
+        with self._conns_lock:
+            return self._conns.get(conn) == float("inf")
 
     def track(self, conn: socket.socket, alive: bool) -> None:
         """Renew the connection's deadline (after an answer); forget it."""
@@ -547,6 +642,8 @@ class _HttpHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         try:
+            if not self.receiver.authorized(self._authorization()):
+                raise _ProtocolError(UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
             if urlsplit(self.path).path != HTTP_PATH:
                 raise _ProtocolError(NOT_FOUND, f"no such path {urlsplit(self.path).path!r}; "
                                                 f"traces go to {HTTP_PATH}")
@@ -568,7 +665,7 @@ class _HttpHandler(BaseHTTPRequestHandler):
             self._reply_error(_Outcome(e.kind, str(e)))
             return
         try:
-            outcome = self.receiver._handle_payload(body, "http")
+            outcome = self.receiver._handle_payload(body, "http", normal_sender(self.client_address[0]))
         except Exception:
             self.receiver._ratelog(logging.ERROR, "http", "OTLP HTTP request failed", exc_info=True)
             outcome = _Outcome(ERROR, "internal error")
@@ -576,6 +673,10 @@ class _HttpHandler(BaseHTTPRequestHandler):
             self._reply(200, outcome.response)
         else:
             self._reply_error(outcome)
+
+    def _authorization(self) -> str | None:
+        sent = self.headers.get_all("Authorization") or []
+        return sent[0] if len(sent) == 1 else None
 
     def _other_method(self) -> None:
         path = urlsplit(self.path).path
@@ -663,11 +764,13 @@ class _HttpHandler(BaseHTTPRequestHandler):
     # ---- replies ----
 
     def _reply_error(self, outcome: _Outcome) -> None:
-        if outcome.kind in (NOT_FOUND, METHOD_NOT_ALLOWED, UNSUPPORTED_MEDIA_TYPE):
+        if outcome.kind in (NOT_FOUND, METHOD_NOT_ALLOWED, UNSUPPORTED_MEDIA_TYPE, UNAUTHENTICATED):
             self._discard_body()
         headers = {}
         if outcome.kind == METHOD_NOT_ALLOWED:
             headers["Allow"] = "POST"
+        if outcome.kind == UNAUTHENTICATED:
+            headers["WWW-Authenticate"] = "Bearer"
         if outcome.retry_after_s is not None:
             headers["Retry-After"] = str(max(0, math.ceil(outcome.retry_after_s)))
         self._reply(_HTTP_STATUS[outcome.kind],

@@ -26,6 +26,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 
+from receivers import receivers
+
 from spanlet.config import OtlpConfig
 from spanlet.exporters.otlp.receiver import GRPC_METHOD, Backpressure, OtlpReceiver
 
@@ -61,21 +63,11 @@ class Recorder:
 @pytest.fixture
 def started():
     """started(**cfg) -> (receiver, recorder) on free loopback ports; stopped after."""
-    made = []
-
-    def make(**kw):
-        cfg = OtlpConfig(receiver_address="127.0.0.1", grpc_port=0, http_port=0, **kw)
-        rec = Recorder()
-        r = OtlpReceiver(cfg, rec)
-        made.append(r)
-        r.start()
-        return r, rec
-
-    try:
-        yield make
-    finally:
-        for r in made:
-            r.stop(0)
+    with receivers() as make:
+        def start(**kw):
+            rec = Recorder()
+            return make(rec, **kw), rec
+        yield start
 
 
 @pytest.fixture
