@@ -37,6 +37,7 @@ PATH = "/v1/completions"
 MAX_HEADERS = 100
 MAX_BODY = 64 << 10
 ENGINE_CONNECT_S = 30.0
+DRAIN_S = 5.0              # how long requests under way may finish once the demo stops
 
 
 class BadRequest(Exception):
@@ -175,12 +176,14 @@ class FrontEnd:
         sock.setblocking(False)
         server = await asyncio.start_server(self.handle, sock=sock)
         print("ready", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, stop.wait)
         server.close()
-        while self.pending:         # requests under way finish (the demo stopped its clients)
+        # requests under way finish (the demo stopped its clients), for a while: a
+        # demo killed outright took its clients and its engine with it
+        deadline = loop.time() + DRAIN_S
+        while self.pending and self.engine_w is not None and loop.time() < deadline:
             await asyncio.sleep(0.05)
-            if self.engine_w is None:
-                break
 
 
 async def _write(writer: asyncio.StreamWriter, data: bytes) -> bool:

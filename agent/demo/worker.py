@@ -324,8 +324,20 @@ def child_of(parent: int) -> threading.Event | None:
     if os.getppid() != parent:
         return None
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    fired: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        # A signal that lands while the handler of an earlier one is inside
+        # stop.set() must not call it again: the event's lock is not reentrant
+        # (a demo killed outright sent several, and its front end hung there).
+        # The list is marked before set() is called, with no lock.
+        if fired:
+            return
+        fired.append(signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     return stop
 
 

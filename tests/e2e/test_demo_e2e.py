@@ -228,6 +228,9 @@ def _kill_then_rerun(argv: list[str]) -> None:
             if "traffic for" in line:
                 break
         assert "traffic for" in lines[-1], "".join(lines)
+        # killed with requests under way (streams open, a batch in the engine)
+        for _ in range(3):
+            lines.append(first.stdout.readline())
         assert len(demo_processes()) == DEMO_PROCESSES
         assert demo.POOL_DIR.is_dir() and os.path.exists(f"/run/netns/{demo.NETNS}")
     finally:
