@@ -570,6 +570,10 @@ class Config(_Section):
     # carries (SPANLET_IMAGE_KERNEL_HEADERS=/opt/spanlet/kernel-headers).
     image_kernel_headers: str = ""
     ringbuf_pages: int = Field(default=256, ge=1, le=65536)
+    # Records a cgroup may send a second through the sampled GPU stream and the
+    # sandbox's records (one pod cannot fill the ring the others' go through);
+    # refusals counted per pod. 0: no bound. launch_events "all" is not bounded.
+    ringbuf_records_per_cgroup_s: int = Field(default=2000, ge=0, le=100_000_000)
     # The one HTTP port for people and scrapers: /metrics, /healthz, /readyz.
     http_address: str = "0.0.0.0"
     http_port: int = Field(default=9464, ge=0, le=65535)

@@ -12,7 +12,9 @@
 /* Which calls become ring-buffer records (GpuConfig.launch_events):
  *   -DSPANLET_GPU_EVENTS_ALL      every outermost launch and sync call;
  *   -DSPANLET_GPU_EVENTS_SAMPLED  the first SPANLET_GPU_SAMPLED_PER_SPAN calls of
- *                                 each span (counted in its facts row);
+ *                                 each span (counted in its facts row), at
+ *                                 most SPANLET_RECORDS_PER_CGROUP_S a second
+ *                                 for each cgroup (spanlet.h);
  *   neither                       none: counts and span facts only.
  * -DSPANLET_GPU_LAUNCH_TIMING: driver launches get a return probe and their
  * call time is measured (launch_ns); without it a driver launch is one
@@ -135,7 +137,7 @@ static __always_inline __u8 gpu_should_emit(struct span_facts_val *row)
 #if defined(SPANLET_GPU_EVENTS_ALL)
     return 1;
 #elif defined(SPANLET_GPU_EVENTS_SAMPLED)
-    if (!row || row->sampled_events >= SPANLET_GPU_SAMPLED_PER_SPAN)
+    if (!row || row->sampled_events >= SPANLET_GPU_SAMPLED_PER_SPAN || !spanlet_cgroup_may_send())
         return 0;
     __sync_fetch_and_add(&row->sampled_events, 1);
     return 1;

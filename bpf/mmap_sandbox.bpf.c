@@ -474,6 +474,8 @@ int sbx_mmap(struct tracepoint__syscalls__sys_enter_mmap *args)
     struct span_facts_val *row = span ? spanlet_span_row(span) : 0;
     if (row)
         __sync_fetch_and_add(&row->violations, 1);
+    if (!spanlet_cgroup_may_send())
+        return 0;   /* counted above; only the record is bounded */
 
     struct sandbox_event *ev = events.ringbuf_reserve(sizeof(*ev));
     if (!ev) {

@@ -8,6 +8,9 @@
 #include <uapi/linux/ptrace.h>
 
 BPF_PERCPU_ARRAY(spanlet_span_marks_total, __u64, 1);
+/* Marks no span can have (W3C: an all-zero trace id is invalid): the thread
+ * is taken out of its span, as a mark with span id 0 would. */
+BPF_PERCPU_ARRAY(spanlet_span_marks_invalid_total, __u64, 1);
 
 /* Processes whose mapped libraries may have changed since library discovery
  * last looked (spanlet.discovery.MapsWatch drains it each refresh and reads
@@ -65,6 +68,14 @@ int span_ctx_mark(struct pt_regs *ctx)
 #ifdef SPANLET_OTEL_MAP
     __u64 pid_tgid = bpf_get_current_pid_tgid();
 #endif
+    __u64 hi = __builtin_bswap64((__u64)PT_REGS_PARM1(ctx));
+    __u64 lo = __builtin_bswap64((__u64)PT_REGS_PARM2(ctx));
+    if (span_id != 0 && hi == 0 && lo == 0) {
+        __u64 *invalid = spanlet_span_marks_invalid_total.lookup(&zero);
+        if (invalid)
+            *invalid += 1;
+        span_id = 0;
+    }
     if (span_id == 0) {
         span_ctx.delete(&tid);
 #ifdef SPANLET_OTEL_MAP
@@ -74,8 +85,6 @@ int span_ctx_mark(struct pt_regs *ctx)
     }
     struct span_ctx_val v = {};
     /* trace id bytes in W3C order: the high half first, big-endian */
-    __u64 hi = __builtin_bswap64((__u64)PT_REGS_PARM1(ctx));
-    __u64 lo = __builtin_bswap64((__u64)PT_REGS_PARM2(ctx));
     __builtin_memcpy(v.trace_id, &hi, 8);
     __builtin_memcpy(v.trace_id + 8, &lo, 8);
     v.span_id = span_id;

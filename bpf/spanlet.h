@@ -279,6 +279,48 @@ static __always_inline void spanlet_count_drop(void)
         *n += 1;
 }
 
+/* A bound per cgroup on the records a process-context program sends (the
+ * sampled GPU stream, sandbox records): SPANLET_RECORDS_PER_CGROUP_S a
+ * second for each cgroup, so one pod that floods its own spans or pools
+ * cannot fill the ring the others' records go through. 0: no bound. Records
+ * refused are counted for their cgroup (the agent reads the map and keeps
+ * the totals of cgroups the LRU forgets). Window start and count are reset
+ * without a lock: two CPUs racing at a window's edge may each let one more
+ * record through. */
+#ifndef SPANLET_RECORDS_PER_CGROUP_S
+#define SPANLET_RECORDS_PER_CGROUP_S 0
+#endif
+struct spanlet_cgroup_budget_val {
+    __u64 window_ns;     /* CLOCK_MONOTONIC start of this one-second window */
+    __u64 sent;          /* records sent in it */
+    __u64 limited;       /* records refused since the entry was made */
+};
+BPF_TABLE("lru_hash", __u64, struct spanlet_cgroup_budget_val, cgroup_record_budget, 4096);
+
+static __always_inline int spanlet_cgroup_may_send(void)
+{
+    if (SPANLET_RECORDS_PER_CGROUP_S == 0)
+        return 1;
+    __u64 cg = bpf_get_current_cgroup_id();
+    __u64 now = bpf_ktime_get_ns();
+    struct spanlet_cgroup_budget_val *b = cgroup_record_budget.lookup(&cg);
+    if (!b) {
+        struct spanlet_cgroup_budget_val init = {.window_ns = now, .sent = 1, .limited = 0};
+        cgroup_record_budget.update(&cg, &init);
+        return 1;
+    }
+    if (now - b->window_ns >= 1000000000ULL) {
+        b->window_ns = now;
+        b->sent = 0;
+    }
+    if (b->sent >= SPANLET_RECORDS_PER_CGROUP_S) {
+        __sync_fetch_and_add(&b->limited, 1);
+        return 0;
+    }
+    __sync_fetch_and_add(&b->sent, 1);
+    return 1;
+}
+
 /* Fill the header for the current task: ids, cgroup, and the span context
  * of the calling thread when the marker has set one. */
 static __always_inline void spanlet_fill_task_hdr(struct spanlet_hdr *h, __u16 kind)

@@ -181,6 +181,10 @@ SELF = (
     Metric("spanlet_span_marks_total", "counter", "",
            "Span marker calls seen (span starts and ends of instrumented threads)", (),
            Source("spanlet.probes.span_ctx", "spanlet_span_marks_total")),
+    Metric("spanlet_span_marks_invalid_total", "counter", "",
+           "Span marker calls with a span id and an all-zero trace id (no span has it): "
+           "the thread is taken out of its span", (),
+           Source("spanlet.probes.span_ctx", "spanlet_span_marks_invalid_total")),
     Metric("spanlet_probe_attached", "gauge", "", "1 if the probe is attached", ("probe",), PROBES),
     Metric("spanlet_probe_failed_attachments", "gauge", "", "Attachments of the probe that failed",
            ("probe",), PROBES),
@@ -188,6 +192,11 @@ SELF = (
            PROBES),
     Metric("spanlet_events_dropped_total", "counter", "", "Ring-buffer records that found no room",
            ("probe",), Source("spanlet.probes.base", "spanlet_events_dropped_total")),
+    Metric("spanlet_events_cgroup_limited_total", "counter", "",
+           "Ring-buffer records not sent because their cgroup had sent "
+           "ringbuf_records_per_cgroup_s records that second (sampled GPU stream, sandbox "
+           "records); the counts in the kernel maps and span facts are unaffected",
+           ("probe", *WORKLOAD), Source("spanlet.probes.base", "cgroup_record_budget")),
     Metric("spanlet_export_dropped_spans_total", "counter", "", "Spans not exported upstream",
            ("reason",), EXPORT),
     Metric("spanlet_export_queue_spans", "gauge", "", "Spans waiting for upstream export", (), EXPORT),

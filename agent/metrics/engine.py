@@ -35,12 +35,17 @@ def self_metrics(src: MetricEngine) -> list[Family]:
     failed = family("spanlet_probe_failed_attachments")
     read = family("spanlet_events_read_total")
     dropped = family("spanlet_events_dropped_total")
+    limited = family("spanlet_events_cgroup_limited_total")
     for p in src.probes:
         lab = labels(probe=p.name)
         attached.samples.append(Sample(lab, 1 if p.status.attached else 0))
         failed.samples.append(Sample(lab, len(p.status.failed_attachments)))
         read.samples.append(Sample(lab, p.events_read))
         dropped.samples.append(Sample(lab, p.events_dropped()))
+        by_pod: dict = defaultdict(int)
+        for cgroup, n in p.cgroup_limited().items():
+            by_pod[labels(probe=p.name, **src._workload(cgroup))] += n
+        limited.samples += [Sample(k, v) for k, v in sorted(by_pod.items())]
     join = src.join
     exp = src.span_export.stats()
     drops = family("spanlet_export_dropped_spans_total")
@@ -52,7 +57,7 @@ def self_metrics(src: MetricEngine) -> list[Family]:
                         for t, by in sorted(rx["requests"].items()) for o, n in sorted(by.items())]
     otlp_rej = family("spanlet_otlp_receiver_rejected_spans_total")
     otlp_rej.samples = [Sample(labels(reason=r), n) for r, n in sorted(rx["spans_rejected"].items())]
-    return [attached, failed, read, dropped, drops, *store_metrics(src.store), otlp_req, otlp_rej,
+    return [attached, failed, read, dropped, limited, drops, *store_metrics(src.store), otlp_req, otlp_rej,
             _single("spanlet_otlp_receiver_accepted_spans_total", rx["spans_accepted"]),
             _single("spanlet_export_queue_bytes", exp.get("queue_bytes", 0)),
             _single("spanlet_join_buffer_events", join.pending_events()),
@@ -157,7 +162,7 @@ class MetricEngine:
                 *kernel.sandbox_self_metrics(sb, self._workload)])
         span_ctx = self.probes.span_ctx
         if span_ctx is not None:
-            out += self._guard("span_ctx", lambda: [kernel.spanlet_span_marks_total(span_ctx)])
+            out += self._guard("span_ctx", lambda: kernel.spanlet_span_marks_total(span_ctx))
         if self.nvml.status.available:
             out += self._guard("nvml", lambda: [
                 device.spanlet_gpu_utilization_ratio(self.nvml),

@@ -108,10 +108,12 @@ def sandbox_self_metrics(sandbox, workload: Workload) -> list[Family]:
     ]
 
 
-def spanlet_span_marks_total(span_ctx) -> Family:
+def spanlet_span_marks_total(span_ctx) -> list[Family]:
     """Marker calls the span context uprobe saw: zero while spans flow means
-    the marker is not attached in the serving processes."""
-    return family("spanlet_span_marks_total", [Sample((), span_ctx.marks())])
+    the marker is not attached in the serving processes. And those no span
+    can have (taken as leaving the span)."""
+    return [family("spanlet_span_marks_total", [Sample((), span_ctx.marks())]),
+            family("spanlet_span_marks_invalid_total", [Sample((), span_ctx.invalid_marks())])]
 
 
 def tc_self_metrics(tc) -> list[Family]:

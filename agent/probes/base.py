@@ -7,6 +7,7 @@ import importlib.resources
 import logging
 import mmap
 import re
+import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Callable
 
 from spanlet import events
 from spanlet.config import Config
-from spanlet.probes.maps import percpu_sum
+from spanlet.probes.maps import Totals, percpu_sum, read_batches
 from spanlet.probes.ringbuf import RingBufferReader
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class ProbeStatus:
     attachments: list[str] = field(default_factory=list)
     failed_attachments: list[str] = field(default_factory=list)
 
+_U64 = struct.Struct("<Q")
+_BUDGET = struct.Struct("<3Q")     # struct spanlet_cgroup_budget_val (bpf/spanlet.h)
+
 
 class Probe:
     """One kernel program: bpf/<name>.bpf.c and the code that drives it."""
@@ -76,6 +80,7 @@ class Probe:
         self.sink_errors = 0
         self._ring: RingBufferReader | None = None
         self._lock = threading.Lock()
+        self._limited = Totals()
 
     # -- what subclasses provide -------------------------------------------------
     @property
@@ -84,7 +89,8 @@ class Probe:
 
     def cflags(self) -> list[str]:
         """-D flags that switch this probe's behaviour."""
-        return [f"-DSPANLET_RINGBUF_PAGES={self.ringbuf_pages()}"]
+        return [f"-DSPANLET_RINGBUF_PAGES={self.ringbuf_pages()}",
+                f"-DSPANLET_RECORDS_PER_CGROUP_S={self.cfg.ringbuf_records_per_cgroup_s}"]
 
     def ringbuf_pages(self) -> int:
         return self.cfg.ringbuf_pages
@@ -172,6 +178,17 @@ class Probe:
         if self.bpf is None:
             return 0
         return percpu_sum(self.bpf["spanlet_events_dropped_total"], 0)
+
+    def cgroup_limited(self) -> dict[int, int]:
+        """cgroup id → records refused by the per-cgroup bound
+        (SPANLET_RECORDS_PER_CGROUP_S), totals since start."""
+        with self._lock:
+            if self.bpf is None:
+                return self._limited.update({})
+            keys, vals = read_batches(self.bpf["cgroup_record_budget"])
+            return self._limited.update({cg: limited for (cg,), (_, _, limited) in
+                                         zip(_U64.iter_unpack(keys), _BUDGET.iter_unpack(vals))
+                                         if limited})
 
     def stop(self) -> None:
         """Detach everything this probe attached; safe to call twice."""

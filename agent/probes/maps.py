@@ -78,3 +78,32 @@ def percpu_sum(table, key) -> int:
     except KeyError:
         return 0
     return sum(int(getattr(v, "value", v)) for v in values)
+
+
+class Totals:
+    """Monotonic per-key totals of counters kept in an LRU map: an entry the
+    LRU drops and remakes starts again from 0, which would read as a counter
+    going back. Keys beyond `max_keys` (the least recently grown first) are
+    folded into key 0."""
+
+    def __init__(self, max_keys: int = 4096):
+        self.max_keys = max_keys
+        self._last: dict = {}
+        self._total: dict = {}
+
+    def update(self, current: dict) -> dict:
+        """current: key → the map's counter now. Returns the totals."""
+        last, total = self._last, self._total
+        for key, value in current.items():
+            before = last.get(key, 0)
+            grew = value - before if value >= before else value   # remade: counts from 0
+            if grew:
+                total[key] = total.pop(key, 0) + grew              # most recently grown last
+            last[key] = value
+        for key in [k for k in last if k not in current]:
+            del last[key]
+        while len(total) - (0 in total) > self.max_keys:
+            key = next(k for k in total if k != 0)
+            total[0] = total.get(0, 0) + total.pop(key)
+        return dict(total)
+

@@ -191,6 +191,10 @@ class SpanCtxProbe(Probe):
         """Marker calls seen (span starts and ends of instrumented processes)."""
         return percpu_sum(self.bpf["spanlet_span_marks_total"], 0) if self.bpf else 0
 
+    def invalid_marks(self) -> int:
+        """Marks with an all-zero trace id and a span id: the thread left its span."""
+        return percpu_sum(self.bpf["spanlet_span_marks_invalid_total"], 0) if self.bpf else 0
+
     def set(self, tid: int, trace_id: bytes, span_id: int, modality: events.Modality) -> None:
         """Write one thread's context as the marker uprobe would (tests, tools)."""
         table = self.bpf["span_ctx"]

@@ -40,6 +40,8 @@ class FakeProbe:
         self.unresolved_opens = int
         self.untracked_fds = int
         self.marks = int
+        self.invalid_marks = int
+        self.cgroup_limited = lambda: {42: 3}
         self.rejected = dict
         self.uncounted = dict
         self.graph_launches = dict
