@@ -270,7 +270,7 @@ class AdminServer:
             os.chmod(tmp, 0o600)
             os.rename(tmp, self.path)
             s.listen(16)
-            s.settimeout(0.1)  # how soon stop() is noticed
+            s.settimeout(1.0)  # the history's sample period; stop() wakes accept() itself
         except OSError:
             s.close()
             tmp.unlink(missing_ok=True)
@@ -282,6 +282,12 @@ class AdminServer:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
+            try:                      # wake accept(): a connection the loop drops
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
+                    wake.settimeout(1.0)
+                    wake.connect(str(self.path))
+            except OSError:
+                pass
             self._thread.join(timeout=2.0)
             self._thread = None
         if self._sock is not None:
@@ -317,6 +323,9 @@ class AdminServer:
                     return
                 time.sleep(0.1)
                 continue
+            if self._stop.is_set():
+                conn.close()
+                return
             try:
                 self._answer(conn)
             except Exception:

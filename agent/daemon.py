@@ -189,7 +189,7 @@ class Daemon:
         if self.probes.span_ctx is not None:
             self.spans.join.facts = self.probes.span_ctx.facts
         for probe in self.probes:
-            if probe.status.attached:
+            if probe.status.attached and probe.sends_records():
                 t = threading.Thread(target=self._read_loop, args=(probe,),
                                      name=f"reader-{probe.name}", daemon=True)
                 t.start()
@@ -321,6 +321,7 @@ class Daemon:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        while not self.stopping.wait(0.1):
+        # The handler's set() ends the wait at once; the timeout only bounds it.
+        while not self.stopping.wait(5.0):
             pass
         self.stop()

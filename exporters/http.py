@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -56,12 +57,18 @@ class AgentHttpServer(ThreadingHTTPServer):
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
+        # The loop wakes for requests only: stop() wakes it by shutting the
+        # listening socket down (an idle agent's thread stays asleep).
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 5.0},
                                         name="http", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         if self._thread is not None:
+            try:
+                self.socket.shutdown(socket.SHUT_RDWR)   # select() returns at once
+            except OSError:
+                pass
             self.shutdown()
             self.server_close()
             self._thread = None

@@ -95,6 +95,11 @@ class Probe:
     def ringbuf_pages(self) -> int:
         return self.cfg.ringbuf_pages
 
+    def sends_records(self) -> bool:
+        """Whether the program can put records in its ring buffer as configured
+        (no reader thread is started for one that cannot)."""
+        return True
+
     def _attach(self) -> None:
         """Attach the compiled programs; raise ProbeError if none could be."""
         raise NotImplementedError

@@ -220,6 +220,9 @@ class GpuProbe(Probe):
     def source_text(self) -> str:
         return with_dispatcher(super().source_text())
 
+    def sends_records(self) -> bool:
+        return self.cfg.gpu.launch_events != "off"
+
     def cflags(self) -> list[str]:
         gpu = self.cfg.gpu
         flags = super().cflags()

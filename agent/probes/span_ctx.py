@@ -169,6 +169,9 @@ class SpanCtxProbe(Probe):
     def ringbuf_pages(self) -> int:
         return 1  # no records of its own
 
+    def sends_records(self) -> bool:
+        return False
+
     def _attach(self) -> None:
         # The exit tracepoint is attached by BCC at load; markers come from discovery.
         self.refresh()
