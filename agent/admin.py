@@ -170,7 +170,10 @@ class AdminState:
     def __init__(self):
         self._lock = threading.Lock()
         self.violations: deque = deque(maxlen=RING_VIOLATIONS)
-        self.spans: deque = deque(maxlen=RING_SPANS)
+        # the newest RING_SPANS spans, kept as the containers they came in:
+        # (resource, its scope's spans, when they came); _chunked spans in all
+        self._chunks: deque = deque()
+        self._chunked = 0
         self.launches_by_pid: Counter = Counter()
         self.launch_pids_dropped = 0
 
@@ -189,19 +192,32 @@ class AdminState:
 
     def on_joined(self, resource_spans) -> None:
         """Keeps the last RING_SPANS spans as they are (with their resource
-        and when they came); rows are built only when inspect asks, so a
-        span costs the ring a tuple, not a dict of its attributes."""
+        and when they came): a reference to each scope's list of spans,
+        nothing per span; rows are built only when inspect asks."""
         now = time.time_ns()
-        kept = []
-        for rs in resource_spans:
-            for ss in rs.scope_spans:
-                kept.extend((rs.resource, s, now) for s in ss.spans)
         with self._lock:
-            self.spans.extend(kept[-RING_SPANS:])
+            chunks = self._chunks
+            for rs in resource_spans:
+                for ss in rs.scope_spans:
+                    n = len(ss.spans)
+                    if n:
+                        chunks.append((rs.resource, ss.spans, now))
+                        self._chunked += n
+            # the oldest lists the newest RING_SPANS spans no longer reach
+            while chunks and self._chunked - len(chunks[0][1]) >= RING_SPANS:
+                self._chunked -= len(chunks.popleft()[1])
+
+    @property
+    def spans(self) -> list:
+        """(resource, span, received ns) of the newest RING_SPANS spans, oldest first."""
+        with self._lock:
+            kept = [(res, s, now) for res, spans, now in self._chunks for s in spans]
+        return kept[-RING_SPANS:]
 
     def snapshot(self):
+        spans = self.spans
         with self._lock:
-            violations, spans, by_pid = list(self.violations), list(self.spans), Counter(self.launches_by_pid)
+            violations, by_pid = list(self.violations), Counter(self.launches_by_pid)
         resources: dict[int, dict] = {}
         return violations, [_span_row(s, now, resources, res) for res, s, now in spans], by_pid
 

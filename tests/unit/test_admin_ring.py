@@ -1,0 +1,46 @@
+"""The admin state's ring of recent spans (what `spanlet inspect spans` shows):
+the newest RING_SPANS spans over any number of requests, oldest first, each
+with its own resource and arrival time."""
+
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from spanlet.admin import RING_SPANS, AdminState
+
+
+def request(first: int, spans_per_scope: list[int], pod: str) -> list[trace_pb2.ResourceSpans]:
+    rs = trace_pb2.ResourceSpans()
+    rs.resource.attributes.add(key="k8s.pod.name").value.string_value = pod
+    n = first
+    for count in spans_per_scope:
+        ss = rs.scope_spans.add()
+        for _ in range(count):
+            ss.spans.add(name=f"s{n}", span_id=n.to_bytes(8, "big"), trace_id=b"\1" * 16)
+            n += 1
+    return [rs]
+
+
+def test_the_newest_spans_are_kept_across_requests_oldest_first():
+    st = AdminState()
+    assert st.spans == []
+    st.on_joined(request(0, [3, 0, 2], "a"))
+    assert [s.name for _, s, _ in st.spans] == ["s0", "s1", "s2", "s3", "s4"]
+    st.on_joined(request(5, [RING_SPANS - 2], "b"))
+    st.on_joined(request(5 + RING_SPANS - 2, [4], "c"))
+    got = st.spans
+    assert len(got) == RING_SPANS
+    assert [s.name for _, s, _ in got] == [f"s{i}" for i in range(RING_SPANS + 7 - RING_SPANS,
+                                                                     RING_SPANS + 7)]
+    pods = [res.attributes[0].value.string_value for res, _, _ in got]
+    assert pods[0] == "b" and pods[-1] == "c" and pods.count("c") == 4
+    assert len(st._chunks) <= 3          # lists wholly older than the ring are let go
+    _, rows, _ = st.snapshot()
+    assert len(rows) == RING_SPANS
+
+
+def test_one_request_larger_than_the_ring_keeps_its_newest():
+    st = AdminState()
+    st.on_joined(request(0, [RING_SPANS * 3], "a"))
+    assert [s.name for _, s, _ in st.spans][-1] == f"s{RING_SPANS * 3 - 1}"
+    assert len(st.spans) == RING_SPANS
+    st.on_joined(request(10_000, [1], "b"))
+    assert len(st.spans) == RING_SPANS and st.spans[-1][1].name == "s10000"
