@@ -5,6 +5,7 @@ marker (the libspanlet_marker extension) that discovery finds (containers includ
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import logging
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Iterable
 
 from spanlet import events
 from spanlet.discovery import LibraryFinder, MappedLibrary, MapsWatch
@@ -215,3 +217,39 @@ class SpanCtxProbe(Probe):
             del table[table.Key(tid)]
         except KeyError:
             pass
+
+    # -- the senders of connections to the receiver (sock_owner) ----------------
+    def watch_ports(self, ports: Iterable[int]) -> None:
+        """The receiver's ports: connections made to them from now on get
+        their sender (cgroup id, tgid) recorded in sock_owner."""
+        table = self.bpf["sock_owner_ports"]
+        for port in ports:
+            if 0 < port < 65536:
+                table[table.Key(port)] = table.Leaf(1)
+
+    def sock_owner(self, peer: tuple[str, int], local: tuple[str, int]) -> tuple[int, int] | None:
+        """(cgroup id, tgid) of the process that opened the TCP connection
+        from `peer` to `local` (host, port each, as the accepting side sees
+        them), or None where the kernel saw no such connect."""
+        if self.bpf is None:
+            return None
+        try:
+            src, dst = ipaddress.ip_address(peer[0]), ipaddress.ip_address(local[0])
+        except ValueError:
+            return None
+        src, dst = (getattr(a, "ipv4_mapped", None) or a for a in (src, dst))
+        if src.version != dst.version:
+            return None
+        table = self.bpf["sock_owner"]
+        key = table.Key()
+        key.family = 2 if src.version == 4 else 10          # AF_INET, AF_INET6
+        key.sport, key.dport = peer[1], local[1]
+        for i, b in enumerate(src.packed):
+            key.saddr[i] = b
+        for i, b in enumerate(dst.packed):
+            key.daddr[i] = b
+        try:
+            v = table[key]
+        except KeyError:
+            return None
+        return v.cgroup_id, v.tgid

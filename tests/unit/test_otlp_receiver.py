@@ -46,7 +46,7 @@ class Recorder:
         self.accept: int | None = None
         self.raise_: Exception | None = None
 
-    def __call__(self, request: ExportTraceServiceRequest) -> int:
+    def __call__(self, request: ExportTraceServiceRequest, peer=None) -> int:
         if self.raise_ is not None:
             raise self.raise_
         with self.lock:
