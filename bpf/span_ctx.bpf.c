@@ -115,7 +115,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
  * handshake's end (SYN_SENT -> ESTABLISHED, in softirq) has the whole
  * 4-tuple, and the owner moves to sock_owner under it; TCP_CLOSE forgets
  * both. Only the connecting side gets an entry, and only for a destination
- * port in sock_owner_ports (the receiver's ports, filled once it has bound). */
+ * port in sock_owner_ports (the receiver's ports, filled once it has bound).
+ * The tracepoint names no network namespace: a second live connection with
+ * the same addresses and ports (another namespace's loopback, say) makes the
+ * entry ambiguous (cgroup id 0: no sender), never another owner's. */
 #define SPANLET_TCP_ESTABLISHED 1
 #define SPANLET_TCP_SYN_SENT 2
 #define SPANLET_TCP_CLOSE 7
@@ -193,6 +196,8 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         struct sock_owner_key k = {};
         SOCK_OWNER_KEY(k, args);
         struct sock_owner_val owner = *v;
+        if (sock_owner.lookup(&k))
+            owner.cgroup_id = owner.tgid = 0;
         sock_owner.update(&k, &owner);
         sock_connecting.delete(&sk);
         return 0;

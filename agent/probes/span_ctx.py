@@ -230,7 +230,8 @@ class SpanCtxProbe(Probe):
     def sock_owner(self, peer: tuple[str, int], local: tuple[str, int]) -> tuple[int, int] | None:
         """(cgroup id, tgid) of the process that opened the TCP connection
         from `peer` to `local` (host, port each, as the accepting side sees
-        them), or None where the kernel saw no such connect."""
+        them), or None where the kernel saw no such connect, or saw two (in
+        two network namespaces)."""
         if self.bpf is None:
             return None
         try:
@@ -252,4 +253,4 @@ class SpanCtxProbe(Probe):
             v = table[key]
         except KeyError:
             return None
-        return v.cgroup_id, v.tgid
+        return (v.cgroup_id, v.tgid) if v.cgroup_id else None

@@ -7,6 +7,7 @@ it connect), whatever the spans say."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -185,3 +186,36 @@ def _established_to(port: int) -> list[tuple[tuple[str, int], tuple[str, int]]]:
         if f[3] == "01" and local[1] == port:
             out.append((remote, local))
     return out
+
+
+@pytest.mark.parametrize("rep", range(REPEATS))
+def test_the_same_connection_in_another_namespace_makes_it_unknown(path, rep):
+    """A connection with the same addresses and ports, made in a network
+    namespace of the test's own (to its own loopback), must not lend the
+    first connection its owner: the entry becomes no one's."""
+    from netns import Namespace, socket_in
+    from spanlet.exporters.otlp.trust import Peer
+
+    port = path.receiver.http_port
+    ns = Namespace("spanlet-senders")
+    socks = []
+    try:
+        first = socket.create_connection(("127.0.0.1", port))
+        socks.append(first)
+        sport = first.getsockname()[1]
+        peer = Peer("http", "127.0.0.1", sport, "127.0.0.1", port)
+        assert path.senders.owners(("127.0.0.1", sport), ("127.0.0.1", port))[1] == os.getpid()
+        assert path.senders.origin(peer) is not None
+        listener, twin = socket_in(ns.name), socket_in(ns.name)
+        socks += [listener, twin]
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        twin.bind(("127.0.0.1", sport))
+        twin.connect(("127.0.0.1", port))
+        socks.append(listener.accept()[0])
+        assert path.senders.owners(("127.0.0.1", sport), ("127.0.0.1", port)) is None
+        assert path.senders.origin(peer) is None
+    finally:
+        for s in socks:
+            s.close()
+        ns.close()
