@@ -107,6 +107,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     return 0;
 }
 
+#ifdef SPANLET_SOCK_OWNER
 /* The sender of an OTLP connection (DESIGN.md, facts stay in their pod): who
  * opened each TCP connection to the agent's receiver ports, from the stable
  * sock:inet_sock_set_state tracepoint alone (its fields; no kernel struct is
@@ -118,7 +119,8 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
  * port in sock_owner_ports (the receiver's ports, filled once it has bound).
  * The tracepoint names no network namespace: a second live connection with
  * the same addresses and ports (another namespace's loopback, say) makes the
- * entry ambiguous (cgroup id 0: no sender), never another owner's. */
+ * entry ambiguous (cgroup id 0: no sender), never another owner's.
+ * Compiled where the tracepoint exists (SpanCtxProbe checks tracefs). */
 #define SPANLET_TCP_ESTABLISHED 1
 #define SPANLET_TCP_SYN_SENT 2
 #define SPANLET_TCP_CLOSE 7
@@ -213,3 +215,4 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     }
     return 0;
 }
+#endif /* SPANLET_SOCK_OWNER */

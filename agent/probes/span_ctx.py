@@ -20,6 +20,7 @@ from spanlet import events
 from spanlet.discovery import LibraryFinder, MappedLibrary, MapsWatch
 from spanlet.probes.base import EventSink, Probe
 from spanlet.probes.maps import percpu_sum
+from spanlet.probes.sandbox.probe import tracepoint_exists
 from spanlet.probes.span_facts import SpanFacts
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ _instances = itertools.count()
 # The OpenTelemetry shared context map's layout (DESIGN.md): what a map pinned
 # by another tool must be for spanlet to write into it.
 OTEL_MAP_LAYOUT = {"type": "lru_hash", "bytes_key": 8, "bytes_value": 24}
+# Where the connecting process of each connection to the receiver is seen
+# (kernels since 4.16 have it); without it senders are known by pod IP only.
+SOCK_STATE_TRACEPOINT = "sock:inet_sock_set_state"
 
 
 def pinned_map_layout(path: str) -> dict | None:
@@ -80,6 +84,7 @@ class SpanCtxProbe(Probe):
         # agent created (and so removes at stop): the pin, its folder
         self.otel_map: str | None = None
         self._otel_created: list[Path] = []
+        self.sock_owners = False          # whether sock_owner is compiled in
 
     def shared_pin_dir(self) -> str | None:
         """The folder the span context and span facts maps are pinned in while
@@ -91,6 +96,12 @@ class SpanCtxProbe(Probe):
         flags = super().compile_flags(str(self.pin_dir))
         if self.otel_map:
             flags.append(f'-DSPANLET_OTEL_MAP="{self.otel_map}"')
+        self.sock_owners = tracepoint_exists(SOCK_STATE_TRACEPOINT)
+        if self.sock_owners:
+            flags.append("-DSPANLET_SOCK_OWNER")
+        else:
+            log.warning("span_ctx: no %s tracepoint: OTLP senders are known by pod IP only",
+                        SOCK_STATE_TRACEPOINT)
         return flags
 
     def _prepare_otel_map(self) -> None:
@@ -222,6 +233,8 @@ class SpanCtxProbe(Probe):
     def watch_ports(self, ports: Iterable[int]) -> None:
         """The receiver's ports: connections made to them from now on get
         their sender (cgroup id, tgid) recorded in sock_owner."""
+        if self.bpf is None or not self.sock_owners:
+            return
         table = self.bpf["sock_owner_ports"]
         for port in ports:
             if 0 < port < 65536:
@@ -232,7 +245,7 @@ class SpanCtxProbe(Probe):
         from `peer` to `local` (host, port each, as the accepting side sees
         them), or None where the kernel saw no such connect, or saw two (in
         two network namespaces)."""
-        if self.bpf is None:
+        if self.bpf is None or not self.sock_owners:
             return None
         try:
             src, dst = ipaddress.ip_address(peer[0]), ipaddress.ip_address(local[0])

@@ -219,3 +219,21 @@ def test_the_same_connection_in_another_namespace_makes_it_unknown(path, rep):
         for s in socks:
             s.close()
         ns.close()
+
+
+def test_without_the_tracepoint_span_ctx_still_loads(monkeypatch):
+    """A kernel without sock:inet_sock_set_state: the span context works, no sender by socket."""
+    from spanlet.probes import span_ctx
+
+    monkeypatch.setattr(span_ctx, "tracepoint_exists", lambda tp: False)
+    probe = span_ctx.SpanCtxProbe(config.load(env={}))
+    try:
+        assert probe.start().attached, probe.status.reason
+        with pytest.raises(KeyError):            # not compiled in
+            probe.bpf["sock_owner"]
+        probe.watch_ports([4318])
+        assert probe.sock_owner(("127.0.0.1", 1), ("127.0.0.1", 4318)) is None
+        probe.set(1, b"\x01" * 16, 5, span_ctx.events.Modality.text)    # the span context still works
+        assert probe.get(1)[1] == 5
+    finally:
+        probe.stop()
