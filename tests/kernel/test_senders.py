@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,12 +17,10 @@ import pytest
 from spanlet import config
 from spanlet.pipeline.senders import BY_SOCKET, UNKNOWN
 from spanlet.pipeline.spans import SpanPath
-from gpu_harness import cgroup2_root
-from processes import stop_process
+from otlp_senders import otlp_senders
 
 pytestmark = pytest.mark.kernel
 
-CHILD = Path(__file__).resolve().parents[1] / "support" / "otlp_sender_child.py"
 REPEATS = 5
 
 
@@ -59,55 +55,10 @@ def path():
         probe.stop()
 
 
-class Sender:
-    """otlp_sender_child.py in a new cgroup of its own (moved in before it
-    connects); ended and the cgroup removed at close()."""
-
-    def __init__(self, transport: str, endpoint: str, name: str) -> None:
-        self.name = name
-        self.cgroup = cgroup2_root() / f"spanlet-sender-test-{os.getpid()}-{os.urandom(3).hex()}"
-        self.cgroup.mkdir()
-        self.cgroup_id = os.stat(self.cgroup).st_ino
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), transport, endpoint, name],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        (self.cgroup / "cgroup.procs").write_text(str(self.proc.pid))
-        assert self.proc.stdout.readline().startswith("ready")
-
-    def spans(self, n: int) -> None:
-        self.proc.stdin.write(f"spans {n}\n")
-        self.proc.stdin.flush()
-        assert self.proc.stdout.readline().strip() == "done"
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.write("exit\n")
-            self.proc.stdin.flush()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            stop_process(self.proc, 5)
-        for _ in range(50):
-            try:
-                self.cgroup.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
-
-
 @pytest.fixture
 def senders():
-    made: list[Sender] = []
-
-    def make(*args) -> Sender:
-        s = Sender(*args)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+    with otlp_senders() as make:
+        yield make
 
 
 def endpoint(path: SpanPath, transport: str) -> str:
