@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -37,6 +37,12 @@ class Sender:
         self.proc.stdin.flush()
         assert self.proc.stdout.readline().strip() == "done"
 
+    def __enter__(self) -> "Sender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         try:
             self.proc.stdin.write("exit\n")
@@ -51,22 +57,14 @@ class Sender:
             try:
                 self.cgroup.rmdir()
                 return
-            except OSError:
+            except FileNotFoundError:         # closed before
+                return
+            except OSError:                   # the child is still on its way out
                 time.sleep(0.1)
 
 
 @contextmanager
 def otlp_senders() -> Iterator[Callable[..., Sender]]:
     """make(transport, endpoint, name) -> a started Sender; all closed after."""
-    made: list[Sender] = []
-
-    def make(*args) -> Sender:
-        s = Sender(*args)
-        made.append(s)
-        return s
-
-    try:
-        yield make
-    finally:
-        for s in made:
-            s.close()
+    with ExitStack() as stack:
+        yield lambda *args: stack.enter_context(Sender(*args))
