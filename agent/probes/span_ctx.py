@@ -5,12 +5,13 @@ marker (the libspanlet_marker extension) that discovery finds (containers includ
 
 from __future__ import annotations
 
-import ipaddress
+import ctypes
 import itertools
 import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -64,6 +65,21 @@ def remove_stale_pins(root=SPAN_CTX_PIN_ROOT) -> list[str]:
             shutil.rmtree(e.path, ignore_errors=True)
             removed.append(e.path)
     return removed
+
+
+_V4_MAPPED = bytes(10) + b"\xff\xff"
+
+
+def _packed(host: str) -> bytes | None:
+    """An address as the kernel keeps it: 4 bytes for IPv4 (an IPv4-mapped
+    IPv6 address included), 16 for IPv6; None if it is no address."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            raw = socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return raw[12:] if raw[:12] == _V4_MAPPED else raw
+    return None
 
 
 class SpanCtxProbe(Probe):
@@ -247,21 +263,15 @@ class SpanCtxProbe(Probe):
         two network namespaces)."""
         if self.bpf is None or not self.sock_owners:
             return None
-        try:
-            src, dst = ipaddress.ip_address(peer[0]), ipaddress.ip_address(local[0])
-        except ValueError:
-            return None
-        src, dst = (getattr(a, "ipv4_mapped", None) or a for a in (src, dst))
-        if src.version != dst.version:
+        src, dst = _packed(peer[0]), _packed(local[0])
+        if src is None or dst is None or len(src) != len(dst):
             return None
         table = self.bpf["sock_owner"]
         key = table.Key()
-        key.family = 2 if src.version == 4 else 10          # AF_INET, AF_INET6
+        key.family = socket.AF_INET if len(src) == 4 else socket.AF_INET6
         key.sport, key.dport = peer[1], local[1]
-        for i, b in enumerate(src.packed):
-            key.saddr[i] = b
-        for i, b in enumerate(dst.packed):
-            key.daddr[i] = b
+        ctypes.memmove(key.saddr, src, len(src))
+        ctypes.memmove(key.daddr, dst, len(dst))
         try:
             v = table[key]
         except KeyError:
