@@ -49,6 +49,26 @@ def parse_cgroup_path(path: str) -> Container:
     return Container(runtime, cid, pod_uid)
 
 
+def pod_directory(path: str) -> str | None:
+    """The pod's own cgroup (the slice or directory every container of the
+    pod is under) of a cgroup path, or None where the path names no pod."""
+    path = "/" + path.strip("/")
+    m = _POD.search(path)
+    return path[:m.end()].rstrip("/") if m else None
+
+
+def cgroups_under(root: Path, path: str) -> frozenset[int]:
+    """The ids of the cgroup at `path` (relative to root) and of every cgroup
+    below it, as the file system shows them now; empty if it is gone."""
+    ids = set()
+    for dirpath, _dirs, _files in os.walk(root / path.lstrip("/")):
+        try:
+            ids.add(os.stat(dirpath).st_ino)
+        except OSError:
+            continue
+    return frozenset(ids)
+
+
 class CgroupError(Exception):
     """A cgroup named in the config does not exist, or there is no cgroup v2."""
 
@@ -129,6 +149,7 @@ class CgroupIndex:
         self.root = root if root is not None else cgroup2_root()
         self.rescan_s = rescan_s
         self._paths: dict[int, str] = {}
+        self._pod_dirs: dict[str, str] = {}       # pod uid -> the pod's cgroup path
         self._scanned_at = float("-inf")
         self._lock = threading.Lock()
 
@@ -140,7 +161,12 @@ class CgroupIndex:
                     paths[os.stat(dirpath).st_ino] = "/" + os.path.relpath(dirpath, self.root).lstrip(".")
                 except OSError:
                     continue
-        self._paths = paths
+        pod_dirs: dict[str, str] = {}
+        for p in paths.values():
+            uid = parse_cgroup_path(p).pod_uid
+            if uid and uid not in pod_dirs:
+                pod_dirs[uid] = pod_directory(p)
+        self._paths, self._pod_dirs = paths, pod_dirs
         self._scanned_at = time.monotonic()
 
     def path(self, cid: int) -> str | None:
@@ -150,6 +176,27 @@ class CgroupIndex:
                 self._scan()
                 p = self._paths.get(cid)
             return p
+
+    def pod_cgroups(self, pod_uid: str) -> frozenset[int]:
+        """Every cgroup of the pod (its own and its containers', as they are
+        now); empty where the pod has no cgroup on this node. An unknown pod
+        triggers a rescan, at most every `rescan_s`."""
+        with self._lock:
+            d = self._pod_dirs.get(pod_uid)
+            if d is None and time.monotonic() - self._scanned_at >= self.rescan_s:
+                self._scan()
+                d = self._pod_dirs.get(pod_uid)
+        return cgroups_under(self.root, d) if d and self.root is not None else frozenset()
+
+    def same_pod(self, cid: int) -> frozenset[int]:
+        """The cgroups that count as the same sender as cgroup `cid`: every
+        cgroup of its pod when it is a pod's (or a pod container's) cgroup,
+        else the cgroup alone."""
+        p = self.path(cid)
+        d = pod_directory(p) if p else None
+        if d is None or self.root is None:
+            return frozenset({cid})
+        return cgroups_under(self.root, d) | {cid}
 
     def container(self, cid: int) -> Container:
         p = self.path(cid)

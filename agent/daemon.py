@@ -188,6 +188,8 @@ class Daemon:
             self.spans.join.http_bytes_reader = self.probes.tc.request_bytes
         if self.probes.span_ctx is not None:
             self.spans.join.facts = self.probes.span_ctx.facts
+            if self.spans.receiver.running:
+                self.spans.watch_senders(self.probes.span_ctx)
         for probe in self.probes:
             if probe.status.attached and probe.sends_records():
                 t = threading.Thread(target=self._read_loop, args=(probe,),

@@ -133,7 +133,8 @@ def render(op: str, answer: dict):
 
 def _summary(d: dict) -> list:
     return [*_probes(d["probes"], d["nvml"]), _join_line(d["join"]),
-            _exporters_table(d["exporters"]), _metrics_table(d["metrics"])]
+            _exporters_table(d["exporters"]), *_senders_line(d["exporters"]),
+            _metrics_table(d["metrics"])]
 
 
 def _probes(probes: list, nvml: dict) -> list:
@@ -187,6 +188,20 @@ def _exporters_table(exporters: list):
     for x in exporters:
         e.add_row(*_exporter_row(x))
     return e
+
+
+def _senders_line(exporters: list) -> list:
+    """How the receiver's requests had their sender established (the origin
+    of the kernel facts their spans may get)."""
+    from rich.text import Text
+    got = next((x["stats"].get("origins") for x in exporters if x["name"] == "otlp_receiver"), None)
+    if not got:
+        return []
+    unknown = got.get("unknown", 0)
+    return [Text.assemble(f"OTLP senders: {got.get('socket', 0)} requests by their socket, "
+                          f"{got.get('pod_ip', 0)} by pod IP, ",
+                          Text(f"{unknown} unknown (no kernel facts)",
+                               style="yellow" if unknown else ""))]
 
 
 def _exporter_row(x: dict) -> tuple:

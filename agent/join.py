@@ -393,7 +393,7 @@ class SpanJoin:
 
     # -- span side ---------------------------------------------------------------
     def join(self, resource_spans: Iterable[trace_pb2.ResourceSpans],
-             held: list | None = None) -> list[int]:
+             held: list | None = None, origin: frozenset[int] | None = None) -> list[int]:
         """Enrich the spans in place. Returns, per ResourceSpans, the cgroup id
         its kernel facts came from (0 when none joined), for the resource.
         `held`: a list the caller will hold these spans back for (batched

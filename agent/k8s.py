@@ -1,6 +1,7 @@
 """Kubernetes names for kernel facts: cgroup id → container id and pod UID
 (agent/cgroups.py) → pod name, namespace and container name from the API
-server, for the pods of this node only, kept current by one watch."""
+server, for the pods of this node only, kept current by one watch; and pod
+IP → pod UID, for telling which pod sent a connection."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ class PodInfo:
     namespace: str
     # container id (runtime prefix stripped) → container name
     containers: dict[str, str] = field(default_factory=dict)
+    # the pod's own IPs (status.podIPs); none for a hostNetwork pod, whose
+    # address is the node's and so names no one pod
+    ips: tuple[str, ...] = ()
 
 
 def _pod_info(pod) -> tuple[str, PodInfo]:
@@ -31,7 +35,19 @@ def _pod_info(pod) -> tuple[str, PodInfo]:
         for cs in group or []:
             if cs.container_id:
                 containers[cs.container_id.split("://", 1)[-1]] = cs.name
-    return pod.metadata.uid, PodInfo(pod.metadata.name, pod.metadata.namespace, containers)
+    return pod.metadata.uid, PodInfo(pod.metadata.name, pod.metadata.namespace, containers,
+                                     _pod_ips(pod))
+
+
+def _pod_ips(pod) -> tuple[str, ...]:
+    """status.podIPs (status.podIP where the list is absent), less any that is
+    the node's own address (status.hostIP: a hostNetwork pod's)."""
+    spec, status = pod.spec, pod.status
+    if status is None or (spec is not None and spec.host_network):
+        return ()
+    ips = [p.ip for p in status.pod_ips or [] if p.ip] or ([status.pod_ip] if status.pod_ip else [])
+    host = {status.host_ip, *(h.ip for h in status.host_ips or [])}
+    return tuple(ip for ip in ips if ip not in host)
 
 
 class PodWatcher:
@@ -43,6 +59,7 @@ class PodWatcher:
         self.api = api
         self.watch_timeout_s = watch_timeout_s
         self.pods: dict[str, PodInfo] = {}
+        self._by_ip: dict[str, str] = {}          # pod IP -> pod uid
         self.synced = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -78,7 +95,7 @@ class PodWatcher:
         while not self._stop.is_set():
             try:
                 listed = self.api.list_pod_for_all_namespaces(field_selector=selector)
-                self.pods = dict(_pod_info(p) for p in listed.items)
+                self._replace(dict(_pod_info(p) for p in listed.items))
                 self.synced.set()
                 self._watch = watch.Watch()
                 for item in self._watch.stream(self.api.list_pod_for_all_namespaces,
@@ -88,15 +105,31 @@ class PodWatcher:
                     if self._stop.is_set():
                         break
                     uid, info = _pod_info(item["object"])
-                    if item["type"] == "DELETED":
-                        self.pods.pop(uid, None)
-                    else:
-                        self.pods[uid] = info
+                    self._put(uid, None if item["type"] == "DELETED" else info)
             except Exception as e:  # API errors, expired versions, network: re-list
                 if self._stop.is_set():
                     break
                 log.warning("k8s: pod watch failed (%s); re-listing in 2 s", e)
                 self._stop.wait(2)
+
+
+    def _replace(self, pods: dict[str, PodInfo]) -> None:
+        self._by_ip = {ip: uid for uid, info in pods.items() for ip in info.ips}
+        self.pods = pods
+
+    def _put(self, uid: str, info: PodInfo | None) -> None:
+        """A pod added or changed (info), or deleted (None)."""
+        old = self.pods.pop(uid, None) if info is None else self.pods.get(uid)
+        for ip in old.ips if old else ():
+            if self._by_ip.get(ip) == uid:
+                del self._by_ip[ip]
+        if info is not None:
+            self.pods[uid] = info
+            self._by_ip.update((ip, uid) for ip in info.ips)
+
+    def pod_of_ip(self, ip: str) -> str | None:
+        """The uid of this node's pod that has `ip` as its own address."""
+        return self._by_ip.get(ip)
 
 
 class K8sEnricher:

@@ -97,7 +97,7 @@ class Bench:
         self.stub = trace_service_pb2_grpc.TraceServiceStub(
             grpc.insecure_channel(f"127.0.0.1:{self.path.receiver.grpc_port}"))
 
-    def _take(self, req) -> int:
+    def _take(self, req, peer=None) -> int:
         now = time.perf_counter()
         n = 0
         with self.lock:

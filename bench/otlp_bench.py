@@ -111,7 +111,7 @@ def main() -> None:
     received = [0]
     lock = threading.Lock()
 
-    def on_request(req) -> None:      # no-op but for a count, like a callback that queues
+    def on_request(req, peer=None) -> None:      # no-op but for a count, like a callback that queues
         n = sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
         with lock:
             received[0] += n

@@ -133,7 +133,7 @@ class Upstream:
         self.rx = OtlpReceiver(OtlpConfig(grpc_port=0, http_port=0), self)
         self.rx.start()
 
-    def __call__(self, request) -> int:
+    def __call__(self, request, peer=None) -> int:
         n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
         with self.lock:
             self.spans += n

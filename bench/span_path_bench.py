@@ -97,7 +97,7 @@ def run(mode: str, facts_kind: str, seconds: float, batch: int) -> tuple[float, 
     got = [0]
     lock = threading.Lock()
 
-    def upstream_take(req) -> int:
+    def upstream_take(req, peer=None) -> int:
         n = sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
         with lock:
             got[0] += n

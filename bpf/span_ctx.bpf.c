@@ -115,3 +115,113 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
         maps_changed(tid);
     return 0;
 }
+
+#ifdef SPANLET_SOCK_OWNER
+/* The sender of an OTLP connection (DESIGN.md, facts stay in their pod): who
+ * opened each TCP connection to the agent's receiver ports, from the stable
+ * sock:inet_sock_set_state tracepoint alone (its fields; no kernel struct is
+ * read). The connect() runs in the connecting task (its cgroup and tgid are
+ * taken then, by socket address, before the source port exists); the
+ * handshake's end (SYN_SENT -> ESTABLISHED, in softirq) has the whole
+ * 4-tuple, and the owner moves to sock_owner under it; TCP_CLOSE forgets
+ * both. Only the connecting side gets an entry, and only for a destination
+ * port in sock_owner_ports (the receiver's ports, filled once it has bound).
+ * The tracepoint names no network namespace: a second live connection with
+ * the same addresses and ports (another namespace's loopback, say) makes the
+ * entry ambiguous (cgroup id 0: no sender), never another owner's.
+ * Compiled where the tracepoint exists (SpanCtxProbe checks tracefs). */
+#define SPANLET_TCP_ESTABLISHED 1
+#define SPANLET_TCP_SYN_SENT 2
+#define SPANLET_TCP_CLOSE 7
+#define SPANLET_IPPROTO_TCP 6
+#define SPANLET_AF_INET 2
+#define SPANLET_AF_INET6 10
+
+struct sock_owner_key {
+    __u16 family;        /* AF_INET (also for IPv4-mapped IPv6 sockets) or AF_INET6 */
+    __u16 sport;         /* host byte order, as the tracepoint gives them */
+    __u16 dport;
+    __u16 pad;
+    __u8 saddr[16];      /* IPv4: the first 4 bytes */
+    __u8 daddr[16];
+};
+struct sock_owner_val {
+    __u64 cgroup_id;
+    __u32 tgid;
+    __u32 pad;
+};
+BPF_TABLE("lru_hash", __u64, struct sock_owner_val, sock_connecting, 4096);
+BPF_TABLE("lru_hash", struct sock_owner_key, struct sock_owner_val, sock_owner, 16384);
+BPF_HASH(sock_owner_ports, __u16, __u8, 8);
+
+static __always_inline int spanlet_v4_mapped(const __u8 *a)
+{
+    for (int i = 0; i < 10; i++)
+        if (a[i])
+            return 0;
+    return a[10] == 0xff && a[11] == 0xff;
+}
+
+/* The key of the connection a tracepoint's args name (a macro: BCC makes the
+ * args struct at the probe below); the addresses are copied out of the args
+ * before they are looked at (the verifier allows no pointer into them). */
+#define SOCK_OWNER_KEY(k, args)                                                   \
+    do {                                                                          \
+        (k).sport = (args)->sport;                                                \
+        (k).dport = (args)->dport;                                                \
+        __builtin_memcpy((k).saddr, (args)->saddr_v6, 16);                        \
+        __builtin_memcpy((k).daddr, (args)->daddr_v6, 16);                        \
+        if ((args)->family == SPANLET_AF_INET6 && !spanlet_v4_mapped((k).daddr)) { \
+            (k).family = SPANLET_AF_INET6;                                        \
+        } else {                                                                  \
+            (k).family = SPANLET_AF_INET;                                         \
+            __builtin_memset((k).saddr, 0, 16);                                   \
+            __builtin_memset((k).daddr, 0, 16);                                   \
+            __builtin_memcpy((k).saddr, (args)->saddr, 4);                        \
+            __builtin_memcpy((k).daddr, (args)->daddr, 4);                        \
+        }                                                                         \
+    } while (0)
+
+TRACEPOINT_PROBE(sock, inet_sock_set_state)
+{
+    if (args->protocol != SPANLET_IPPROTO_TCP)
+        return 0;
+    __u64 sk = (__u64)args->skaddr;
+    int state = args->newstate;
+    if (state == SPANLET_TCP_SYN_SENT) {
+        __u16 dport = args->dport;
+        if (!sock_owner_ports.lookup(&dport))
+            return 0;
+        struct sock_owner_val v = {};
+        v.cgroup_id = bpf_get_current_cgroup_id();
+        v.tgid = (__u32)(bpf_get_current_pid_tgid() >> 32);
+        sock_connecting.update(&sk, &v);
+        return 0;
+    }
+    if (state == SPANLET_TCP_ESTABLISHED) {
+        if (args->oldstate != SPANLET_TCP_SYN_SENT)
+            return 0;
+        struct sock_owner_val *v = sock_connecting.lookup(&sk);
+        if (!v)
+            return 0;
+        struct sock_owner_key k = {};
+        SOCK_OWNER_KEY(k, args);
+        struct sock_owner_val owner = *v;
+        if (sock_owner.lookup(&k))
+            owner.cgroup_id = owner.tgid = 0;
+        sock_owner.update(&k, &owner);
+        sock_connecting.delete(&sk);
+        return 0;
+    }
+    if (state == SPANLET_TCP_CLOSE) {
+        __u16 dport = args->dport;
+        if (!sock_owner_ports.lookup(&dport))
+            return 0;
+        sock_connecting.delete(&sk);
+        struct sock_owner_key k = {};
+        SOCK_OWNER_KEY(k, args);
+        sock_owner.delete(&k);
+    }
+    return 0;
+}
+#endif /* SPANLET_SOCK_OWNER */

@@ -210,6 +210,11 @@ SELF = (
            "Spans the OTLP receiver refused, by reason", ("reason",), RECEIVER),
     Metric("spanlet_otlp_receiver_accepted_spans_total", "counter", "",
            "Spans the OTLP receiver passed on", (), RECEIVER),
+    Metric("spanlet_otlp_receiver_sender_origins_total", "counter", "",
+           "OTLP export requests by how their sender was established from the connection: "
+           "socket (the kernel saw the connecting process), pod_ip (the peer address is a "
+           "pod's own), unknown (neither: the spans get no kernel facts)", ("reason",),
+           Source("spanlet.pipeline.senders")),
     Metric("spanlet_join_buffer_events", "gauge", "",
            "Sampled kernel events (span events) waiting for their span", (), JOIN),
     Metric("spanlet_join_evicted_events_total", "counter", "",

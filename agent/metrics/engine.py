@@ -57,7 +57,10 @@ def self_metrics(src: MetricEngine) -> list[Family]:
                         for t, by in sorted(rx["requests"].items()) for o, n in sorted(by.items())]
     otlp_rej = family("spanlet_otlp_receiver_rejected_spans_total")
     otlp_rej.samples = [Sample(labels(reason=r), n) for r, n in sorted(rx["spans_rejected"].items())]
+    origins = family("spanlet_otlp_receiver_sender_origins_total")
+    origins.samples = [Sample(labels(reason=r), n) for r, n in rx.get("origins", {}).items()]
     return [attached, failed, read, dropped, limited, drops, *store_metrics(src.store), otlp_req, otlp_rej,
+            origins,
             _single("spanlet_otlp_receiver_accepted_spans_total", rx["spans_accepted"]),
             _single("spanlet_export_queue_bytes", exp.get("queue_bytes", 0)),
             _single("spanlet_join_buffer_events", join.pending_events()),

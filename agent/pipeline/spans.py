@@ -1,5 +1,6 @@
 """The span path: OTLP spans received, joined to the kernel facts of their
-threads, named after their Kubernetes workload, and exported upstream."""
+threads (those of the sender's own pod: senders.py), named after their
+Kubernetes workload, and exported upstream."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from spanlet.config import Config
 from spanlet.join import SpanJoin
 from spanlet.k8s import K8sEnricher, PodWatcher
+from spanlet.pipeline.senders import SenderOrigins
 
 from spanlet.exporters.otlp.span_exporter import OtlpSpanExporter
 from spanlet.exporters.otlp.receiver import OtlpReceiver
+from spanlet.exporters.otlp.trust import Peer
 
 log = logging.getLogger("spanlet")
 
@@ -33,7 +36,9 @@ class SpanPath:
         self.join = SpanJoin(cfg.join, on_late=self._export_late)
         self.pods = PodWatcher(cfg.node_name)
         self.enricher = K8sEnricher(cfg.node_name, pods=self.pods)
+        self.senders = SenderOrigins(self.enricher.cgroups, self.pods)
         self.receiver = OtlpReceiver(cfg.otlp, self.on_request)
+        self.receiver.origins = self.senders.counts
         # requests held back for their batched steps: (due, request, cgroups, held), in due order
         self._held: deque = deque()
         self._held_cv = threading.Condition()
@@ -52,9 +57,16 @@ class SpanPath:
                  self.cfg.otlp.receiver_address, self.receiver.grpc_port, self.receiver.http_port,
                  "on" if self.exporter.enabled else "off (no endpoint configured)")
 
-    def on_request(self, request: ExportTraceServiceRequest) -> int:
+    def watch_senders(self, span_ctx) -> None:
+        """The span_ctx probe (attached) names the process that opened each
+        connection to the receiver's ports from now on."""
+        span_ctx.watch_ports([self.receiver.grpc_port, self.receiver.http_port])
+        self.senders.owners = span_ctx.sock_owner
+
+    def on_request(self, request: ExportTraceServiceRequest, peer: Peer | None = None) -> int:
         held: list = []
-        cgroups = self.join.join(request.resource_spans, held)
+        origin = self.senders.origin(peer)
+        cgroups = self.join.join(request.resource_spans, held, origin=origin)
         if held:
             self._hold(request, cgroups, held)
         else:

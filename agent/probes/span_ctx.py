@@ -5,19 +5,23 @@ marker (the libspanlet_marker extension) that discovery finds (containers includ
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Iterable
 
 from spanlet import events
 from spanlet.discovery import LibraryFinder, MappedLibrary, MapsWatch
 from spanlet.probes.base import EventSink, Probe
 from spanlet.probes.maps import percpu_sum
+from spanlet.probes.sandbox.probe import tracepoint_exists
 from spanlet.probes.span_facts import SpanFacts
 
 log = logging.getLogger(__name__)
@@ -32,6 +36,9 @@ _instances = itertools.count()
 # The OpenTelemetry shared context map's layout (DESIGN.md): what a map pinned
 # by another tool must be for spanlet to write into it.
 OTEL_MAP_LAYOUT = {"type": "lru_hash", "bytes_key": 8, "bytes_value": 24}
+# Where the connecting process of each connection to the receiver is seen
+# (kernels since 4.16 have it); without it senders are known by pod IP only.
+SOCK_STATE_TRACEPOINT = "sock:inet_sock_set_state"
 
 
 def pinned_map_layout(path: str) -> dict | None:
@@ -60,6 +67,21 @@ def remove_stale_pins(root=SPAN_CTX_PIN_ROOT) -> list[str]:
     return removed
 
 
+_V4_MAPPED = bytes(10) + b"\xff\xff"
+
+
+def _packed(host: str) -> bytes | None:
+    """An address as the kernel keeps it: 4 bytes for IPv4 (an IPv4-mapped
+    IPv6 address included), 16 for IPv6; None if it is no address."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            raw = socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return raw[12:] if raw[:12] == _V4_MAPPED else raw
+    return None
+
+
 class SpanCtxProbe(Probe):
     name = "span_ctx"
 
@@ -78,6 +100,7 @@ class SpanCtxProbe(Probe):
         # agent created (and so removes at stop): the pin, its folder
         self.otel_map: str | None = None
         self._otel_created: list[Path] = []
+        self.sock_owners = False          # whether sock_owner is compiled in
 
     def shared_pin_dir(self) -> str | None:
         """The folder the span context and span facts maps are pinned in while
@@ -89,6 +112,12 @@ class SpanCtxProbe(Probe):
         flags = super().compile_flags(str(self.pin_dir))
         if self.otel_map:
             flags.append(f'-DSPANLET_OTEL_MAP="{self.otel_map}"')
+        self.sock_owners = tracepoint_exists(SOCK_STATE_TRACEPOINT)
+        if self.sock_owners:
+            flags.append("-DSPANLET_SOCK_OWNER")
+        else:
+            log.warning("span_ctx: no %s tracepoint: OTLP senders are known by pod IP only",
+                        SOCK_STATE_TRACEPOINT)
         return flags
 
     def _prepare_otel_map(self) -> None:
@@ -222,3 +251,36 @@ class SpanCtxProbe(Probe):
             del table[table.Key(tid)]
         except KeyError:
             pass
+
+    # -- the senders of connections to the receiver (sock_owner) ----------------
+    def watch_ports(self, ports: Iterable[int]) -> None:
+        """The receiver's ports: connections made to them from now on get
+        their sender (cgroup id, tgid) recorded in sock_owner."""
+        if self.bpf is None or not self.sock_owners:
+            return
+        table = self.bpf["sock_owner_ports"]
+        for port in ports:
+            if 0 < port < 65536:
+                table[table.Key(port)] = table.Leaf(1)
+
+    def sock_owner(self, peer: tuple[str, int], local: tuple[str, int]) -> tuple[int, int] | None:
+        """(cgroup id, tgid) of the process that opened the TCP connection
+        from `peer` to `local` (host, port each, as the accepting side sees
+        them), or None where the kernel saw no such connect, or saw two (in
+        two network namespaces)."""
+        if self.bpf is None or not self.sock_owners:
+            return None
+        src, dst = _packed(peer[0]), _packed(local[0])
+        if src is None or dst is None or len(src) != len(dst):
+            return None
+        table = self.bpf["sock_owner"]
+        key = table.Key()
+        key.family = socket.AF_INET if len(src) == 4 else socket.AF_INET6
+        key.sport, key.dport = peer[1], local[1]
+        ctypes.memmove(key.saddr, src, len(src))
+        ctypes.memmove(key.daddr, dst, len(dst))
+        try:
+            v = table[key]
+        except KeyError:
+            return None
+        return (v.cgroup_id, v.tgid) if v.cgroup_id else None

@@ -29,8 +29,9 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
 from spanlet.config import OtlpConfig
 from spanlet.exporters.otlp.common import PROTOBUF, STATUS_DETAILS_KEY, TRACES_PATH
-from spanlet.exporters.otlp.trust import (BearerToken, SenderRateLimiter, grpc_server_credentials,
-                                          normal_sender, sender_of_peer, server_ssl_context)
+from spanlet.exporters.otlp.trust import (BearerToken, Peer, SenderRateLimiter, grpc_peer,
+                                          grpc_server_credentials, normal_sender, sender_of_peer,
+                                          server_ssl_context)
 from spanlet.exporters.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -225,14 +226,16 @@ class OtlpReceiver:
     (cfg.http_port) on cfg.receiver_address; port 0 picks a free port, and the
     ports in use are `grpc_port` / `http_port` after start().
 
-    `on_request(request)` gets each request with its malformed spans removed
-    (never called with zero spans) and returns how many spans it accepted; the
+    `on_request(request, peer)` gets each request with its malformed spans
+    removed (never called with zero spans) and the connection it came on
+    (trust.Peer; None for a gRPC peer that is not an IP address), and
+    returns how many spans it accepted; the
     rest are reported to the client in `partial_success`. It may raise
     `Backpressure` to make the client retry later. It runs on the server's
     threads, so it must be thread-safe."""
 
     def __init__(self, cfg: OtlpConfig,
-                 on_request: Callable[[ExportTraceServiceRequest], int]) -> None:
+                 on_request: Callable[[ExportTraceServiceRequest, Peer | None], int]) -> None:
         self._cfg = cfg
         self._on_request = on_request
         self.max_message_bytes = cfg.max_message_bytes
@@ -259,6 +262,8 @@ class OtlpReceiver:
         # The lock-down (trust.py), made by start() from the files named in cfg.
         self._ssl_context: ssl.SSLContext | None = None
         self._token: BearerToken | None = None
+        # requests by how their sender was established (SpanPath sets it)
+        self.origins: Callable[[], dict[str, int]] | None = None
         self._limiter = (SenderRateLimiter(cfg.rate_limit_spans_per_s, cfg.rate_limit_burst,
                                            cfg.rate_limit_max_senders)
                          if cfg.rate_limit_spans_per_s > 0 else None)
@@ -376,7 +381,8 @@ class OtlpReceiver:
 
     def stats(self) -> dict:
         """Counters since construction: requests by transport and outcome,
-        spans accepted, spans rejected by reason."""
+        spans accepted, spans rejected by reason, requests by how their
+        sender was established (when the span path counts them)."""
         with self._stats_lock:
             requests: dict[str, dict[str, int]] = {"grpc": {}, "http": {}}
             for (transport, outcome), n in self._requests.items():
@@ -385,6 +391,7 @@ class OtlpReceiver:
                 "requests": requests,
                 "spans_accepted": self._spans_accepted,
                 "spans_rejected": dict(self._spans_rejected),
+                "origins": self.origins() if self.origins is not None else {},
             }
 
     def _count(self, transport: str, outcome: str) -> None:
@@ -409,9 +416,10 @@ class OtlpReceiver:
 
     # ---- the one request path both transports share ----
 
-    def _handle_payload(self, payload: bytes, transport: str, sender: str) -> _Outcome:
+    def _handle_payload(self, payload: bytes, transport: str, sender: str,
+                        peer: Peer | None) -> _Outcome:
         """Parse, validate and pass on one serialized ExportTraceServiceRequest."""
-        outcome = self._handle(payload, sender)
+        outcome = self._handle(payload, sender, peer)
         self._count(transport, outcome.kind)
         return outcome
 
@@ -419,7 +427,7 @@ class OtlpReceiver:
         """Whether a request with this `authorization` value may deliver."""
         return self._token is None or self._token.accepts(authorization)
 
-    def _handle(self, payload: bytes, sender: str) -> _Outcome:
+    def _handle(self, payload: bytes, sender: str, peer: Peer | None) -> _Outcome:
         if not self._accepting:
             return _Outcome(STOPPED, "receiver is shutting down")
         if len(payload) > self.max_message_bytes:
@@ -439,7 +447,7 @@ class OtlpReceiver:
         accepted = 0
         if valid:
             try:
-                result = self._on_request(request)
+                result = self._on_request(request, peer)
                 accepted = valid if result is None else min(max(int(result), 0), valid)
             except Backpressure as e:
                 return _Outcome(BUSY, str(e), retry_after_s=e.retry_after_s)
@@ -493,7 +501,10 @@ class OtlpReceiver:
             # where grpc has already answered, this changes nothing
             context.abort(_GRPC_CODES[INVALID], payload.message)
         try:
-            outcome = self._handle_payload(payload, "grpc", sender_of_peer(context.peer()))
+            peer = context.peer()
+            outcome = self._handle_payload(payload, "grpc", sender_of_peer(peer),
+                                           grpc_peer(peer, self._cfg.receiver_address,
+                                                     self.grpc_port))
         except Exception:   # never let a request take a worker down
             self._ratelog(logging.ERROR, "grpc", "OTLP gRPC request failed", exc_info=True)
             outcome = _Outcome(ERROR, "internal error")
@@ -618,6 +629,9 @@ class _HttpHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.server.track(self.connection, True)
+        local = self.connection.getsockname()
+        self.peer = Peer("http", normal_sender(self.client_address[0]), self.client_address[1],
+                         normal_sender(local[0]), local[1])
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """Only http.server calls this (a request line or headers it refused;
@@ -665,7 +679,7 @@ class _HttpHandler(BaseHTTPRequestHandler):
             self._reply_error(_Outcome(e.kind, str(e)))
             return
         try:
-            outcome = self.receiver._handle_payload(body, "http", normal_sender(self.client_address[0]))
+            outcome = self.receiver._handle_payload(body, "http", self.peer.host, self.peer)
         except Exception:
             self.receiver._ratelog(logging.ERROR, "http", "OTLP HTTP request failed", exc_info=True)
             outcome = _Outcome(ERROR, "internal error")

@@ -1,16 +1,20 @@
 """Lock-down of the OTLP receiver: TLS (and client certificates) for both
 transports, a bearer token read from a mounted secret, and a per-sender
-token-bucket rate limit, as the OpenTelemetry Collector's receivers offer."""
+token-bucket rate limit, as the OpenTelemetry Collector's receivers offer;
+and the two ends of the connection a request came on (Peer), from which the
+agent establishes its sender."""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import os
 import ssl
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -130,15 +134,24 @@ class BearerToken:
                 and hmac.compare_digest(value.strip().encode("utf-8", "replace"), self._current()))
 
 
-def sender_of_peer(peer: str) -> str:
-    """The sender (IP address) of a gRPC peer string: 'ipv4:10.0.0.5:4711',
-    'ipv6:[::1]:4711'; anything else is its own sender."""
+def split_grpc_peer(peer: str) -> tuple[str, int] | None:
+    """(host, port) of a gRPC peer string: 'ipv4:10.0.0.5:4711',
+    'ipv6:[::1]:4711'; None for any other kind (unix:...)."""
     kind, _, rest = peer.partition(":")
-    if kind == "ipv4":
-        return normal_sender(rest.rpartition(":")[0])
-    if kind == "ipv6":
-        return normal_sender(rest.rpartition(":")[0].strip("[]"))
-    return peer
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host, _, port = rest.rpartition(":")
+    try:
+        return normal_sender(host.strip("[]")), int(port)
+    except ValueError:
+        return None
+
+
+def sender_of_peer(peer: str) -> str:
+    """The sender (IP address) of a gRPC peer string; anything that is not
+    an IP peer is its own sender."""
+    split = split_grpc_peer(peer)
+    return split[0] if split else peer
 
 
 def normal_sender(host: str) -> str:
@@ -187,3 +200,63 @@ class SenderRateLimiter:
     def senders(self) -> int:
         with self._lock:
             return len(self._buckets)
+
+
+WILDCARD_ADDRESSES = ("", "0.0.0.0", "::")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The connection a request came on, as the receiver's accepted socket
+    sees it (never anything the payload says): the sender's address and
+    port, and the receiver's own. `local_host` is "" where the transport
+    cannot tell it (gRPC bound to a wildcard address: see local_host_of)."""
+    transport: str
+    host: str
+    port: int
+    local_host: str
+    local_port: int
+
+    @property
+    def connection(self) -> tuple:
+        return (self.transport, self.host, self.port, self.local_host, self.local_port)
+
+
+def grpc_peer(peer: str, receiver_address: str, port: int) -> Peer | None:
+    """The Peer of a gRPC call from its context.peer() string."""
+    split = split_grpc_peer(peer)
+    if split is None:
+        return None
+    local = "" if receiver_address in WILDCARD_ADDRESSES else normal_sender(receiver_address)
+    return Peer("grpc", split[0], split[1], local, port)
+
+
+def _proc_net_address(field_: str) -> tuple[str, int]:
+    """An address of /proc/net/tcp{,6}: hex of 32-bit words in host byte
+    order, a colon, the port in hex."""
+    addr, _, port = field_.partition(":")
+    raw = b"".join(int(addr[i:i + 8], 16).to_bytes(4, "little") for i in range(0, len(addr), 8))
+    return normal_sender(str(ipaddress.ip_address(raw))), int(port, 16)
+
+
+def local_host_of(peer_host: str, peer_port: int, local_port: int,
+                  proc_net: str = "/proc/self/net") -> str:
+    """The receiver's own address of the established connection from
+    (peer_host, peer_port) to local_port, from the kernel's socket list of
+    the agent's network namespace; "" when none is listed."""
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(proc_net, name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 4 or fields[3] != "01":        # TCP_ESTABLISHED
+                continue
+            try:
+                local, remote = _proc_net_address(fields[1]), _proc_net_address(fields[2])
+            except ValueError:
+                continue
+            if remote == (peer_host, peer_port) and local[1] == local_port:
+                return local[0]
+    return ""

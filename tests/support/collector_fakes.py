@@ -62,7 +62,8 @@ def sources(probes, nvml_available=False):
     span_export = SimpleNamespace(stats=lambda: {"queue_spans": 3, "dropped_queue_full": 4})
     receiver = SimpleNamespace(stats=lambda: {
         "requests": {"grpc": {"ok": 5, "invalid": 1}},
-        "spans_rejected": {"bad_span_id": 2}, "spans_accepted": 9})
+        "spans_rejected": {"bad_span_id": 2}, "spans_accepted": 9,
+        "origins": {"socket": 5, "pod_ip": 0, "unknown": 3}})
     nvml = SimpleNamespace(status=SimpleNamespace(available=nvml_available),
                            snapshot=lambda: {}, errors={})
     return SimpleNamespace(cfg=cfg, probes=StartedProbes(probes), names=names, join=SpanJoin(cfg.join, facts=FakeFacts()),

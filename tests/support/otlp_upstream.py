@@ -20,7 +20,7 @@ class Upstream:
         self.lock = threading.Lock()
         self.rx = OtlpReceiver(config.OtlpConfig(grpc_port=0, http_port=0), self.on_request)
 
-    def on_request(self, req) -> int:
+    def on_request(self, req, peer=None) -> int:
         n = 0
         with self.lock:
             for rs in req.resource_spans:

@@ -53,7 +53,7 @@ class Upstream:
         self.rx = OtlpReceiver(config.OtlpConfig(grpc_port=0, http_port=0,
                                                  max_message_bytes=64 * 1024 * 1024), self.take)
 
-    def take(self, req: ExportTraceServiceRequest) -> int:
+    def take(self, req: ExportTraceServiceRequest, peer=None) -> int:
         n = 0
         with self.lock:
             for rs in req.resource_spans:

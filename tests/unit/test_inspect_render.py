@@ -104,7 +104,8 @@ SUMMARY = {
              "span_facts": {"created": 9, "taken": 3, "swept": 2, "evicted": 1, "present": 3}},
     "exporters": [
         {"name": "otlp_receiver", "enabled": True,
-         "stats": {"spans_accepted": 4, "spans_rejected": {"too_big": 1}}},
+         "stats": {"spans_accepted": 4, "spans_rejected": {"too_big": 1},
+                   "origins": {"socket": 7, "pod_ip": 2, "unknown": 1}}},
         {"name": "otlp_span_export", "enabled": True, "queue": 8000, "queue_capacity": 8192,
          "stats": {"exported": 10, "dropped_queue_full": 5}},
         {"name": "store", "enabled": False, "stats": {}, "events_overflow": 0}],
@@ -170,6 +171,8 @@ def test_every_view_fits_80_columns(op):
         assert "NOT attached" in text and "slo_compliance_ratio" in text
         assert "< 0.75 (slo_class=bronze)" in text       # the breaching class is the one shown
         assert "span facts: 3 rows waiting, 1 evicted, 2 expired, 1 late" in " ".join(text.split())
+        assert ("OTLP senders: 7 requests by their socket, 2 by pod IP, 1 unknown (no kernel "
+                "facts)") in " ".join(text.split())
         assert ("batched steps: 40 steps, 3 requests held now, 5 waiting shares, 77 requests with "
                 "shares, 4 late, 6 expired, 7 links dropped") in " ".join(text.split())
     if op == "hints":

@@ -17,11 +17,14 @@ UID2 = "0a1e3f4a-1b2c-4d5e-8f90-0123456789ff"
 CID = "ab" * 32
 
 
-def pod(uid, name, ns="serving", cid=CID, container="vision"):
+def pod(uid, name, ns="serving", cid=CID, container="vision", ips=(), host_network=False):
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": ns, "uid": uid, "resourceVersion": "10"},
-            "spec": {"nodeName": "node-a", "containers": [{"name": container, "image": "x"}]},
-            "status": {"phase": "Running", "containerStatuses": [{
+            "spec": {"nodeName": "node-a", "containers": [{"name": container, "image": "x"}],
+                     "hostNetwork": host_network},
+            "status": {"phase": "Running", "hostIP": "192.168.7.2",
+                       **({"podIP": ips[0], "podIPs": [{"ip": ip} for ip in ips]} if ips else {}),
+                       "containerStatuses": [{
                 "name": container, "containerID": f"containerd://{cid}", "image": "x",
                 "imageID": "x", "ready": True, "restartCount": 0, "state": {}}]}}
 
@@ -117,3 +120,25 @@ def test_enricher_names_pod_namespace_and_container(api, tmp_path):
 def test_not_in_cluster_is_not_an_error(monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert PodWatcher("node-a").start() is False
+
+
+def test_pod_ips_follow_the_watch_and_host_network_pods_have_none(api):
+    FakeApi.watch_events = [
+        {"type": "ADDED", "object": pod(UID2, "vlm-1", ips=["10.1.0.5", "fd00::5"])},
+        {"type": "ADDED", "object": pod("1" * 8 + UID[8:], "agent", ips=["192.168.7.2"],
+                                        host_network=True)},
+        {"type": "MODIFIED", "object": pod(UID2, "vlm-1", ips=["10.1.0.6"])},   # a new IP
+        {"type": "ADDED", "object": pod("2" * 8 + UID[8:], "gone", ips=["10.1.0.8"])},
+        {"type": "DELETED", "object": pod("2" * 8 + UID[8:], "gone", ips=["10.1.0.8"])},
+    ]
+    w = PodWatcher("node-a", api=api)
+    w.start()
+    try:
+        assert w.synced.wait(5)
+        assert wait_for(lambda: w.pod_of_ip("10.1.0.6") == UID2 and "2" * 8 + UID[8:] not in w.pods)
+        assert w.pod_of_ip("10.1.0.5") is None and w.pod_of_ip("fd00::5") is None
+        assert w.pod_of_ip("192.168.7.2") is None        # the node's address names no pod
+        assert w.pod_of_ip("10.1.0.8") is None
+    finally:
+        FakeApi.release.set()
+        w.stop()

@@ -65,7 +65,7 @@ class Upstream:
         self.resources: list[str] = []
         self.receiver = OtlpReceiver(OtlpConfig(grpc_port=0, http_port=0), self)
 
-    def __call__(self, request: ExportTraceServiceRequest) -> int:
+    def __call__(self, request: ExportTraceServiceRequest, peer=None) -> int:
         with self.lock:
             self.calls.append(time.monotonic())
             if self.fail_first < 0 or len(self.calls) <= self.fail_first:

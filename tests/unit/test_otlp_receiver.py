@@ -45,12 +45,14 @@ class Recorder:
         self.requests: list[ExportTraceServiceRequest] = []
         self.accept: int | None = None
         self.raise_: Exception | None = None
+        self.peers: list = []
 
-    def __call__(self, request: ExportTraceServiceRequest) -> int:
+    def __call__(self, request: ExportTraceServiceRequest, peer=None) -> int:
         if self.raise_ is not None:
             raise self.raise_
         with self.lock:
             self.requests.append(request)
+            self.peers.append(peer)
         n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
         return n if self.accept is None else self.accept
 
@@ -635,3 +637,26 @@ def test_kept_alive_http_connection_is_closed_by_stop(started):
             post(r.http_port, make_request(1).SerializeToString(), conn=conn)
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("rep", range(5))
+def test_each_request_comes_with_the_connection_it_came_on(started, channels, rep):
+    """The peer is the client's socket (address and port), the local end the
+    receiver's port: what the sender is established from (never the payload)."""
+    from spanlet.exporters.otlp.trust import Peer
+
+    r, rec = started()
+    conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=30)
+    try:
+        for _ in range(2):                      # two requests on one keep-alive connection
+            assert post(r.http_port, make_request(seed=rep).SerializeToString(), conn=conn)[0] == 200
+        client_port = conn.sock.getsockname()[1]
+    finally:
+        conn.close()
+    raw_export(channels(r.grpc_port))(make_request(seed=rep).SerializeToString(), timeout=10)
+    http_peer = Peer("http", "127.0.0.1", client_port, "127.0.0.1", r.http_port)
+    assert rec.peers[:2] == [http_peer, http_peer]
+    grpc_peer = rec.peers[2]
+    assert (grpc_peer.transport, grpc_peer.host, grpc_peer.local_host, grpc_peer.local_port) == \
+        ("grpc", "127.0.0.1", "127.0.0.1", r.grpc_port)
+    assert grpc_peer.port not in (0, r.grpc_port, client_port)

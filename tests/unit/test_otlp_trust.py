@@ -47,7 +47,7 @@ class Spans:
     def __init__(self) -> None:
         self.names: list[str] = []
 
-    def __call__(self, request: ExportTraceServiceRequest) -> int:
+    def __call__(self, request: ExportTraceServiceRequest, peer=None) -> int:
         got = [s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
         self.names.extend(got)
         return len(got)

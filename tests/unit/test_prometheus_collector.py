@@ -69,6 +69,9 @@ def test_kernel_metrics_with_workload_labels():
     assert reg.get_sample_value("spanlet_otlp_receiver_rejected_spans_total",
                                 {"node": "n1", "reason": "bad_span_id"}) == 2
     assert reg.get_sample_value("spanlet_otlp_receiver_accepted_spans_total", {"node": "n1"}) == 9
+    for reason, n in (("socket", 5), ("pod_ip", 0), ("unknown", 3)):
+        assert reg.get_sample_value("spanlet_otlp_receiver_sender_origins_total",
+                                    {"node": "n1", "reason": reason}) == n
 
 
 def test_a_failing_source_is_counted_and_the_rest_is_served():

@@ -39,7 +39,7 @@ class RestartableUpstream:
         self.receiver: OtlpReceiver | None = None
         self.start()
 
-    def __call__(self, request) -> int:
+    def __call__(self, request, peer=None) -> int:
         n = 0
         with self.lock:
             self.requests += 1
