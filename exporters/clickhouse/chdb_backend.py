@@ -7,6 +7,7 @@ path can only be opened after the first was closed."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -214,8 +215,19 @@ class ChdbBackend:
                 self.target.database, table, path))
 
     def _insert_from_file_locked(self, data: bytes, sql) -> None:
-        """Run the INSERT sql(path) that reads `data` from INCOMING_FILE."""
+        """Run the INSERT ... SELECT sql(path) that reads `data` from
+        INCOMING_FILE, with a deduplication token of the statement and the
+        data: the engine deduplicates an INSERT SELECT only with one (it
+        cannot tell that the file's rows come in the same order again), and
+        a batch retried or replayed from the spool must be dropped as the
+        same block, as the tables' deduplication window (schema v3) means."""
         path = os.path.join(self.path, INCOMING_FILE)
+        statement = sql(path)
+        token = hashlib.blake2b(statement.encode() + b"\0" + data, digest_size=16).hexdigest()
+        head, select, rest = statement.partition(") SELECT ")
+        if not select:
+            raise ValueError("not an INSERT INTO ... (columns) SELECT")
+        statement = f"{head}) SETTINGS insert_deduplication_token = '{token}' SELECT {rest}"
         try:
             with open(path, "wb") as f:
                 f.write(data)
@@ -226,7 +238,7 @@ class ChdbBackend:
                 pass
             raise BackendUnavailable(f"cannot write {INCOMING_FILE}: {e}") from e
         try:
-            self._run_locked(sql(path), "CSV")
+            self._run_locked(statement, "CSV")
         finally:
             os.unlink(path)
 
