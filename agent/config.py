@@ -358,10 +358,10 @@ class StoreConfig(_Section):
     cluster: str = ""
     ttl_days: int = Field(default=7, ge=1, le=3650)
     batch_rows: int = Field(default=10_000, ge=1, le=1_000_000)
-    # Each insert costs the embedded engine ~30-50 ms of CPU however few its
+    # Each insert costs the embedded engine ~20-50 ms of CPU however few its
     # rows (the statement's analysis, a part written, then merged; ~5 µs a
-    # span on top): 10 s between inserts keeps that cost under 0.5% of a
-    # core, and the store's rows at most that much behind.
+    # span, ~3 µs a kernel event on top): 10 s between inserts keeps that
+    # cost under 0.5% of a core, and the store's rows at most that much behind.
     batch_interval_s: float = Field(default=10.0, gt=0, le=60)
     queue_rows: int = Field(default=200_000, ge=1, le=100_000_000)
     # On-disk spool (data_dir/spool) for what the store cannot take now.

@@ -342,6 +342,17 @@ def decode_from(buf, offset: int, size: int, clock: MonotonicClock) -> _Event:
     return ev
 
 
+def from_record(raw: bytes, epoch_ns: int) -> _Event:
+    """A record's bytes whose epoch time is known already → its struct."""
+    kind = _KIND.unpack_from(raw, _KIND_OFFSET)[0] if len(raw) >= _HEADER_SIZE else None
+    cls = RECORDS.get(kind)
+    if cls is None or len(raw) < _SIZES[kind]:
+        raise DecodeError(f"record of {len(raw)} bytes of kind {kind}")
+    ev = cls.from_buffer_copy(raw)
+    ev.epoch_ns = epoch_ns
+    return ev
+
+
 def decode(raw: bytes, clock: MonotonicClock) -> _Event:
     """One record held in a bytes object → its struct."""
     return decode_from(raw, 0, len(raw), clock)

@@ -84,8 +84,8 @@ class StorePath:
         batch = []
         while self._events:
             batch.append(self._events.popleft())
-        self.sink.write("kernel_events", self.rows.KERNEL_EVENT_COLUMNS,
-                        self.rows.kernel_event_rows(batch, self._resolve, self.cfg.node_name))
+        self.sink.write("kernel_events", self.rows.KERNEL_RECORD_COLUMNS,
+                        self.rows.kernel_record_rows(batch, self._resolve, self.cfg.node_name))
 
     def stop(self, deadline: float) -> None:
         if self.sink is not None:

@@ -7,6 +7,7 @@ path can only be opened after the first was closed."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -15,8 +16,8 @@ import time
 from typing import Any, Sequence
 
 from spanlet.exporters.clickhouse import BackendError, BackendUnavailable
+from spanlet.exporters.clickhouse import arrow_columns, kernel_records, schema, span_protos
 from spanlet.exporters.clickhouse import rows as rows_mod
-from spanlet.exporters.clickhouse import schema, span_protos
 from spanlet.exporters.clickhouse.http_backend import RETRYABLE_CLICKHOUSE_CODES
 
 _DT64 = re.compile(r"^(?:LowCardinality\()?(?:Nullable\()?DateTime64\((\d)")
@@ -43,9 +44,10 @@ _SESSION_SETTINGS = ("session_timezone = 'UTC'",
 # threads and ~20 MB of RSS in the agent the first time it happens, under a
 # steady insert load within minutes). One by one they take well under a second.
 ENGINE_CONFIG_FILE = "spanlet-engine.xml"
-# Serialized spans wait in INCOMING_FILE for the one INSERT that reads them
-# (under the lock), with SCHEMA_FILE (span_protos.SCHEMA) written at open.
-INCOMING_FILE = "spanlet-incoming-spans.pb"
+# Serialized spans and ring-buffer records wait in INCOMING_FILE for the one
+# INSERT that reads them (under the lock), spans with SCHEMA_FILE
+# (span_protos.SCHEMA) written at open.
+INCOMING_FILE = "spanlet-incoming.data"
 SCHEMA_FILE = "spanlet-spans.proto"
 # The engine's memory worker reads the process's memory figures every 100 ms
 # by default (a steady ~0.3% of a core in an idle agent): once every 5 s is
@@ -131,44 +133,114 @@ class ChdbBackend:
             return schema.current_version(self._query_locked, self.target)
 
     def insert(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        """INSERT rows (values as schema.py's conventions say) as
-        JSONCompactEachRow data: every value is JSON-encoded, never spliced
-        into SQL text. Rows of rows.SPAN_PROTO_COLUMNS are serialized spans:
-        the engine builds their columns (span_protos.py)."""
+        """INSERT rows (values as schema.py's conventions say) as Arrow
+        columns (arrow_columns.py), or as JSONCompactEachRow data where a
+        column's type has no Arrow form here: every value is encoded, never
+        spliced into SQL text. Rows of rows.SPAN_PROTO_COLUMNS are serialized
+        spans and rows of rows.KERNEL_RECORD_COLUMNS ring-buffer records:
+        the engine builds their columns (span_protos.py, kernel_records.py)."""
         if not rows:
             return
         schema.check_identifier(table, "table name")
-        if tuple(columns) == rows_mod.SPAN_PROTO_COLUMNS:
+        columns = tuple(columns)
+        if columns == rows_mod.SPAN_PROTO_COLUMNS:
             self._insert_span_protos(table, rows)
+            return
+        if columns == rows_mod.KERNEL_RECORD_COLUMNS:
+            self._insert_kernel_records(table, rows)
             return
         with self._lock:
             self._check_open()
             types = self._column_types_locked(table)
-            convert = []
-            for i, col in enumerate(columns):
+            ctypes = []
+            for col in columns:
                 ctype = types.get(col)
                 if ctype is None:
                     raise BackendError(f"{table} has no column {col!r}")
-                if _DT64.match(ctype):
-                    convert.append((i, False))
-                elif _ARRAY_DT64.match(ctype):
-                    convert.append((i, True))
+                ctypes.append(ctype)
             width = len(columns)
-            lines = []
-            dumps = _encode_row
             for row in rows:
                 if len(row) != width:
                     raise BackendError(f"row of {len(row)} values for {width} columns")
-                if convert:
-                    row = list(row)
-                    for i, is_array in convert:
-                        v = row[i]
-                        row[i] = [_utc_text(x) for x in v] if is_array else _utc_text(v)
-                lines.append(dumps(row))
-            cols = ", ".join(schema.quote_identifier(c) for c in columns)
-            sql = (f"INSERT INTO {self.target.database}.{table} ({cols}) "
-                   f"FORMAT JSONCompactEachRow\n" + "\n".join(lines))
-            self._run_locked(sql, "CSV")
+            data = arrow_columns.ipc_stream(columns, ctypes, rows)
+            if data is None:
+                self._insert_json_locked(table, columns, ctypes, rows)
+                return
+            # From a file, not a streaming insert: chdb's streaming insert
+            # returns without an error when the engine could not write the
+            # part (a full disk), and the rows would be lost.
+            self._insert_from_file_locked(data, lambda path: (
+                f"INSERT INTO {self.target.database}.{table} ({self._column_list(columns)}) "
+                f"SELECT * FROM file({schema.quote_string(path)}, 'ArrowStream')"))
+
+    def insert_json(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """The JSONCompactEachRow insert alone (the way every insert went
+        before Arrow; bench/store_bench.py shows both)."""
+        with self._lock:
+            self._check_open()
+            types = self._column_types_locked(table)
+            self._insert_json_locked(table, tuple(columns), [types[c] for c in columns], rows)
+
+    def _insert_json_locked(self, table: str, columns: tuple, ctypes: Sequence[str],
+                            rows: Sequence[Sequence[Any]]) -> None:
+        convert = []
+        for i, ctype in enumerate(ctypes):
+            if _DT64.match(ctype):
+                convert.append((i, False))
+            elif _ARRAY_DT64.match(ctype):
+                convert.append((i, True))
+        lines = []
+        dumps = _encode_row
+        for row in rows:
+            if convert:
+                row = list(row)
+                for i, is_array in convert:
+                    v = row[i]
+                    row[i] = [_utc_text(x) for x in v] if is_array else _utc_text(v)
+            lines.append(dumps(row))
+        sql = (f"INSERT INTO {self.target.database}.{table} ({self._column_list(columns)}) "
+               f"FORMAT JSONCompactEachRow\n" + "\n".join(lines))
+        self._run_locked(sql, "CSV")
+
+    @staticmethod
+    def _column_list(columns: Sequence[str]) -> str:
+        return ", ".join(schema.quote_identifier(c) for c in columns)
+
+    def _insert_kernel_records(self, table: str, record_rows: Sequence[Sequence[Any]]) -> None:
+        """One INSERT ... SELECT of the records, read from a RowBinary file."""
+        data = kernel_records.encode(record_rows)
+        with self._lock:
+            self._check_open()
+            self._insert_from_file_locked(data, lambda path: kernel_records.insert_sql(
+                self.target.database, table, path))
+
+    def _insert_from_file_locked(self, data: bytes, sql) -> None:
+        """Run the INSERT ... SELECT sql(path) that reads `data` from
+        INCOMING_FILE, with a deduplication token of the statement and the
+        data: the engine deduplicates an INSERT SELECT only with one (it
+        cannot tell that the file's rows come in the same order again), and
+        a batch retried or replayed from the spool must be dropped as the
+        same block, as the tables' deduplication window (schema v3) means."""
+        path = os.path.join(self.path, INCOMING_FILE)
+        statement = sql(path)
+        token = hashlib.blake2b(statement.encode() + b"\0" + data, digest_size=16).hexdigest()
+        head, select, rest = statement.partition(") SELECT ")
+        if not select:
+            raise ValueError("not an INSERT INTO ... (columns) SELECT")
+        statement = f"{head}) SETTINGS insert_deduplication_token = '{token}' SELECT {rest}"
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+        except OSError as e:     # a full or failing disk: the sink keeps the rows and retries
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise BackendUnavailable(f"cannot write {INCOMING_FILE}: {e}") from e
+        try:
+            self._run_locked(statement, "CSV")
+        finally:
+            os.unlink(path)
 
     def _insert_span_protos(self, table: str, proto_rows: Sequence[Sequence[Any]]) -> None:
         """One INSERT ... SELECT of the spans the engine writes as the Python
@@ -177,17 +249,11 @@ class ChdbBackend:
         skip = span_protos.complex_spans([r[0] for r in proto_rows])
         if len(skip) < len(proto_rows):
             env = span_protos.envelope(proto_rows)
-            data = os.path.join(self.path, INCOMING_FILE)
             proto = os.path.join(self.path, SCHEMA_FILE)
             with self._lock:
                 self._check_open()
-                with open(data, "wb") as f:
-                    f.write(env.data)
-                try:
-                    self._run_locked(span_protos.insert_sql(self.target.database, table, data, proto, env, skip),
-                                     "CSV")
-                finally:
-                    os.unlink(data)
+                self._insert_from_file_locked(env.data, lambda path: span_protos.insert_sql(
+                    self.target.database, table, path, proto, env, skip))
         if skip:
             self.insert(table, rows_mod.TRACE_COLUMNS, rows_mod.rows_from_span_protos(proto_rows[i] for i in skip))
 

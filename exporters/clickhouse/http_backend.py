@@ -161,15 +161,22 @@ class HttpBackend:
         if tuple(columns) == rows_mod.SPAN_PROTO_COLUMNS:
             # serialized spans: their columns built here (any server version reads these)
             columns, rows = rows_mod.TRACE_COLUMNS, rows_mod.rows_from_span_protos(rows)
+        elif tuple(columns) == rows_mod.KERNEL_RECORD_COLUMNS:
+            columns, rows = rows_mod.KERNEL_EVENT_COLUMNS, rows_mod.rows_from_kernel_records(rows)
+        width = len(columns)
+        if any(len(row) != width for row in rows):
+            raise BackendError(f"a row without {width} values for {width} columns")
+        # column-oriented: the driver writes each column's values in one pass
+        data = [list(values) for values in zip(*rows)]
         key = (table, tuple(columns))
         with self._lock:
             client = self._connected()
             context = self._insert_contexts.get(key)
             if context is None:
                 context = self._call(client.create_insert_context, table=table, column_names=list(columns),
-                                     database=self.database)
+                                     database=self.database, column_oriented=True)
                 self._insert_contexts[key] = context
-            context.data = rows
+            context.data = data
             try:
                 self._call(client.insert, context=context)
             except BackendError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import struct
 from decimal import Decimal
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -295,6 +296,42 @@ def kernel_event_row(ev: events._Event, resolve: PodResolver | None = None,
 def kernel_event_rows(evs: Iterable[events._Event], resolve: PodResolver | None = None,
                       node: str = "") -> list[list]:
     return [kernel_event_row(ev, resolve, node) for ev in evs]
+
+
+# The store's own form of kernel_events rows: each event as its record's
+# bytes (the struct the ring buffer carried), its epoch time and where it
+# ran. Making one costs a bytes() of the struct; the embedded store reads
+# the fields in the engine (kernel_records.py), any other backend through
+# rows_from_kernel_records.
+KERNEL_RECORD_COLUMNS = ("Record", "EpochNs", "K8sNamespace", "K8sPodName", "K8sContainerName", "Node")
+_CGROUP = struct.Struct("<Q")
+_CGROUP_AT = events.Header.cgroup_id.offset
+_NO_POD = ("", "", "")
+
+
+def kernel_record_rows(evs: Iterable[events._Event], resolve: PodResolver | None = None,
+                       node: str = "") -> list[list]:
+    """One KERNEL_RECORD_COLUMNS row per event (`resolve` asked once per cgroup)."""
+    pods: dict[int, tuple[str, str, str]] = {}
+    cgroup_of = _CGROUP.unpack_from
+    out = []
+    for ev in evs:
+        raw = bytes(ev)
+        cgroup = cgroup_of(raw, _CGROUP_AT)[0]
+        pod = pods.get(cgroup)
+        if pod is None:
+            pod = pods[cgroup] = (resolve(cgroup) if resolve is not None else None) or _NO_POD
+        out.append([raw, ev.epoch_ns, pod[0], pod[1], pod[2], node])
+    return out
+
+
+def rows_from_kernel_records(record_rows: Iterable[Sequence]) -> list[list]:
+    """KERNEL_RECORD_COLUMNS rows → the same events' KERNEL_EVENT_COLUMNS rows."""
+    out = []
+    for raw, epoch_ns, ns, pod, container, node in record_rows:
+        ev = events.from_record(raw, epoch_ns)
+        out.append(kernel_event_row(ev, lambda _cgroup: (ns, pod, container), node))
+    return out
 
 
 # ---------------------------------------------------------------------------

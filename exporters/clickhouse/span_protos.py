@@ -70,7 +70,7 @@ STRUCTURE = (
     "status Tuple(message String, code Int32), spanlet_group UInt32")
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -79,7 +79,7 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-_GROUP_TAGS = [_varint(GROUP_FIELD << 3) + _varint(i) for i in range(128)]
+_GROUP_TAGS = [varint(GROUP_FIELD << 3) + varint(i) for i in range(128)]
 
 
 class Envelope(NamedTuple):
@@ -103,13 +103,13 @@ def envelope(proto_rows: Sequence[Sequence]) -> Envelope:
         if g is None:
             g = groups[key] = len(order)
             order.append((res_attrs, service, scope_name, scope_version))
-        tag = _GROUP_TAGS[g] if g < 128 else _varint(GROUP_FIELD << 3) + _varint(g)
-        append(b"\x0a" + _varint(len(blob) + len(tag)))
+        tag = _GROUP_TAGS[g] if g < 128 else varint(GROUP_FIELD << 3) + varint(g)
+        append(b"\x0a" + varint(len(blob) + len(tag)))
         append(blob)
         append(tag)
         nested = nested or has_nested
     body = b"".join(parts)
-    return Envelope(_varint(len(body)) + body, order, nested)
+    return Envelope(varint(len(body)) + body, order, nested)
 
 
 def _source(path: str, schema_path: str) -> str:

@@ -67,13 +67,23 @@ class Feed:
     events: int = 30
     offered: dict[str, int] = field(default_factory=lambda: {TRACES: 0, KERNEL_EVENTS: 0})
 
+    steps: int = 0
+
     def step(self) -> None:
+        """Every other step in the agent's own forms (serialized spans, ring-buffer records), the others
+        as Python rows: both ways into the store meet the same outages."""
+        agent_forms = self.steps % 2 == 0
+        self.steps += 1
         n = self.offered[TRACES]
-        self.sink.write(TRACES, rows.TRACE_COLUMNS, rows.span_rows(resource_spans(n, self.spans)))
+        if agent_forms:
+            self.sink.write(TRACES, rows.SPAN_PROTO_COLUMNS, rows.span_proto_rows(resource_spans(n, self.spans)))
+        else:
+            self.sink.write(TRACES, rows.TRACE_COLUMNS, rows.span_rows(resource_spans(n, self.spans)))
         self.offered[TRACES] += self.spans
         n = self.offered[KERNEL_EVENTS]
-        self.sink.write(KERNEL_EVENTS, rows.KERNEL_EVENT_COLUMNS,
-                        rows.kernel_event_rows(kernel_events(n, self.events), node="node-a"))
+        make, columns = ((rows.kernel_record_rows, rows.KERNEL_RECORD_COLUMNS) if agent_forms
+                         else (rows.kernel_event_rows, rows.KERNEL_EVENT_COLUMNS))
+        self.sink.write(KERNEL_EVENTS, columns, make(kernel_events(n, self.events), node="node-a"))
         self.offered[KERNEL_EVENTS] += self.events
 
     def run(self, steps: int, period_s: float = 0.0) -> None:

@@ -118,6 +118,26 @@ def test_a_retried_insert_is_stored_once(backend):
     assert schema.MIGRATIONS[2].statements(schema.Target(cluster="c")) == []  # Replicated: built in
 
 
+@pytest.mark.parametrize("form", ["span protos", "kernel records"])
+def test_a_retried_batch_in_the_agents_own_form_is_stored_once(backend, form):
+    """The inserts the engine reads from a file (INSERT SELECT) carry a
+    deduplication token of their data: a resent batch is dropped too."""
+    from store_load import kernel_events, resource_spans
+    from spanlet.exporters.clickhouse import rows
+    backend.ensure_schema()
+    if form == "span protos":
+        table, columns, make = "otel_traces", rows.SPAN_PROTO_COLUMNS, lambda n, k: rows.span_proto_rows(
+            resource_spans(n, k))
+    else:
+        table, columns, make = "kernel_events", rows.KERNEL_RECORD_COLUMNS, lambda n, k: rows.kernel_record_rows(
+            kernel_events(n, k))
+    batch = make(0, 3)
+    for _ in range(2):
+        backend.insert(table, columns, batch)
+    backend.insert(table, columns, make(0, 1))     # another batch (a part of the first)
+    assert backend.query(f"SELECT count() FROM spanlet.{table}") == [(4,)]
+
+
 def test_v1_database_with_rows_is_migrated_without_loss(tmp_path):
     # Recent timestamps: older rows would (rightly) be dropped by the TTL.
     t0 = time.time_ns() - 3_600_000_000_000 + 1

@@ -83,7 +83,8 @@ def test_chdb_store_disk_full_then_freed_and_a_restart_keep_every_row_within_the
     facts = json.loads(child.stdout)
 
     assert facts["flushed_while_up"] and not facts["flushed_while_full"]
-    assert "NOT_ENOUGH_SPACE" in facts["outage1_error"]  # the engine's own disk-full error, retried
+    # the disk-full error, retried: the engine's own, or ENOSPC writing the batch the engine reads from a file
+    assert "NOT_ENOUGH_SPACE" in facts["outage1_error"] or "[Errno 28]" in facts["outage1_error"]
     assert facts["flushed_after_outage1"] and facts["flushed_after_restart"]
     st1, st_restart, st2 = facts["stats1"], facts["stats_at_restart"], facts["stats2"]
     assert st1["retries"] >= 3 and st1["replayed_rows"] > 0
