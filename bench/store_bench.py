@@ -86,23 +86,18 @@ def ways(db, node_ts: int):
     return [
         ("kernel_events", "events", [
             ("before: Python rows, JSON", put("kernel_events", rows.KERNEL_EVENT_COLUMNS,
-                                               rows.kernel_event_rows, db.insert_json)),
-            ("Python rows, Arrow columns", put("kernel_events", rows.KERNEL_EVENT_COLUMNS,
                                                rows.kernel_event_rows, db.insert)),
             ("now: ring-buffer records, RowBinary", put("kernel_events", rows.KERNEL_RECORD_COLUMNS,
                                                              rows.kernel_record_rows, db.insert)),
         ]),
         ("otel_traces", "spans", [
-            ("Python rows, JSON", put("otel_traces", rows.TRACE_COLUMNS, rows.span_rows, db.insert_json)),
-            ("Python rows, Arrow columns", put("otel_traces", rows.TRACE_COLUMNS, rows.span_rows, db.insert)),
+            ("Python rows, JSON", put("otel_traces", rows.TRACE_COLUMNS, rows.span_rows, db.insert)),
             ("before and now: serialized, engine-built", put("otel_traces", rows.SPAN_PROTO_COLUMNS,
                                                                        rows.span_proto_rows, db.insert)),
         ]),
         ("metric_samples", "families", [
-            ("before: Python rows, JSON", put("metric_samples", rows.METRIC_COLUMNS,
-                                               lambda f: rows.metric_rows(f, node_ts), db.insert_json)),
-            ("now: Python rows, Arrow columns", put("metric_samples", rows.METRIC_COLUMNS,
-                                                     lambda f: rows.metric_rows(f, node_ts), db.insert)),
+            ("before and now: Python rows, JSON", put("metric_samples", rows.METRIC_COLUMNS,
+                                                       lambda f: rows.metric_rows(f, node_ts), db.insert)),
         ]),
     ]
 

@@ -82,7 +82,7 @@ bcc_into_venv "$venv"
 # The editable install also builds the span marker extension in place
 # (agent/libspanlet_marker.cpython-*.so).
 "$venv/bin/python" -m pip install -q -e "$here[agent,test]"
-"$venv/bin/python" -c 'import bcc, pyroute2, yaml, pydantic, pyarrow, spanlet.cli, spanlet.libspanlet_marker; print("   python modules import: bcc, pyroute2, yaml, pydantic, pyarrow, the span marker")'
+"$venv/bin/python" -c 'import bcc, pyroute2, yaml, pydantic, spanlet.cli, spanlet.libspanlet_marker; print("   python modules import: bcc, pyroute2, yaml, pydantic, the span marker")'
 
 step "native parts"
 make -s -C "$here" native CC="${CC:-gcc}"

@@ -10,7 +10,7 @@ import sysconfig
 from pathlib import Path
 
 # Each needs the [agent] extra (or is the daemon itself): none may import here.
-DAEMON_ONLY = ("chdb", "pyarrow", "pyroute2", "yaml", "pydantic", "prometheus_client", "clickhouse_connect",
+DAEMON_ONLY = ("chdb", "pyroute2", "yaml", "pydantic", "prometheus_client", "clickhouse_connect",
                "kubernetes", "bcc", "spanlet.daemon")
 NEVER_INSTALLED = ("agent", "exporters", "bpf", "native")  # the checkout's folders, as top-level names
 

@@ -21,6 +21,11 @@ span it ended (N: the launches made inside it), then "done":
                       launches outside any span; the main thread ends the span
     outside N         N launches in no span
     marks N           N spans of one launch each, as fast as possible (with "none": never exported)
+    open N            a span made current in the main thread, N launches in it, left open:
+                      prints "open TRACE_HEX SPAN_HEX"; "close" ends it (its span line)
+    impersonate TRACE_HEX SPAN_HEX N   a span with exactly those ids (a child of a remote
+                      parent in that trace, its span id forced), N launches in it: the
+                      impostor of the trust tests (with "none": never exported)
     paced RATE LAUNCHES SECONDS   RATE spans/s, LAUNCHES each, for SECONDS (benches); prints
                       "paced SPANS LATE_S" (the schedule it kept) instead of span lines
     flush             force_flush the provider -> "flushed"
@@ -216,6 +221,40 @@ def marks(count: int) -> None:
             launch(1)
 
 
+held: list = []
+
+
+def open_span(n: int) -> None:
+    span = tracer.start_span("held", attributes=ATTRS)
+    token = otel_context.attach(trace.set_span_in_context(span))
+    launch(n)
+    held.append((span, token, n))
+    ctx = span.get_span_context()
+    print(f"open {ctx.trace_id:032x} {ctx.span_id:016x}", flush=True)
+
+
+def close_span() -> None:
+    span, token, n = held.pop()
+    otel_context.detach(token)
+    span.end()
+    report(span, n)
+
+
+def impersonate(trace_hex: str, span_hex: str, n: int) -> None:
+    parent = trace.NonRecordingSpan(trace.SpanContext(
+        int(trace_hex, 16), ids.generate_span_id(), is_remote=True,
+        trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED)))
+    ids.forced.span_id = int(span_hex, 16)
+    try:
+        with tracer.start_as_current_span("impostor", context=trace.set_span_in_context(parent),
+                                          attributes=ATTRS) as s:
+            ids.forced.span_id = None
+            launch(n)
+    finally:
+        ids.forced.span_id = None
+    report(s, n)
+
+
 def paced(rate: float, launches: int, seconds: float) -> None:
     t0, done, step = time.monotonic(), 0, 1.0 / rate
     total = int(rate * seconds)
@@ -241,6 +280,9 @@ COMMANDS = {
     "outside": lambda a: launch(int(a[0])),
     "marks": lambda a: marks(int(a[0])),
     "paced": lambda a: paced(float(a[0]), int(a[1]), float(a[2])),
+    "open": lambda a: open_span(int(a[0])),
+    "close": lambda a: close_span(),
+    "impersonate": lambda a: impersonate(a[0], a[1], int(a[2])),
 }
 
 assert marker.active, "marker library not loaded"
