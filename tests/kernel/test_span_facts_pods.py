@@ -16,7 +16,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 import cuda_standin
 from facts_child import FactsChild
-from gpu_harness import cgroup2_root, cgroup_id
+from gpu_harness import cgroup2_root, cgroup_id, remove_cgroup
 from spanlet import config
 from spanlet.events import Modality
 from spanlet.join import SpanJoin
@@ -41,39 +41,11 @@ def pods():
 
     yield pod
     for path in made:
-        for _ in range(100):   # the last process may still be on its way out
-            try:
-                path.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(path, tries=100)
 
 
 def move(pid: int, pod: Path) -> None:
     (pod / "cgroup.procs").write_text(str(pid))
-
-
-@pytest.fixture
-def kernel():
-    """start(*overrides) → (span_ctx probe, GPU probe) with default GPU settings."""
-    from spanlet.probes.gpu import GpuProbe
-    from spanlet.probes.span_ctx import SpanCtxProbe
-
-    started = []
-
-    def start(*overrides: str):
-        cfg = config.load(env={}, overrides=list(overrides))
-        span = SpanCtxProbe(cfg)
-        started.append(span)
-        assert span.start().attached, span.status.reason
-        gpu = GpuProbe(cfg)
-        started.append(gpu)
-        assert gpu.start(pin_dir=span.shared_pin_dir()).attached, gpu.status.reason
-        return span, gpu
-
-    yield start
-    for p in reversed(started):
-        p.stop()
 
 
 def ids() -> tuple[bytes, int]:
@@ -96,6 +68,17 @@ def launches_on(req: ExportTraceServiceRequest) -> int:
     return {kv.key: kv.value.int_value for kv in span.attributes}.get("kernel.gpu.launches", 0)
 
 
+def two_pods(standin, spawn, pods, kernel):
+    """(span_ctx probe, victim, impostor, their cgroup ids): two stand-in CUDA
+    processes, the impostor moved to a cgroup of its own."""
+    victim, impostor = spawn(standin.workload), spawn(standin.workload)
+    for p in (victim, impostor):
+        p.load(standin.lib_dir)
+    move(impostor.pid, pods())
+    span, _ = kernel()
+    return span, victim, impostor, cgroup_id(victim.pid), cgroup_id(impostor.pid)
+
+
 @pytest.mark.parametrize("path", ["c", "python"])
 @pytest.mark.parametrize("rep", range(RUNS))
 def test_an_impostor_marking_the_same_ids_adds_nothing(standin, spawn, pods, kernel, rep, path,
@@ -108,12 +91,7 @@ def test_an_impostor_marking_the_same_ids_adds_nothing(standin, spawn, pods, ker
     receiver establishes the origin)."""
     if path == "python":
         monkeypatch.setattr(span_facts_mod, "_join_resource", None)
-    victim, impostor = spawn(standin.workload), spawn(standin.workload)
-    for p in (victim, impostor):
-        p.load(standin.lib_dir)
-    move(impostor.pid, pods())
-    span, _ = kernel()
-    v_cg, i_cg = cgroup_id(victim.pid), cgroup_id(impostor.pid)
+    span, victim, impostor, v_cg, i_cg = two_pods(standin, spawn, pods, kernel)
     assert v_cg != i_cg
     cfg = config.load(env={}).join
     for origin in (frozenset({v_cg}), None):
@@ -146,12 +124,7 @@ def test_late_rows_of_another_pod_are_not_the_spans(standin, spawn, pods, kernel
     """After the victim's span went out, the impostor marks its ids: the
     sweep deletes that row as foreign, sends no late record with it, and
     still sends the victim's own late launches."""
-    victim, impostor = spawn(standin.workload), spawn(standin.workload)
-    for p in (victim, impostor):
-        p.load(standin.lib_dir)
-    move(impostor.pid, pods())
-    span, _ = kernel()
-    v_cg, i_cg = cgroup_id(victim.pid), cgroup_id(impostor.pid)
+    span, victim, impostor, v_cg, i_cg = two_pods(standin, spawn, pods, kernel)
     late: list = []
     join = SpanJoin(config.load(env={}).join, facts=span.facts, on_late=late.extend)
     trace_id, span_id = ids()
