@@ -275,7 +275,7 @@ BPF_TABLE("hash", __u64, __u64, span_facts_cg_released, 1);
 BPF_TABLE("lru_hash", __u64, __u64, span_facts_cg_refused, 1);
 BPF_PERCPU_ARRAY(span_facts_refused, __u64, 2);
 #endif
-/* span_facts_refused: [0] rows refused by the per-cgroup bound, [1] rows of
+/* span_facts_refused: [0] events refused a row by the per-cgroup bound, [1] rows of
  * cgroups past SPANLET_FACTS_CGROUPS (made, bounded by the total only) */
 #define SPANLET_FACTS_REFUSED 0
 #define SPANLET_FACTS_CGROUPS_FULL 1
@@ -296,7 +296,8 @@ static __always_inline void spanlet_facts_count(int slot)
 
 /* Whether cgroup `cg` may make another row: live rows (rows made, counted
  * here, less rows gone, written by the agent's sweep and join) under
- * SPANLET_SPAN_FACTS_MAX_PER_CGROUP. A refusal is counted for the cgroup. */
+ * SPANLET_SPAN_FACTS_MAX_PER_CGROUP. A refusal is counted for the cgroup,
+ * once per event (launch, sync, violation) that gets no row. */
 static __always_inline int spanlet_facts_room(__u64 cg)
 {
     __u64 *made = span_facts_cg_created.lookup(&cg);

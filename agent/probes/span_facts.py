@@ -83,9 +83,9 @@ class SpanFactsStats:
     swept: int = 0       # deleted without being read (expired)
     evicted: int = 0     # pushed out by the LRU: created - taken - swept - present
     present: int = 0     # rows in the map at the last rows()
-    refused: int = 0     # rows the kernel refused: their cgroup was at its bound
+    refused: int = 0     # events that got no row: their cgroup was at its bound
     cgroups_full: int = 0  # rows of cgroups past the kernel's per-cgroup table (total bound only)
-    refused_by_cgroup: dict = field(default_factory=dict)   # cgroup id → rows refused
+    refused_by_cgroup: dict = field(default_factory=dict)   # cgroup id → events refused
     live_by_cgroup: dict = field(default_factory=dict)      # cgroup id → rows at the last sweep
 
 

@@ -204,3 +204,43 @@ def test_a_pod_marking_spans_that_never_arrive_starves_only_itself(standin, spaw
     # the sweep counts the flood's live rows right (what the kernel's bound reads)
     span.facts.ages()
     assert span.facts.stats().live_by_cgroup.get(f_cg, 0) == len(theirs)
+
+
+@pytest.mark.parametrize("rep", range(RUNS))
+def test_rows_taken_or_swept_give_their_cgroup_its_room_back(standin, spawn, kernel, rep):
+    """A pod's bound counts live rows: rows its spans took come off at once
+    (in batches of RELEASE_BATCH), rows that never find their span come off
+    once gone and swept; a pod past its bound gets its room back after."""
+    bound = 100
+    w = spawn(standin.workload)
+    w.load(standin.lib_dir)
+    span, _ = kernel(f"join.span_facts_max_per_cgroup={bound}")
+    cg = cgroup_id(w.pid)
+    join = SpanJoin(config.load(env={}).join, facts=span.facts)
+
+    def spans(n: int) -> list:
+        made = []
+        for _ in range(n):
+            key = ids()
+            span.set(w.tid, *key, Modality.text)
+            w.run(launches(2))
+            made.append(key)
+        span.clear(w.tid)
+        return made
+
+    for _ in range(3 * bound):                      # each joined as it ends: never near the bound
+        req = request(*spans(1)[0])
+        join.join(req.resource_spans, origin=frozenset({cg}))
+        assert launches_on(req) == 2
+    assert span.facts.stats().refused_by_cgroup.get(cg, 0) == 0
+    waiting = spans(bound + 50)                     # spans that do not come (yet)
+    # rows taken come off in batches: at most RELEASE_BATCH - 1 of them still count;
+    # a refusal is counted per event that found no room (two launches a span)
+    assert 2 * 50 <= span.facts.stats().refused_by_cgroup[cg] < 2 * (50 + span_facts_mod.RELEASE_BATCH)
+    for key in waiting:
+        span.facts.take(*key)
+    span.facts.ages()                               # the sweep's scan: the figure made exact
+    refused = span.facts.stats().refused_by_cgroup[cg]
+    again = spans(bound)
+    assert span.facts.stats().refused_by_cgroup[cg] == refused
+    assert all(span.facts.take(*key).launches == 2 for key in again)
