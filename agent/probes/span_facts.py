@@ -35,6 +35,7 @@ _KEY = struct.Struct("<16sQQ")     # struct span_facts_key
 _IKEY = struct.Struct("<16sQ")     # struct span_facts_index_key
 _IVAL = struct.Struct("<4QII")     # struct span_facts_index_val
 INDEX_CGROUPS = 4
+ORIGIN_MAX = 64      # origin cgroups the C join reads (native/spanlet_wire.c); more: Python's
 _U64 = struct.Struct("<Q")
 # Rows gone for one cgroup that are written back to the kernel's count at once
 # (the sweep writes the exact figure every join.sweep_interval_s).
@@ -239,7 +240,7 @@ class SpanFacts:
         (new blob or None if nothing joined, keys of all its spans, spans
         that got rows, cgroup, rows taken as (cgroup, reason) with reason 0
         kept, 1 other_pod, 2 conflict)."""
-        if _join_resource is None:
+        if _join_resource is None or (origin is not None and len(origin) > ORIGIN_MAX):
             return None
         with self._lock:
             if self._closed:
@@ -263,6 +264,29 @@ class SpanFacts:
             if gone:
                 self._release(cgroup_id, 1)
             return gone
+
+    def put_row(self, trace_id: bytes, span_id: int, cgroup_id: int = 0, **fields: int) -> None:
+        """Write a row as the kernel makes one (tools, tests, benches): the row
+        for (span, cgroup) with `fields` (struct span_facts_val's), the cgroup
+        appended to the span's index entry. Not counted as created."""
+        k, v = self.table.Key(), self.table.Leaf()
+        k.trace_id[:] = list(trace_id.ljust(16, b"\0"))
+        k.span_id, k.cgroup_id = span_id, cgroup_id
+        v.cgroup_id = cgroup_id
+        for name, x in fields.items():
+            setattr(v, name, x)
+        self.table[k] = v
+        ik = self.index.Key()
+        ik.trace_id[:] = list(trace_id.ljust(16, b"\0"))
+        ik.span_id = span_id
+        try:
+            iv = self.index[ik]
+        except KeyError:
+            iv = self.index.Leaf()
+        if iv.n < INDEX_CGROUPS:
+            iv.cgroups[iv.n] = cgroup_id
+        iv.n += 1
+        self.index[ik] = iv
 
     # -- the kernel's per-cgroup count of live rows ---------------------------------
     def _release(self, cgroup_id: int, n: int) -> None:

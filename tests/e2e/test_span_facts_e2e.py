@@ -58,7 +58,10 @@ def assert_exact(agent: Agent, expected: dict) -> None:
 
 @pytest.fixture(scope="module")
 def agent(standin):
-    with running_agent(standin.lib_dir / cuda_standin.DRIVER, f"join.span_facts_max={SPAN_FACTS_MAX}") as a:
+    # the flood below is one pod's: its own bound (join.span_facts_max_per_cgroup) set
+    # past what it marks, so that the map's total bound and the LRU are what it meets
+    with running_agent(standin.lib_dir / cuda_standin.DRIVER, f"join.span_facts_max={SPAN_FACTS_MAX}",
+                       f"join.span_facts_max_per_cgroup={8 * SPAN_FACTS_MAX}") as a:
         yield a
     assert not a.pins_left, "the agent's stop left its pinned maps behind"
 

@@ -68,27 +68,13 @@ def _plan(rnd: random.Random, req) -> list:
 
 
 def _put_rows(plan, span, fake: FakeFacts | None = None) -> None:
-    table, index = span.facts.table, span.facts.index
     for trace_id, span_id, rows in plan:
-        ik, iv = index.Key(), index.Leaf()
-        ik.trace_id[:] = list(trace_id)
-        ik.span_id = span_id
-        for i, (cg, vals) in enumerate(rows):
-            k, v = table.Key(), table.Leaf()
-            k.trace_id[:] = list(trace_id)
-            k.span_id, k.cgroup_id = span_id, cg
-            for f, x in vals.items():
-                setattr(v, f, x)
-            v.cgroup_id, v.first_ns, v.pid = cg, 10, 1
-            table[k] = v
-            if i < 4:
-                iv.cgroups[i] = cg
+        for cg, vals in rows:
+            span.facts.put_row(trace_id, span_id, cg, first_ns=10, pid=1, **vals)
             if fake is not None:
                 fake.add(trace_id, span_id, driver=vals["launches_driver"],
                          runtime=vals["launches_runtime"], **{f: vals[f] for f in FIELDS[2:]},
                          cgroup_id=cg)
-        iv.n = len(rows)
-        index[ik] = iv
 
 
 def _left(table) -> set:
