@@ -175,3 +175,34 @@ def test_what_the_c_join_leaves_to_python_takes_nothing(span, case):
     assert span.facts.join_resource(blob, frozenset({4242})) is None
     assert _left(table) == before
     _clear(span)
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_an_index_entry_that_lost_a_slot_still_gives_the_sender_its_row(span, path, monkeypatch):
+    """Two CPUs making rows for one span at once may write one index slot
+    twice (n = 2, one cgroup listed): the sender's row is looked up directly,
+    another cgroup's unlisted row waits for the sweep."""
+    if path == "python":
+        monkeypatch.setattr(span_facts_mod, "_join_resource", None)
+    _clear(span)
+    rnd = random.Random(path)
+    trace_id, span_id = rnd.randbytes(16), rnd.getrandbits(63) | 1
+    for cg, n in ((4242, 100), (77, 6), (78, 9)):
+        span.facts.put_row(trace_id, span_id, cg, launches_driver=n)
+    index = span.facts.index
+    ik = index.Key()
+    ik.trace_id[:] = list(trace_id)
+    ik.span_id = span_id
+    iv = index[ik]
+    iv.cgroups[1], iv.cgroups[2], iv.n = 4242, 0, 3      # 77 and 78 lost to the race
+    index[ik] = iv
+    join = SpanJoin(config.load(env={}).join, facts=span.facts)
+    req = ExportTraceServiceRequest()
+    req.resource_spans.add().scope_spans.add().spans.add(
+        trace_id=trace_id, span_id=span_id.to_bytes(8, "big"))
+    join.join(req.resource_spans, origin=frozenset({77}))
+    (s,) = req.resource_spans[0].scope_spans[0].spans
+    assert {kv.key: kv.value.int_value for kv in s.attributes} == {"kernel.gpu.launches": 6}
+    assert join.foreign() == {4242: 1}
+    assert _left(span.facts.table) == {(trace_id, span_id, 78)}
+    _clear(span)
