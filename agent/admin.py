@@ -434,10 +434,28 @@ class AdminServer:
                      "pending_events": self.join.pending_events(),
                      **self.join.stats.as_dict(), "span_facts": self._span_facts(),
                      **dict(zip(("batch_held_now", "batch_pending_now"),
-                                self.join.batch_pending()))},
+                                self.join.batch_pending())),
+                     "by_pod": self._trust()},
             "exporters": exporters,
             "metrics": metric_rows(self.families()),
         }
+
+    def _trust(self) -> list[dict]:
+        """Per cgroup (pod): foreign facts rows it made that a span of another
+        sender did not get, kernel events refused a row by its bound, its live
+        rows at the last sweep, and its batch waiting room's drops."""
+        st = self.join.facts_stats()
+        refused = st.refused_by_cgroup if st is not None else {}
+        live = st.live_by_cgroup if st is not None else {}
+        foreign = self.join.foreign()
+        batch = self.join.batch_by_owner()
+        rows = []
+        for cg in sorted(set(refused) | set(foreign) | set(batch)):
+            b = batch.get(cg, {})
+            rows.append({"cgroup": cg, **self._pod(cg), "foreign": foreign.get(cg, 0),
+                         "refused": refused.get(cg, 0), "live_rows": live.get(cg, 0),
+                         "batch_dropped": b.get("dropped", 0), "batch_hold_full": b.get("hold_full", 0)})
+        return rows
 
     def _span_facts(self) -> dict | None:
         """The kernel's span facts map: rows created, taken, swept, evicted, present."""

@@ -325,6 +325,10 @@ class JoinConfig(_Section):
     # Rows of the kernel's span facts map (LRU: a row past the bound is
     # evicted and counted).
     span_facts_max: int = Field(default=65_536, ge=16, le=4_194_304)
+    # Live rows one cgroup may hold there: past it the kernel refuses that
+    # cgroup's new rows (counted per cgroup), so a pod that marks spans that
+    # never arrive fills only its own part of the map.
+    span_facts_max_per_cgroup: int = Field(default=16_384, ge=16, le=4_194_304)
     # How often the daemon sweeps the span facts map for late and expired rows.
     sweep_interval_s: float = Field(default=2.0, gt=0, le=60)
     # Individual kernel events added to a span as span events, at most.
@@ -341,6 +345,11 @@ class JoinConfig(_Section):
     batch_max_links: int = Field(default=1024, ge=1, le=1_000_000)
     batch_max_pending: int = Field(default=65_536, ge=16, le=10_000_000)
     batch_max_held_spans: int = Field(default=100_000, ge=16, le=10_000_000)
+    # The same per sender pod (its origin, as the receiver established it;
+    # one share for every unknown sender): a pod past its bound drops its
+    # own oldest shares (or holds no more of its spans), never another's.
+    batch_max_pending_per_pod: int = Field(default=16_384, ge=16, le=10_000_000)
+    batch_max_held_per_pod: int = Field(default=25_000, ge=16, le=10_000_000)
 
 
 class StoreConfig(_Section):

@@ -107,10 +107,30 @@ class SpanCtx(C.Structure):
 
 
 class SpanFactsKey(C.Structure):
-    """Key of the span facts map: a span is its trace id and span id."""
+    """Key of the span facts map: a span (trace id and span id) and the cgroup
+    of the tasks that wrote the row."""
     _fields_ = [
         ("trace_id", C.c_uint8 * 16),
         ("span_id", C.c_uint64),
+        ("cgroup_id", C.c_uint64),
+    ]
+
+
+class SpanFactsIndexKey(C.Structure):
+    """Key of the span facts index: a span."""
+    _fields_ = [
+        ("trace_id", C.c_uint8 * 16),
+        ("span_id", C.c_uint64),
+    ]
+
+
+class SpanFactsIndexVal(C.Structure):
+    """The cgroups that made rows for one span, in order; n rows made (n > 4:
+    only the first four listed)."""
+    _fields_ = [
+        ("cgroups", C.c_uint64 * 4),
+        ("n", C.c_uint32),
+        ("_pad", C.c_uint32),
     ]
 
 

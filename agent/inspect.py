@@ -132,9 +132,23 @@ def render(op: str, answer: dict):
 
 
 def _summary(d: dict) -> list:
-    return [*_probes(d["probes"], d["nvml"]), _join_line(d["join"]),
+    trust = _trust_table(d["join"].get("by_pod") or [])
+    return [*_probes(d["probes"], d["nvml"]), _join_line(d["join"]), *trust,
             _exporters_table(d["exporters"]), *_senders_line(d["exporters"]),
             _metrics_table(d["metrics"])]
+
+
+def _trust_table(rows: list) -> list:
+    """Pods whose facts were kept from others' spans, refused or bounded."""
+    if not rows:
+        return []
+    t = _table("Facts by pod", "pod", "foreign rows", "refused events", "live rows",
+               "batch dropped")
+    for r in rows:
+        pod = f"{r['namespace']}/{r['pod']}" if r["pod"] else f"cgroup {r['cgroup']}"
+        t.add_row(pod, str(r["foreign"]), str(r["refused"]), str(r["live_rows"]),
+                  str(r["batch_dropped"] + r["batch_hold_full"]))
+    return [t]
 
 
 def _probes(probes: list, nvml: dict) -> list:
@@ -176,7 +190,11 @@ def _join_line(j: dict):
         f"{j['spans_in']} spans in, {j['events_evicted']} events evicted"
         + (f"; span facts: {sf['present']} rows waiting, {sf['evicted']} evicted, "
            f"{j.get('rows_expired', 0)} expired, {j.get('rows_late', 0)} late"
+           + (f", {sf['refused']} events refused (pod bound)" if sf.get("refused") else "")
            if (sf := j.get("span_facts")) else "")
+        + (f"; foreign facts: {j.get('foreign_other_pod', 0)} other pod, "
+           f"{j.get('foreign_conflict', 0)} conflict"
+           if j.get("foreign_other_pod") or j.get("foreign_conflict") else "")
         + (f"; batched steps: {j['batch_steps']} steps, {j.get('batch_held_now', 0)} requests "
            f"held now, {j.get('batch_pending_now', 0)} waiting shares, {j['batch_requests']} "
            f"requests with shares, {j['batch_late']} late, {j['batch_expired']} expired, "

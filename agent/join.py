@@ -12,7 +12,19 @@ them as `kernel.batch.*` attributes. Once a step has been seen, request (SERVER)
 spans are held back (join(..., held=[]), released by release()) at most
 join.batch_wait_s for their steps; shares waiting for their request are kept in
 a table bounded in count and age; a share for a request already passed on goes
-out as a late record of the request's trace."""
+out as a late record of the request's trace.
+
+Facts stay in their pod: the kernel keeps one row per span and writing
+cgroup, and join() is given the sender's origin (the cgroup ids of its pod,
+established from the connection; None when unknown). A span gets only the
+rows of cgroups in its origin; any other cgroup's row for the same ids is
+deleted and counted (foreign, reason other_pod). With the sender unknown, rows
+from more than one cgroup are a conflict: the span gets the row of the cgroup
+that did most for it (launches + syncs + violations + graph launches; the
+cgroup that made its row first on a tie), the others are counted (reason
+conflict). The same holds for late rows: the origin is kept with the span
+passed on; late rows of an unknown sender are picked among those of one sweep.
+The batch waiting room is bounded per sender too (join.batch_max_*_per_pod)."""
 
 from __future__ import annotations
 
@@ -22,7 +34,7 @@ import re
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
@@ -88,11 +100,52 @@ class KernelRow(Protocol):
 class FactsReader(Protocol):
     """The kernel's span facts map (spanlet.probes.span_facts.SpanFacts)."""
 
-    def take(self, trace_id: bytes, span_id: int) -> KernelRow | None: ...
-    def join_resource(self, blob: bytes): ...             # the common case of a resource, or None
-    def ages(self) -> list[tuple[bytes, int, int]]: ...   # (trace id, span id, first epoch ns)
-    def delete(self, trace_id: bytes, span_id: int) -> bool: ...
+    # every cgroup's row of the span, taken, in the order the kernel made them
+    def take_rows(self, trace_id: bytes, span_id: int, origin=None) -> list[KernelRow]: ...
+    def take_row(self, trace_id: bytes, span_id: int, cgroup_id: int) -> KernelRow | None: ...
+    def join_resource(self, blob: bytes, origin=None): ...  # the common case of a resource, or None
+    # (trace id, span id, cgroup id, first epoch ns)
+    def ages(self) -> list[tuple[bytes, int, int, int]]: ...
+    def delete(self, trace_id: bytes, span_id: int, cgroup_id: int) -> bool: ...
     def stats(self): ...
+
+
+Origin = "frozenset[int] | None"    # the sender's cgroup ids, None when unknown
+FOREIGN_REASONS = ("other_pod", "conflict")
+# the join's per-cgroup table of foreign rows (cgroups past it counted in total only)
+FOREIGN_CGROUPS_MAX = 4096
+
+
+def _score(row: KernelRow) -> int:
+    return row.launches + row.syncs + row.violations + row.graph_launches
+
+
+def pick_rows(rows: list, origin) -> tuple[list, list[tuple[int, str]]]:
+    """The rows a span gets and (cgroup, reason) of those it does not: with
+    an origin, the rows of its cgroups (others: other_pod); without, all of
+    one cgroup's, else the row with most launches + syncs + violations +
+    graph launches, the first made on a tie (others: conflict). The C join
+    (native/spanlet_wire.c) picks the same."""
+    if origin is None:
+        if len(rows) <= 1:
+            return rows, []
+        best = max(rows, key=_score)    # the first of the highest
+        return [best], [(r.cgroup_id, "conflict") for r in rows if r is not best]
+    kept = [r for r in rows if r.cgroup_id in origin]
+    if len(kept) == len(rows):
+        return rows, []
+    return kept, [(r.cgroup_id, "other_pod") for r in rows if r.cgroup_id not in origin]
+
+
+def _merged(rows: list) -> KernelRow:
+    """Rows of the sender's cgroups as one (counts summed, the first's ids)."""
+    if len(rows) == 1:
+        return rows[0]
+    first = rows[0]
+    m = Facts(first.trace_id, first.first_ns, first.cgroup_id)
+    for r in rows:
+        m.add_row(r)
+    return m
 
 
 @dataclass
@@ -155,18 +208,29 @@ class JoinStats:
     batch_requests: int = 0       # request spans sent with their shares on them
     batch_late: int = 0           # request shares sent as late records (request went first)
     batch_expired: int = 0        # request shares whose request never came (age or bound)
+    batch_pod_dropped: int = 0    # of those, dropped by their sender's join.batch_max_pending_per_pod
+    batch_pod_hold_full: int = 0  # not held: their sender's join.batch_max_held_per_pod were
+    foreign_other_pod: int = 0    # rows of another pod's cgroup for a span's ids, not added
+    foreign_conflict: int = 0     # rows not added: sender unknown, another cgroup picked
+    foreign_cgroups_overflow: int = 0  # foreign rows of cgroups past the per-cgroup table
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
 class _Shares:
-    """A request's shares of its steps so far."""
-    __slots__ = ("born", "first_ns", "steps", "values")
+    """A request's shares of its steps so far; owner: the sender (pod) whose
+    step made it wait, or whose request is held (the key of _owner)."""
+    __slots__ = ("born", "first_ns", "steps", "values", "owner")
 
-    def __init__(self, born: float, first_ns: int):
-        self.born, self.first_ns, self.steps = born, first_ns, 0
+    def __init__(self, born: float, first_ns: int, owner: int = 0):
+        self.born, self.first_ns, self.steps, self.owner = born, first_ns, 0, owner
         self.values = [0.0] * len(BATCH_SHARES)
+
+
+def _owner(origin) -> int:
+    """A sender's key in the batch waiting room: its least cgroup id, 0 unknown."""
+    return min(origin) if origin else 0
 
 
 def _kv_prefix(key: str, value_len: int) -> bytes:
@@ -302,9 +366,12 @@ class SpanJoin:
         # sampled events waiting for their span: key → (first seen, events)
         self._samples: OrderedDict[SpanKey, tuple[float, list]] = OrderedDict()
         self._buffered = 0
-        # spans already passed on → when, for late facts: bounded in count
-        # (buffer_events) and age (ttl_s), so it holds ttl_s of spans.
-        self._done: OrderedDict[SpanKey, float] = OrderedDict()
+        # spans already passed on → (when, the sender's origin), for late
+        # facts: bounded in count (buffer_events) and age (ttl_s), so it holds
+        # ttl_s of spans. The spans of one request share one tuple.
+        self._done: OrderedDict[SpanKey, tuple[float, object]] = OrderedDict()
+        # foreign rows (not added to the span asking) by the cgroup that made them
+        self.foreign_by_cgroup: dict[int, int] = {}
         self._late: dict[SpanKey, Facts] = {}
         self._last_sweep = float("-inf")
         # (trace id, traceparent span id) → the request's connection / its bytes
@@ -316,7 +383,26 @@ class SpanJoin:
         self._held: dict[SpanKey, _Shares] = {}                   # requests held back
         self._shares: OrderedDict[SpanKey, _Shares] = OrderedDict()  # waiting for their request
         self._late_shares: dict[SpanKey, _Shares] = {}            # for requests passed on
+        # the waiting room per sender (_owner): shares waiting, in age order; held count
+        self._owner_shares: defaultdict[int, OrderedDict] = defaultdict(OrderedDict)
+        self._owner_held: defaultdict[int, int] = defaultdict(int)
+        self.batch_dropped_by_owner: dict[int, int] = {}   # shares dropped by the sender's bound
+        self.batch_hold_full_by_owner: dict[int, int] = {}
 
+    def _foreign_locked(self, taken) -> None:
+        """Count rows not added to the span that asked: (cgroup, reason) each."""
+        st, by = self.stats, self.foreign_by_cgroup
+        for cg, reason in taken:
+            if reason == "other_pod" or reason == 1:
+                st.foreign_other_pod += 1
+            elif reason == "conflict" or reason == 2:
+                st.foreign_conflict += 1
+            else:
+                continue
+            if cg in by or len(by) < FOREIGN_CGROUPS_MAX:
+                by[cg] = by.get(cg, 0) + 1
+            else:
+                st.foreign_cgroups_overflow += 1
     # -- kernel side: the sampled event stream -----------------------------------
     def add_event(self, ev: events._Event) -> None:
         """A ring-buffer record. Counts never come this way (they are in the
@@ -372,11 +458,11 @@ class SpanJoin:
     def _evict_locked(self) -> None:
         deadline = self.clock() - self.cfg.ttl_s
         done = self._done
-        while done and next(iter(done.values())) < deadline:
+        while done and next(iter(done.values()))[0] < deadline:
             done.popitem(last=False)
         shares = self._shares
         while shares and next(iter(shares.values())).born < deadline:
-            shares.popitem(last=False)
+            self._pop_share_locked(next(iter(shares)))
             self.stats.batch_expired += 1
         while self._samples:
             key, (born, evs) = next(iter(self._samples.items()))
@@ -399,12 +485,15 @@ class SpanJoin:
         `held`: a list the caller will hold these spans back for (batched
         steps): once a step has been seen (and join.batch_wait_s > 0), each
         request span is appended to it as (key, span) and waits for its steps
-        until the caller passes the list to release()."""
+        until the caller passes the list to release(). `origin`: the cgroup
+        ids of the sender's pod, established from the connection (never from
+        the payload); None when it cannot be (pick_rows says what a span gets)."""
         cgroups = []
         with self._lock:
+            mark = (self.clock(), origin)   # one read per request: its spans arrived together
             if held is not None and not (self.steps_seen and self.cfg.batch_wait_s > 0):
                 held = None
-            now = self.clock()           # one read per request: its spans arrived together
+            now = mark[0]
             # Nothing but facts rows to put on spans (no sampled events, wire
             # bytes or batch shares waiting, no request to hold): a resource is
             # joined in C from its bytes unless a span has links or facts already.
@@ -417,57 +506,73 @@ class SpanJoin:
                 # already has facts attributes (an earlier join) to add to.
                 blob = rs.SerializeToString()
                 if plain:
-                    got = self.facts.join_resource(blob)
+                    got = self.facts.join_resource(blob, origin)
                     if got is not None:
-                        cgroups.append(self._joined_in_c(rs, got, now))
+                        cgroups.append(self._joined_in_c(rs, got, mark))
                         continue
                 fresh = _FACT_PREFIX not in blob
                 # and whether any span has links (span.links costs ~0.2 µs a span)
                 linked = _LINK_WIRE.search(blob) is not None
                 for ss in rs.scope_spans:
                     for span in ss.spans:
-                        got = self._join_span_locked(span, now, fresh, held, linked)
+                        got = self._join_span_locked(span, mark, fresh, held, linked)
                         if got > 1 or not cgroup:    # a real cgroup wins over "joined" (1)
                             cgroup = got or cgroup
                 cgroups.append(cgroup)
             self._evict_locked()
         return cgroups
 
-    def _joined_in_c(self, rs: trace_pb2.ResourceSpans, got, now: float) -> int:
+    def _joined_in_c(self, rs: trace_pb2.ResourceSpans, got, mark: tuple) -> int:
         """What SpanFacts.join_resource did, as _join_span_locked would have
         left it: the resource's spans with their facts, the spans passed on."""
-        new_blob, keys, rows, cgroup = got
+        new_blob, keys, rows, cgroup, taken = got
         if new_blob is not None:
             rs.ParseFromString(new_blob)
         done = self._done
-        done.update(zip(keys, itertools.repeat(now)))   # a span sent again keeps its first age
+        done.update(zip(keys, itertools.repeat(mark)))   # a span sent again keeps its first age
         excess = len(done) - self.cfg.buffer_events
         for _ in range(excess if excess > 0 else 0):
             done.popitem(last=False)
         st = self.stats
         st.spans_in += len(keys)
-        st.rows_taken += rows
+        if taken:
+            kept = 0
+            for _, reason in taken:
+                kept += reason == 0
+            st.rows_taken += kept
+            if kept != len(taken):
+                self._foreign_locked(taken)
         st.spans_joined += rows
         return cgroup
 
-    def _join_span_locked(self, span: trace_pb2.Span, now: float, fresh: bool = False,
+    def _join_span_locked(self, span: trace_pb2.Span, mark: tuple, fresh: bool = False,
                           held: list | None = None, linked: bool = True) -> int:
         """Enrich one span; the cgroup id of its facts, 1 if they have none,
-        0 if nothing joined."""
+        0 if nothing joined. mark: (now, the sender's origin)."""
         trace_id = bytes(span.trace_id)
         key = (trace_id, int.from_bytes(span.span_id, "big"))
+        now, origin = mark
         self.stats.spans_in += 1
         self._done.pop(key, None)            # re-inserted at the end: age order
-        self._done[key] = now
+        self._done[key] = mark
         if len(self._done) > self.cfg.buffer_events:
             self._done.popitem(last=False)
-        row = self.facts.take(*key) if self.facts is not None else None
+        row = None
+        if self.facts is not None:
+            rows = self.facts.take_rows(trace_id, key[1], origin)
+            if rows:
+                if len(rows) > 1 or (origin is not None and rows[0].cgroup_id not in origin):
+                    rows, foreign = pick_rows(rows, origin)
+                    self._foreign_locked(foreign)
+                if rows:
+                    self.stats.rows_taken += len(rows)
+                    row = _merged(rows)
         if linked and span.links:
-            self._step_locked(span, row, now)
+            self._step_locked(span, row, now, _owner(origin))
         elif held is not None and span.kind == _SERVER:
-            self._hold_locked(key, span, now, held)
+            self._hold_locked(key, span, now, held, _owner(origin))
         elif self._shares:                   # a linked span not held: what came, now
-            acc = self._shares.pop(key, None)
+            acc = self._pop_share_locked(key)
             if acc is not None:
                 put_shares(span, acc)
                 self.stats.batch_requests += 1
@@ -480,13 +585,11 @@ class SpanJoin:
             # Facts.add_row + apply_facts would put it, without building Facts)
             _add_counts(span, row.launches, row.launch_ns, row.sync_wait_ns, row.syncs, 0, 0,
                         row.violations, row.graph_launches, row.graph_kernels, fresh)
-            self.stats.rows_taken += 1
             self.stats.spans_joined += 1
             return row.cgroup_id or 1
         facts = Facts(trace_id, span.start_time_unix_nano)
         if row is not None:
             facts.add_row(row)
-            self.stats.rows_taken += 1
         if sampled is not None:
             self._buffered -= len(sampled[1])
             for ev in sampled[1]:
@@ -500,7 +603,40 @@ class SpanJoin:
         return facts.cgroup_id or 1
 
     # -- batched steps -------------------------------------------------------------
-    def _step_locked(self, span: trace_pb2.Span, row: KernelRow | None, now: float) -> None:
+    def _pop_share_locked(self, key: SpanKey) -> _Shares | None:
+        """A share waiting for its request, out of the waiting room."""
+        acc = self._shares.pop(key, None)
+        if acc is not None:
+            mine = self._owner_shares.get(acc.owner)
+            if mine is not None:
+                mine.pop(key, None)
+                if not mine:
+                    del self._owner_shares[acc.owner]
+        return acc
+
+    def _add_share_locked(self, key: SpanKey, acc: _Shares) -> None:
+        """A new share waiting; past its sender's bound its sender's oldest
+        goes, past the total the oldest of the sender with most waiting (a
+        sender flooding steps for requests that never come pushes out only
+        its own)."""
+        self._shares[key] = acc
+        mine = self._owner_shares[acc.owner]
+        mine[key] = None
+        if len(mine) > self.cfg.batch_max_pending_per_pod:
+            victim = acc.owner
+            self.stats.batch_pod_dropped += 1
+        elif len(self._shares) > self.cfg.batch_max_pending:
+            victim = max(self._owner_shares, key=lambda o: len(self._owner_shares[o]))
+        else:
+            return
+        self._pop_share_locked(next(iter(self._owner_shares[victim])))
+        self.stats.batch_expired += 1
+        by = self.batch_dropped_by_owner
+        if victim in by or len(by) < FOREIGN_CGROUPS_MAX:
+            by[victim] = by.get(victim, 0) + 1
+
+    def _step_locked(self, span: trace_pb2.Span, row: KernelRow | None, now: float,
+                     owner: int = 0) -> None:
         """A step: its facts shared among the spans it links to, by weight. The
         first with GPU facts tells the join that this node batches (from then
         on request spans are held): spans with links and no GPU work do not."""
@@ -538,26 +674,35 @@ class SpanJoin:
                 else:
                     acc = self._shares.get(k)
                     if acc is None:
-                        acc = self._shares[k] = _Shares(now, first_ns)
-                        if len(self._shares) > self.cfg.batch_max_pending:
-                            self._shares.popitem(last=False)
-                            st.batch_expired += 1
+                        acc = _Shares(now, first_ns, owner)
+                        self._add_share_locked(k, acc)
             acc.steps += 1
             if facts is not None:
                 frac = w / total
                 acc.values = [v + f * frac for v, f in zip(acc.values, facts)]
 
-    def _hold_locked(self, key: SpanKey, span: trace_pb2.Span, now: float, held: list) -> None:
+    def _hold_locked(self, key: SpanKey, span: trace_pb2.Span, now: float, held: list,
+                     owner: int = 0) -> None:
         if key in self._held:                 # a copy of a span held already (a retry): not again
             return
-        acc = self._shares.pop(key, None)
-        if len(self._held) >= self.cfg.batch_max_held_spans:
+        acc = self._pop_share_locked(key)
+        pod_full = self._owner_held.get(owner, 0) >= self.cfg.batch_max_held_per_pod
+        if pod_full or len(self._held) >= self.cfg.batch_max_held_spans:
             self.stats.batch_hold_full += 1
+            if pod_full:
+                self.stats.batch_pod_hold_full += 1
+                by = self.batch_hold_full_by_owner
+                if owner in by or len(by) < FOREIGN_CGROUPS_MAX:
+                    by[owner] = by.get(owner, 0) + 1
             if acc is not None:               # what came already goes on it now
                 put_shares(span, acc)
                 self.stats.batch_requests += 1
             return
-        self._held[key] = acc if acc is not None else _Shares(now, 0)
+        if acc is None:
+            acc = _Shares(now, 0)
+        acc.owner = owner                     # held for this sender now
+        self._held[key] = acc
+        self._owner_held[owner] += 1
         held.append((key, span))
         self.stats.batch_held += 1
 
@@ -567,9 +712,32 @@ class SpanJoin:
         with self._lock:
             for key, span in held:
                 acc = self._held.pop(key, None)
-                if acc is not None and acc.steps:
+                if acc is None:
+                    continue
+                left = self._owner_held[acc.owner] - 1
+                if left > 0:
+                    self._owner_held[acc.owner] = left
+                else:
+                    del self._owner_held[acc.owner]
+                if acc.steps:
                     put_shares(span, acc)
                     self.stats.batch_requests += 1
+
+    def batch_by_owner(self) -> dict[int, dict[str, int]]:
+        """Per sender (its least cgroup id, 0 unknown): request spans held,
+        shares waiting, shares dropped and spans not held by its bounds."""
+        with self._lock:
+            owners = (set(self._owner_held) | set(self._owner_shares)
+                      | set(self.batch_dropped_by_owner) | set(self.batch_hold_full_by_owner))
+            return {o: {"held": self._owner_held.get(o, 0),
+                        "pending": len(self._owner_shares.get(o, ())),
+                        "dropped": self.batch_dropped_by_owner.get(o, 0),
+                        "hold_full": self.batch_hold_full_by_owner.get(o, 0)} for o in owners}
+
+    def foreign(self) -> dict[int, int]:
+        """Rows not added to the span that asked, by the cgroup that made them."""
+        with self._lock:
+            return dict(self.foreign_by_cgroup)
 
     def batch_pending(self) -> tuple[int, int]:
         """(request spans held back, request shares waiting for their request)."""
@@ -591,22 +759,31 @@ class SpanJoin:
         handled = 0
         with self._lock:
             self._evict_locked()
-            for trace_id, span_id, first_ns in rows:
+            late_rows: dict[SpanKey, list] = {}
+            for trace_id, span_id, cgroup_id, first_ns in rows:
                 key = (trace_id, span_id)
                 if key in self._done:
-                    late = self.facts.take(*key)
+                    late = self.facts.take_row(trace_id, span_id, cgroup_id)
                     if late is None:
                         continue
-                    facts = self._late.get(key)
-                    if facts is None:
-                        facts = self._late[key] = Facts(trace_id, late.first_ns)
-                    facts.add_row(late)
-                    self.stats.rows_late += 1
-                elif first_ns < too_old and self.facts.delete(*key):
+                    late_rows.setdefault(key, []).append(late)
+                elif first_ns < too_old and self.facts.delete(trace_id, span_id, cgroup_id):
                     self.stats.rows_expired += 1
                 else:
                     continue
                 handled += 1
+            # a late row goes out only if the span's sender could have made it
+            for key, got in late_rows.items():
+                kept, foreign = pick_rows(got, self._done[key][1])
+                self._foreign_locked(foreign)
+                if not kept:
+                    continue
+                facts = self._late.get(key)
+                if facts is None:
+                    facts = self._late[key] = Facts(key[0], kept[0].first_ns)
+                for r in kept:
+                    facts.add_row(r)
+                self.stats.rows_late += len(kept)
         return handled
 
     def flush_late(self) -> int:

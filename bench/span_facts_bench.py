@@ -21,14 +21,10 @@ from spanlet.probes.span_ctx import SpanCtxProbe  # noqa: E402
 TRACE_ID = bytes(range(1, 17))
 
 
-def fill(table, n: int) -> None:
+def fill(facts, n: int) -> None:
     """n rows, as the kernel would have made them (span ids 1..n)."""
     for i in range(1, n + 1):
-        k, v = table.Key(), table.Leaf()
-        k.trace_id[:] = list(TRACE_ID)
-        k.span_id = i
-        v.launches_driver, v.first_ns = 50, time.monotonic_ns()
-        table[k] = v
+        facts.put_row(TRACE_ID, i, launches_driver=50, first_ns=time.monotonic_ns())
 
 
 def main() -> int:
@@ -40,9 +36,9 @@ def main() -> int:
     if not span.start().attached:
         raise SystemExit(f"span_ctx did not attach: {span.status.reason}")
     try:
-        facts, table = span.facts, span.bpf["span_facts"]
+        facts = span.facts
         n = min(a.rows, 50_000)
-        fill(table, n)
+        fill(facts, n)
         t0 = time.perf_counter()
         got = sum(facts.take(TRACE_ID, i) is not None for i in range(1, n + 1))
         hit = (time.perf_counter() - t0) / n
@@ -50,7 +46,7 @@ def main() -> int:
         for i in range(1, n + 1):
             facts.take(TRACE_ID, i)
         miss = (time.perf_counter() - t0) / n
-        fill(table, a.rows)
+        fill(facts, a.rows)
         t0 = time.perf_counter()
         present = len(facts.rows())
         full = time.perf_counter() - t0

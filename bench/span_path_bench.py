@@ -71,14 +71,10 @@ def kernel_facts(cfg, reqs):
     probe = SpanCtxProbe(cfg)
     if not probe.start().attached:
         raise SystemExit(f"span_ctx did not attach: {probe.status.reason}")
-    table = probe.bpf["span_facts"]
     for req in reqs:
         for sp in req.resource_spans[0].scope_spans[0].spans:
-            k, v = events.SpanFactsKey(), events.SpanFactsVal()
-            k.trace_id[:] = list(sp.trace_id)
-            k.span_id = int.from_bytes(sp.span_id, "big")
-            v.launches_driver, v.syncs, v.sync_wait_ns, v.pid = LAUNCHES, 1, SYNC_NS, 1
-            table[k] = v
+            probe.facts.put_row(sp.trace_id, int.from_bytes(sp.span_id, "big"),
+                                launches_driver=LAUNCHES, syncs=1, sync_wait_ns=SYNC_NS, pid=1)
     return probe.facts, probe.stop
 
 

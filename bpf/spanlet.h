@@ -28,6 +28,15 @@
 #ifndef SPANLET_SPAN_FACTS_MAX
 #define SPANLET_SPAN_FACTS_MAX 65536
 #endif
+/* Live rows one cgroup (one pod's container) may hold in span_facts, and
+ * the cgroups whose rows are counted so (past that, a cgroup is bounded by
+ * the total only; counted in span_facts_cgroups_full). */
+#ifndef SPANLET_SPAN_FACTS_MAX_PER_CGROUP
+#define SPANLET_SPAN_FACTS_MAX_PER_CGROUP 16384
+#endif
+#define SPANLET_FACTS_CGROUPS 4096
+/* cgroups listed in a span's span_facts_index entry */
+#define SPANLET_FACTS_INDEX_CGROUPS 4
 #ifndef SPANLET_RINGBUF_PAGES
 #define SPANLET_RINGBUF_PAGES 256
 #endif
@@ -55,11 +64,30 @@ struct span_ctx_val {
 };
 
 /* One span's kernel facts (agent/probes/span_facts.py), written by the
- * process-context programs at the moment of each event. The trace id is part
- * of the key: a span id reused by another trace gets a row of its own. */
+ * process-context programs at the moment of each event, one row per span and
+ * cgroup of the writing task: facts made in one pod never land in another
+ * pod's row, whatever ids it marks. The trace id is part of the key: a span
+ * id reused by another trace gets a row of its own. */
 struct span_facts_key {
     __u8 trace_id[16];
     __u64 span_id;
+    __u64 cgroup_id;
+};
+
+/* The cgroups that made rows for one span (key trace id + span id), in the
+ * order their rows were made; written only when a row is made. n counts
+ * every row made since the entry was: n > SPANLET_FACTS_INDEX_CGROUPS means
+ * cgroups[] lists only the first ones (and fewer distinct cgroups than n,
+ * that a slot was lost to a race: spanlet_facts_made). */
+struct span_facts_index_key {
+    __u8 trace_id[16];
+    __u64 span_id;
+};
+
+struct span_facts_index_val {
+    __u64 cgroups[SPANLET_FACTS_INDEX_CGROUPS];
+    __u32 n;
+    __u32 _pad;
 };
 
 struct span_facts_val {
@@ -226,11 +254,31 @@ BPF_TABLE_PINNED("lru_hash", struct span_facts_key, struct span_facts_val, span_
                  SPANLET_SPAN_FACTS_MAX, SPANLET_PIN_DIR "/span_facts");
 BPF_TABLE_PINNED("percpu_array", int, __u64, span_facts_created, 1,
                  SPANLET_PIN_DIR "/span_facts_created");
+BPF_TABLE_PINNED("lru_hash", struct span_facts_index_key, struct span_facts_index_val,
+                 span_facts_index, SPANLET_SPAN_FACTS_MAX, SPANLET_PIN_DIR "/span_facts_index");
+BPF_TABLE_PINNED("hash", __u64, __u64, span_facts_cg_created, SPANLET_FACTS_CGROUPS,
+                 SPANLET_PIN_DIR "/span_facts_cg_created");
+BPF_TABLE_PINNED("hash", __u64, __u64, span_facts_cg_released, SPANLET_FACTS_CGROUPS,
+                 SPANLET_PIN_DIR "/span_facts_cg_released");
+BPF_TABLE_PINNED("lru_hash", __u64, __u64, span_facts_cg_refused, SPANLET_FACTS_CGROUPS,
+                 SPANLET_PIN_DIR "/span_facts_cg_refused");
+BPF_TABLE_PINNED("percpu_array", int, __u64, span_facts_refused, 2,
+                 SPANLET_PIN_DIR "/span_facts_refused");
 #else
 BPF_TABLE("lru_hash", __u32, struct span_ctx_val, span_ctx, 1);
 BPF_TABLE("lru_hash", struct span_facts_key, struct span_facts_val, span_facts, 1);
 BPF_PERCPU_ARRAY(span_facts_created, __u64, 1);
+BPF_TABLE("lru_hash", struct span_facts_index_key, struct span_facts_index_val,
+          span_facts_index, 1);
+BPF_TABLE("hash", __u64, __u64, span_facts_cg_created, 1);
+BPF_TABLE("hash", __u64, __u64, span_facts_cg_released, 1);
+BPF_TABLE("lru_hash", __u64, __u64, span_facts_cg_refused, 1);
+BPF_PERCPU_ARRAY(span_facts_refused, __u64, 2);
 #endif
+/* span_facts_refused: [0] events refused a row by the per-cgroup bound, [1] rows of
+ * cgroups past SPANLET_FACTS_CGROUPS (made, bounded by the total only) */
+#define SPANLET_FACTS_REFUSED 0
+#define SPANLET_FACTS_CGROUPS_FULL 1
 
 /* The calling thread's span context, NULL outside spans. */
 static __always_inline struct span_ctx_val *spanlet_current_span(void)
@@ -239,30 +287,105 @@ static __always_inline struct span_ctx_val *spanlet_current_span(void)
     return span_ctx.lookup(&tid);
 }
 
-/* The facts row of span `c`, created (cgroup, pid and time of this first
- * event) when absent. Another CPU may create it between our lookup and our
- * insert: BPF_NOEXIST then fails and the row it made is looked up again.
- * Rows created are counted so that the agent can tell LRU evictions (created
- * - taken - swept - present). NULL only when the map refuses the row. */
+static __always_inline void spanlet_facts_count(int slot)
+{
+    __u64 *n = span_facts_refused.lookup(&slot);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+}
+
+/* Whether cgroup `cg` may make another row: live rows (rows made, counted
+ * here, less rows gone, written by the agent's sweep and join) under
+ * SPANLET_SPAN_FACTS_MAX_PER_CGROUP. A refusal is counted for the cgroup,
+ * once per event (launch, sync, violation) that gets no row. */
+static __always_inline int spanlet_facts_room(__u64 cg)
+{
+    __u64 *made = span_facts_cg_created.lookup(&cg);
+    if (!made)
+        return 1;
+    __u64 *gone = span_facts_cg_released.lookup(&cg);
+    __u64 live = *made, released = gone ? *gone : 0;
+    live = live > released ? live - released : 0;
+    if (live < SPANLET_SPAN_FACTS_MAX_PER_CGROUP)
+        return 1;
+    spanlet_facts_count(SPANLET_FACTS_REFUSED);
+    __u64 one = 1;
+    __u64 *refused = span_facts_cg_refused.lookup(&cg);
+    if (refused)
+        __sync_fetch_and_add(refused, 1);
+    else if (span_facts_cg_refused.insert(&cg, &one) != 0 &&
+             (refused = span_facts_cg_refused.lookup(&cg)))
+        __sync_fetch_and_add(refused, 1);
+    return 0;
+}
+
+/* A row was made for cgroup `cg` and span `k`: counted (in total and for the
+ * cgroup) and the cgroup listed in the span's index entry. */
+static __always_inline void spanlet_facts_made(struct span_facts_key *k)
+{
+    int zero = 0;
+    __u64 *created = span_facts_created.lookup(&zero);
+    if (created)
+        __sync_fetch_and_add(created, 1);
+    __u64 cg = k->cgroup_id, one = 1;
+    __u64 *made = span_facts_cg_created.lookup(&cg);
+    if (made)
+        __sync_fetch_and_add(made, 1);
+    else if (span_facts_cg_created.insert(&cg, &one) != 0) {
+        made = span_facts_cg_created.lookup(&cg);    /* another CPU made it, or the map is full */
+        if (made)
+            __sync_fetch_and_add(made, 1);
+        else
+            spanlet_facts_count(SPANLET_FACTS_CGROUPS_FULL);
+    }
+    struct span_facts_index_key ik = {};
+    __builtin_memcpy(ik.trace_id, k->trace_id, 16);
+    ik.span_id = k->span_id;
+    struct span_facts_index_val iv = {};
+    iv.cgroups[0] = cg;
+    iv.n = 1;
+    if (span_facts_index.insert(&ik, &iv) == 0)
+        return;
+    struct span_facts_index_val *v = span_facts_index.lookup(&ik);
+    if (!v)
+        return;
+    /* BCC's target has no atomic that returns the old value: two CPUs that
+     * read the same n write the same slot, one cgroup is lost from the list
+     * and n (added atomically) is larger than the cgroups listed, which the
+     * agent reads as an incomplete entry (as past SPANLET_FACTS_INDEX_CGROUPS):
+     * it then also looks up the sender's own cgroups' rows, and any other
+     * row waits for the sweep. */
+    __u32 idx = *(volatile __u32 *)&v->n;
+    __sync_fetch_and_add(&v->n, 1);
+    if (idx < SPANLET_FACTS_INDEX_CGROUPS)
+        v->cgroups[idx & (SPANLET_FACTS_INDEX_CGROUPS - 1)] = cg;
+}
+
+/* The facts row of span `c` for the calling task's cgroup, created (cgroup,
+ * pid and time of this first event) when absent and the cgroup is under its
+ * bound. Another CPU may create it between our lookup and our insert:
+ * BPF_NOEXIST then fails and the row it made is looked up again. Rows
+ * created are counted so that the agent can tell LRU evictions (created -
+ * taken - swept - present). NULL when the row is refused (the cgroup's bound)
+ * or the map refuses it. */
 static __always_inline struct span_facts_val *spanlet_span_row(struct span_ctx_val *c)
 {
     struct span_facts_key k = {};
     __builtin_memcpy(k.trace_id, c->trace_id, 16);
     k.span_id = c->span_id;
+    k.cgroup_id = bpf_get_current_cgroup_id();
     struct span_facts_val *row = span_facts.lookup(&k);
     if (row)
         return row;
+    if (!spanlet_facts_room(k.cgroup_id))
+        return 0;
     struct span_facts_val init = {};
     __u64 pid_tgid = bpf_get_current_pid_tgid();
-    init.cgroup_id = bpf_get_current_cgroup_id();
+    init.cgroup_id = k.cgroup_id;
     init.first_ns = bpf_ktime_get_ns();
     init.pid = pid_tgid >> 32;
-    if (span_facts.insert(&k, &init) == 0) {
-        int zero = 0;
-        __u64 *created = span_facts_created.lookup(&zero);
-        if (created)
-            __sync_fetch_and_add(created, 1);
-    }
+    if (span_facts.insert(&k, &init) == 0)
+        spanlet_facts_made(&k);
     return span_facts.lookup(&k);
 }
 

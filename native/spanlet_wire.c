@@ -9,12 +9,21 @@
  * a key twice. The test is a superset: a span it names is only stored the
  * slower, exact way. A blob that is not well-formed is named too.
  *
- * join_resource(blob, map_fd) -> None or (new_blob or None, keys, rows, cgroup):
- * the span join's common case (agent/join.py) for one serialized
- * ResourceSpans: each span's kernel facts row taken from the span facts map
- * (BPF_MAP_LOOKUP_AND_DELETE_ELEM, key trace id + span id) and its non-zero
- * facts appended to the span as kernel.* int attributes, in the order and
- * under the names of join.FACT_ATTRIBUTES. None, before any row is taken,
+ * join_resource(blob, map_fd, index_fd, origin) -> None or
+ * (new_blob or None, keys, rows, cgroup, taken): the span join's common case
+ * (agent/join.py) for one serialized ResourceSpans: each span's index entry
+ * taken from the span facts index (BPF_MAP_LOOKUP_AND_DELETE_ELEM, key trace
+ * id + span id), then the row of each cgroup it lists (key trace id + span
+ * id + cgroup; where the entry is incomplete, past its four cgroups or a
+ * slot lost to a race, also each origin cgroup's); the rows
+ * picked as join.pick_rows picks them (origin a sequence of the sender's
+ * cgroup ids: only theirs; origin None: one cgroup's rows, else the one with
+ * most launches + syncs + violations + graph launches, the first on a tie),
+ * the picked rows summed and their non-zero facts appended to the span as
+ * kernel.* int attributes, in the order and under the names of
+ * join.FACT_ATTRIBUTES. rows: spans that got facts; taken: (cgroup, reason)
+ * of every row taken, reason 0 picked, 1 another pod's (other_pod), 2 not
+ * the cgroup picked (conflict). None, before any row is taken,
  * when the resource is not that case: a span with links, a kernel.* attribute
  * already, ids not 16 + 8 bytes, or bytes not well-formed (the Python join
  * then does it all). keys: the (trace id, span id) of every span; rows: rows
@@ -206,18 +215,32 @@ fail:
 
 /* -- the join ------------------------------------------------------------- */
 
-/* struct span_facts_key / span_facts_val (bpf/spanlet.h) */
+/* struct span_facts_key / span_facts_val / span_facts_index_* (bpf/spanlet.h) */
 struct facts_key {
     uint8_t trace_id[16];
     uint64_t span_id;
+    uint64_t cgroup_id;
 };
+struct index_key {
+    uint8_t trace_id[16];
+    uint64_t span_id;
+};
+#define INDEX_CGROUPS 4
+struct index_val {
+    uint64_t cgroups[INDEX_CGROUPS];
+    uint32_t n, _pad;
+};
+#define ORIGIN_MAX 64      /* origin cgroups looked at (a pod has a few) */
+#define REASON_KEPT 0
+#define REASON_OTHER_POD 1
+#define REASON_CONFLICT 2
 struct facts_val {
     uint64_t launches_driver, launches_runtime, launch_ns, sync_wait_ns, syncs, violations,
         graph_launches, graph_kernels, cgroup_id, first_ns;
     uint32_t pid, sampled_events;
 };
 
-static int facts_take(int fd, struct facts_key *k, struct facts_val *v)
+static int facts_take(int fd, const void *k, void *v)
 {
     union bpf_attr attr;
     memset(&attr, 0, sizeof(attr));
@@ -437,15 +460,76 @@ static size_t rebuild(span_t m, int depth, jlist_t *l, Py_ssize_t *next, uint8_t
     return n;
 }
 
+static int in_origin(const uint64_t *origin, Py_ssize_t n, uint64_t cg)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (origin[i] == cg)
+            return 1;
+    return 0;
+}
+
+static uint64_t score(const struct facts_val *v)
+{
+    return v->launches_driver + v->launches_runtime + v->syncs + v->violations + v->graph_launches;
+}
+
+/* origin: None, or a sequence of ints read into `out` (at most ORIGIN_MAX,
+ * sorted as Python's sorted() would, for the same order of takes). */
+static int read_origin(PyObject *origin, uint64_t *out, Py_ssize_t *n)
+{
+    *n = -1;
+    if (origin == Py_None)
+        return 0;
+    PyObject *seq = PySequence_Fast(origin, "origin must be a sequence of cgroup ids");
+    if (!seq)
+        return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    if (len > ORIGIN_MAX)
+        len = ORIGIN_MAX;
+    for (Py_ssize_t i = 0; i < len; i++) {
+        unsigned long long x = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        Py_ssize_t j = i;                 /* insertion sort: a few ids */
+        while (j > 0 && out[j - 1] > x) {
+            out[j] = out[j - 1];
+            j--;
+        }
+        out[j] = x;
+    }
+    Py_DECREF(seq);
+    *n = len;
+    return 0;
+}
+
+static int add_taken(PyObject *taken, uint64_t cg, int reason)
+{
+    PyObject *t = Py_BuildValue("(Ki)", (unsigned long long)cg, reason);
+    if (!t)
+        return -1;
+    int r = PyList_Append(taken, t);
+    Py_DECREF(t);
+    return r;
+}
+
 static PyObject *join_resource(PyObject *self, PyObject *args)
 {
     Py_buffer blob;
-    int fd;
-    if (!PyArg_ParseTuple(args, "y*i", &blob, &fd))
+    int fd, index_fd;
+    PyObject *origin_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*ii|O", &blob, &fd, &index_fd, &origin_obj))
         return NULL;
     span_t rs = {blob.buf, (const uint8_t *)blob.buf + blob.len};
     jlist_t l = {NULL, 0, 0};
-    PyObject *result = NULL, *keys = NULL, *new_blob = NULL;
+    PyObject *result = NULL, *keys = NULL, *new_blob = NULL, *taken = NULL;
+    uint64_t origin[ORIGIN_MAX];
+    Py_ssize_t n_origin;
+    if (read_origin(origin_obj, origin, &n_origin) < 0) {
+        PyBuffer_Release(&blob);
+        return NULL;
+    }
     if (each_span(rs, collect, &l) < 0) {
         if (PyErr_Occurred())
             goto out;
@@ -454,25 +538,26 @@ static PyObject *join_resource(PyObject *self, PyObject *args)
         goto out;
     }
     keys = PyList_New(l.n);
-    if (!keys)
+    taken = PyList_New(0);
+    if (!keys || !taken)
         goto out;
     Py_ssize_t rows = 0;
     uint64_t cgroup = 0;
     size_t grown = 0;
     for (Py_ssize_t i = 0; i < l.n; i++) {
         jspan_t *js = &l.spans[i];
-        struct facts_key k;
-        memcpy(k.trace_id, js->trace_id, 16);
-        k.span_id = js->span_id;
+        struct index_key ik;
+        memcpy(ik.trace_id, js->trace_id, 16);
+        ik.span_id = js->span_id;
         PyObject *key = Py_BuildValue("(y#K)", (const char *)js->trace_id, (Py_ssize_t)16,
                                       (unsigned long long)js->span_id);
         if (!key)
             goto out;
         PyList_SET_ITEM(keys, i, key);
-        struct facts_val v;
+        struct index_val iv;
         int got;
         Py_BEGIN_ALLOW_THREADS
-        got = facts_take(fd, &k, &v);
+        got = facts_take(index_fd, &ik, &iv);
         Py_END_ALLOW_THREADS
         if (got < 0) {
             PyErr_SetFromErrno(PyExc_OSError);
@@ -480,11 +565,76 @@ static PyObject *join_resource(PyObject *self, PyObject *args)
         }
         if (!got)
             continue;
+        /* the cgroups to take, as SpanFacts._take_index lists them */
+        uint64_t cgs[INDEX_CGROUPS + ORIGIN_MAX];
+        int ncg = 0;
+        uint32_t listed = iv.n < INDEX_CGROUPS ? iv.n : INDEX_CGROUPS;
+        for (uint32_t j = 0; j < listed; j++)
+            if (!in_origin(cgs, ncg, iv.cgroups[j]))
+                cgs[ncg++] = iv.cgroups[j];
+        int nonzero = 0;
+        for (int j = 0; j < ncg; j++)
+            nonzero += cgs[j] != 0;
+        if (n_origin > 0 && (iv.n > INDEX_CGROUPS || iv.n != (uint32_t)nonzero))
+            for (Py_ssize_t j = 0; j < n_origin; j++)
+                if (!in_origin(cgs, ncg, origin[j]))
+                    cgs[ncg++] = origin[j];
+        struct facts_val got_v[INDEX_CGROUPS + ORIGIN_MAX];
+        uint64_t got_cg[INDEX_CGROUPS + ORIGIN_MAX];
+        int nrows = 0;
+        for (int j = 0; j < ncg; j++) {
+            struct facts_key k;
+            memcpy(k.trace_id, js->trace_id, 16);
+            k.span_id = js->span_id;
+            k.cgroup_id = cgs[j];
+            Py_BEGIN_ALLOW_THREADS
+            got = facts_take(fd, &k, &got_v[nrows]);
+            Py_END_ALLOW_THREADS
+            if (got < 0) {
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto out;
+            }
+            if (got)
+                got_cg[nrows++] = cgs[j];
+        }
+        if (!nrows)
+            continue;
+        /* the pick (join.pick_rows) */
+        int best = 0;
+        if (n_origin < 0)
+            for (int j = 1; j < nrows; j++)
+                if (score(&got_v[j]) > score(&got_v[best]))
+                    best = j;
+        struct facts_val sum;
+        int kept = 0;
+        memset(&sum, 0, sizeof(sum));
+        for (int j = 0; j < nrows; j++) {
+            int reason = n_origin < 0 ? (nrows == 1 || j == best ? REASON_KEPT : REASON_CONFLICT)
+                                      : (in_origin(origin, n_origin, got_cg[j]) ? REASON_KEPT
+                                                                               : REASON_OTHER_POD);
+            if (add_taken(taken, got_cg[j], reason) < 0)
+                goto out;
+            if (reason != REASON_KEPT)
+                continue;
+            struct facts_val *v = &got_v[j];
+            if (!kept++)
+                sum.cgroup_id = v->cgroup_id;
+            sum.launches_driver += v->launches_driver;
+            sum.launches_runtime += v->launches_runtime;
+            sum.launch_ns += v->launch_ns;
+            sum.sync_wait_ns += v->sync_wait_ns;
+            sum.syncs += v->syncs;
+            sum.violations += v->violations;
+            sum.graph_launches += v->graph_launches;
+            sum.graph_kernels += v->graph_kernels;
+        }
+        if (!kept)
+            continue;
         rows++;
-        uint64_t g = v.cgroup_id ? v.cgroup_id : 1;
+        uint64_t g = sum.cgroup_id ? sum.cgroup_id : 1;
         if (g > 1 || !cgroup)
             cgroup = g;
-        js->added = fact_attributes(&v, js->extra);
+        js->added = fact_attributes(&sum, js->extra);
         grown += js->added;
     }
     if (grown) {
@@ -499,11 +649,12 @@ static PyObject *join_resource(PyObject *self, PyObject *args)
         new_blob = Py_None;
         Py_INCREF(new_blob);
     }
-    result = Py_BuildValue("(NNnK)", new_blob, keys, rows, (unsigned long long)cgroup);
-    new_blob = keys = NULL;
+    result = Py_BuildValue("(NNnKN)", new_blob, keys, rows, (unsigned long long)cgroup, taken);
+    new_blob = keys = taken = NULL;
 out:
     Py_XDECREF(new_blob);
     Py_XDECREF(keys);
+    Py_XDECREF(taken);
     PyMem_Free(l.spans);
     PyBuffer_Release(&blob);
     return result;
@@ -511,8 +662,8 @@ out:
 
 static PyMethodDef methods[] = {
     {"join_resource", join_resource, METH_VARARGS,
-     "join_resource(blob, map_fd) -> None or (new_blob or None, keys, rows, cgroup): the span "
-     "join's common case for one serialized ResourceSpans"},
+     "join_resource(blob, map_fd, index_fd, origin=None) -> None or (new_blob or None, keys, "
+     "rows, cgroup, taken): the span join's common case for one serialized ResourceSpans"},
     {"complex_spans", complex_spans, METH_O,
      "complex_spans(blobs) -> indices of the serialized Spans whose attribute text the "
      "store's SQL may write differently (arrays, maps, exponent doubles, a key twice)"},

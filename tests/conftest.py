@@ -5,13 +5,12 @@ where those are missing they skip, except under SPANLET_REQUIRE_KERNEL=1
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 import cuda_standin
-from gpu_harness import cgroup2_root
+from gpu_harness import cgroup2_root, remove_cgroup
 
 REQUIRE_KERNEL = os.environ.get("SPANLET_REQUIRE_KERNEL") == "1"
 
@@ -77,12 +76,7 @@ def cgroup():
     try:
         yield path
     finally:
-        for _ in range(50):  # the last process may still be on its way out
-            try:
-                path.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(path)
 
 
 @pytest.fixture

@@ -238,6 +238,21 @@ SELF = (
            "join.batch_max_pending)", (), JOIN),
     Metric("spanlet_join_batch_dropped_links_total", "counter", "",
            "Step links given no share (past join.batch_max_links, or no valid span ids)", (), JOIN),
+    Metric("spanlet_join_batch_pod_dropped_total", "counter", "",
+           "Batch waiting room entries a sender's own bounds refused, by the sender's pod: "
+           "what=shares dropped (join.batch_max_pending_per_pod), what=held: request spans not "
+           "held (join.batch_max_held_per_pod)", (*WORKLOAD, "what"), JOIN),
+    Metric("spanlet_join_foreign_facts_total", "counter", "",
+           "Kernel facts rows for a span's ids that the span did not get: reason=other_pod, made "
+           "in a cgroup not of the sender's pod; reason=conflict, sender unknown and another "
+           "cgroup did more for the span", ("reason",), JOIN),
+    Metric("spanlet_join_foreign_facts_by_pod_total", "counter", "",
+           "Foreign kernel facts rows (spanlet_join_foreign_facts_total) by the pod whose cgroup "
+           "made them", WORKLOAD, JOIN),
+    Metric("spanlet_span_facts_refused_total", "counter", "",
+           "Kernel events that got no span facts row because their pod's cgroup held "
+           "join.span_facts_max_per_cgroup live rows, by pod", WORKLOAD,
+           Source("spanlet.probes.span_ctx", "span_facts")),
     Metric("spanlet_span_facts_rows", "gauge", "",
            "Rows of the kernel's span facts map waiting for their span", (),
            Source("spanlet.probes.span_ctx", "span_facts")),

@@ -66,34 +66,64 @@ def self_metrics(src: MetricEngine) -> list[Family]:
             _single("spanlet_join_buffer_events", join.pending_events()),
             _single("spanlet_join_evicted_events_total", join.stats.events_evicted),
             _single("spanlet_join_late_records_total", join.stats.late_records),
-            *batch_metrics(join),
-            *span_facts_metrics(join),
+            *batch_metrics(join, src._workload),
+            *foreign_metrics(join, src._workload),
+            *span_facts_metrics(join, src._workload),
             _single("spanlet_export_queue_spans", exp.get("queue_spans", 0)),
             _single("spanlet_nvml_available", 1 if src.nvml.status.available else 0)]
 
 
-def batch_metrics(join) -> list[Family]:
+def _by_workload(fam: Family, counts: dict[int, int], workload, **extra: str) -> Family:
+    """Counts by cgroup id summed by the pod labels of the cgroup (pods with
+    several containers, or cgroups the enricher does not know: one sample)."""
+    sums: dict = defaultdict(int)
+    for cgroup, n in counts.items():
+        sums[labels(**workload(cgroup), **extra)] += n
+    fam.samples += [Sample(k, v) for k, v in sorted(sums.items())]
+    return fam
+
+
+def foreign_metrics(join, workload) -> list[Family]:
+    """Kernel facts rows for a span's ids not added to it (DESIGN.md, Span
+    context): by reason, and by the pod whose cgroup made them."""
+    st = join.stats
+    by_reason = family("spanlet_join_foreign_facts_total")
+    by_reason.samples = [Sample(labels(reason="other_pod"), st.foreign_other_pod),
+                         Sample(labels(reason="conflict"), st.foreign_conflict)]
+    return [by_reason,
+            _by_workload(family("spanlet_join_foreign_facts_by_pod_total"), join.foreign(),
+                         workload)]
+
+
+def batch_metrics(join, workload) -> list[Family]:
     """Batched steps: steps joined, request spans held back and shares waiting
-    for their request now, shares that went late, expired or were dropped."""
+    for their request now, shares that went late, expired or were dropped,
+    and what each sender's own bounds dropped (labelled by its pod)."""
     held, pending = join.batch_pending()
     st = join.stats
+    by_pod = family("spanlet_join_batch_pod_dropped_total")
+    _by_workload(by_pod, join.batch_dropped_by_owner, workload, what="shares")
+    _by_workload(by_pod, join.batch_hold_full_by_owner, workload, what="held")
     return [_single("spanlet_join_batch_steps_total", st.batch_steps),
             _single("spanlet_join_batch_held_spans", held),
             _single("spanlet_join_batch_pending_shares", pending),
             _single("spanlet_join_batch_late_shares_total", st.batch_late),
             _single("spanlet_join_batch_expired_shares_total", st.batch_expired),
-            _single("spanlet_join_batch_dropped_links_total", st.batch_links_dropped)]
+            _single("spanlet_join_batch_dropped_links_total", st.batch_links_dropped), by_pod]
 
 
-def span_facts_metrics(join) -> list[Family]:
+def span_facts_metrics(join, workload) -> list[Family]:
     """The kernel's span facts map: rows waiting, rows the LRU pushed out,
-    rows the sweep expired; nothing without the map (span_ctx not attached)."""
+    rows the sweep expired, events refused a row by their pod's bound;
+    nothing without the map (span_ctx not attached)."""
     st = join.facts_stats()
     if st is None:
         return []
     return [_single("spanlet_span_facts_rows", st.present),
             _single("spanlet_span_facts_evicted_total", st.evicted),
-            _single("spanlet_span_facts_expired_total", join.stats.rows_expired)]
+            _single("spanlet_span_facts_expired_total", join.stats.rows_expired),
+            _by_workload(family("spanlet_span_facts_refused_total"), st.refused_by_cgroup,
+                         workload)]
 
 
 STORE_TABLES = ("otel_traces", "kernel_events", "metric_samples")
@@ -221,6 +251,9 @@ class JoinStats(Protocol):
     def coverage(self) -> tuple[float | None, float | None]: ...
     def pending_events(self) -> int: ...
     def batch_pending(self) -> tuple[int, int]: ...   # (held request spans, shares waiting)
+    def foreign(self) -> dict[int, int]: ...          # foreign rows by the cgroup that made them
+    batch_dropped_by_owner: dict                      # sender cgroup → shares dropped by its bound
+    batch_hold_full_by_owner: dict                    # sender cgroup → spans not held by its bound
     def facts_stats(self) -> object | None: ...   # SpanFactsStats: present, evicted
 
 

@@ -121,6 +121,8 @@ class Probe:
         if pin_dir is not None:
             flags.append(f'-DSPANLET_PIN_DIR="{pin_dir}"')
             flags.append(f"-DSPANLET_SPAN_FACTS_MAX={self.cfg.join.span_facts_max}")
+            flags.append("-DSPANLET_SPAN_FACTS_MAX_PER_CGROUP="
+                         f"{self.cfg.join.span_facts_max_per_cgroup}")
         return flags
 
     def compile(self, pin_dir: str | None = None) -> None:

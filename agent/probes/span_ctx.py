@@ -163,7 +163,13 @@ class SpanCtxProbe(Probe):
             self._remove_otel_map()
             raise
         created = self.bpf["span_facts_created"]
-        self.facts = SpanFacts(self.bpf["span_facts"], lambda: percpu_sum(created, 0), self.clock)
+        b = self.bpf
+        self.facts = SpanFacts(b["span_facts"], lambda: percpu_sum(created, 0), self.clock,
+                               index=b["span_facts_index"],
+                               cg_created=b["span_facts_cg_created"],
+                               cg_released=b["span_facts_cg_released"],
+                               cg_refused=b["span_facts_cg_refused"],
+                               refused=b["span_facts_refused"])
         self.maps_watch = MapsWatch(self._drain_maps_changed)
         self.finder.watch = self.maps_watch.subscribe()
 

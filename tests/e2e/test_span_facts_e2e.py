@@ -12,6 +12,7 @@ import pytest
 
 import cuda_standin
 from facts_agent import Agent, running_agent
+from gpu_harness import cgroup_id
 from otlp_upstream import wait_for
 
 pytestmark = pytest.mark.kernel
@@ -58,7 +59,10 @@ def assert_exact(agent: Agent, expected: dict) -> None:
 
 @pytest.fixture(scope="module")
 def agent(standin):
-    with running_agent(standin.lib_dir / cuda_standin.DRIVER, f"join.span_facts_max={SPAN_FACTS_MAX}") as a:
+    # the flood below is one pod's: its own bound (join.span_facts_max_per_cgroup) set
+    # past what it marks, so that the map's total bound and the LRU are what it meets
+    with running_agent(standin.lib_dir / cuda_standin.DRIVER, f"join.span_facts_max={SPAN_FACTS_MAX}",
+                       f"join.span_facts_max_per_cgroup={8 * SPAN_FACTS_MAX}") as a:
         yield a
     assert not a.pins_left, "the agent's stop left its pinned maps behind"
 
@@ -131,11 +135,13 @@ def test_a_row_whose_span_never_comes_is_deleted_unread_and_counted(agent):
     """What the sweep does with an expired row: delete it, count it as swept."""
     with agent.child("none") as child:
         child.command("threads 1 1")
+        cgroup = cgroup_id(child.pid)                  # the row is the child's cgroup's
     ((trace, span),) = child.expected
     key = (bytes.fromhex(trace), int(span, 16))
     swept = agent.facts.stats().swept
     try:
-        assert agent.facts.delete(*key)
+        assert not agent.facts.delete(*key, cgroup + 1)   # another cgroup's: none
+        assert agent.facts.delete(*key, cgroup)
         assert agent.facts.stats().swept == swept + 1
         assert agent.facts.take(*key) is None
     finally:

@@ -8,7 +8,33 @@ import secrets
 import pytest
 
 from sandbox_harness import Harness, Pools, _own_cgroup
+from spanlet import config
 from spanlet.cgroups import CgroupResolver
+
+
+@pytest.fixture
+def kernel():
+    """start(span_facts_max=65536, *overrides) → (span_ctx probe, GPU probe)
+    with default GPU settings, the GPU probe on the span_ctx probe's maps."""
+    from spanlet.probes.gpu import GpuProbe
+    from spanlet.probes.span_ctx import SpanCtxProbe
+
+    started = []
+
+    def start(*overrides: str, span_facts_max: int = 65536):
+        cfg = config.load(env={}, overrides=[f"join.span_facts_max={span_facts_max}",
+                                             *overrides])
+        span = SpanCtxProbe(cfg)
+        started.append(span)
+        assert span.start().attached, span.status.reason
+        gpu = GpuProbe(cfg)
+        started.append(gpu)
+        assert gpu.start(pin_dir=span.shared_pin_dir()).attached, gpu.status.reason
+        return span, gpu
+
+    yield start
+    for p in reversed(started):
+        p.stop()
 
 
 @pytest.fixture(scope="module")

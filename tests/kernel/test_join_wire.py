@@ -1,16 +1,20 @@
 """The span join's common case done in C on a resource's bytes
 (SpanFacts.join_resource, native/spanlet_wire.c) against the real span facts
 map: for random requests (many resources and scopes, spans with and without
-rows, every mix of facts, ids reused across traces) the spans, the cgroups,
-the rows left in the map and the join's counts are exactly those of the
-span-by-span Python join over the same rows; the cases it leaves to Python
-(links, facts already on a span, malformed ids) take nothing."""
+rows, every mix of facts, ids reused across traces, rows of one to six
+cgroups for one span, a sender's origin known or not) the spans, the
+cgroups, the rows left in the map and the join's counts (foreign rows by
+reason and cgroup included) are exactly those of the span-by-span Python
+join over the same rows, through the real map and through the fake; the
+cases it leaves to Python (links, facts already on a span, malformed ids)
+take nothing."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from spanlet.probes import span_facts as span_facts_mod
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from facts_fakes import FakeFacts
@@ -44,32 +48,43 @@ def _request(rnd: random.Random, trace_ids: list[bytes]) -> ExportTraceServiceRe
     return req
 
 
-def _put_rows(rnd: random.Random, req, table, fake: FakeFacts) -> None:
-    """Rows for about two spans in three (and rows for spans that are not here)."""
+CGROUPS = [0, 1, 4242, 4243, 2 ** 40 + 3, 77, 78]
+
+
+def _plan(rnd: random.Random, req) -> list:
+    """Rows for about two spans in three (and rows for spans that are not
+    here): (trace id, span id, [(cgroup, facts)]) with one cgroup mostly,
+    up to six (past the index's four), facts small enough to tie at times."""
     spans = [s for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
     others = [(rnd.randbytes(16), rnd.getrandbits(64)) for _ in range(5)]
+    plan = []
     for trace_id, span_id in [(bytes(s.trace_id), int.from_bytes(s.span_id, "big")) for s in spans
                               if rnd.random() < 0.66] + others:
-        vals = {f: rnd.choice([0, 0, 1, 7, 2 ** 40, 2 ** 61 - 1]) for f in FIELDS}
-        cgroup = rnd.choice([0, 1, 4242, 2 ** 40 + 3])
-        k, v = table.Key(), table.Leaf()
-        k.trace_id[:] = list(trace_id)
-        k.span_id = span_id
-        for f, x in vals.items():
-            setattr(v, f, x)
-        v.cgroup_id, v.first_ns, v.pid = cgroup, 10, 1
-        table[k] = v
-        fake.add(trace_id, span_id, driver=vals["launches_driver"], runtime=vals["launches_runtime"],
-                 **{f: vals[f] for f in FIELDS[2:]}, cgroup_id=cgroup)
+        n = rnd.choice([1, 1, 1, 2, 3, 5, 6])
+        cgs = rnd.sample(CGROUPS, n)
+        plan.append((trace_id, span_id, [
+            (cg, {f: rnd.choice([0, 0, 1, 2, 7, 2 ** 40]) for f in FIELDS}) for cg in cgs]))
+    return plan
+
+
+def _put_rows(plan, span, fake: FakeFacts | None = None) -> None:
+    for trace_id, span_id, rows in plan:
+        for cg, vals in rows:
+            span.facts.put_row(trace_id, span_id, cg, first_ns=10, pid=1, **vals)
+            if fake is not None:
+                fake.add(trace_id, span_id, driver=vals["launches_driver"],
+                         runtime=vals["launches_runtime"], **{f: vals[f] for f in FIELDS[2:]},
+                         cgroup_id=cg)
 
 
 def _left(table) -> set:
-    return {(bytes(k.trace_id), k.span_id) for k in table.keys()}
+    return {(bytes(k.trace_id), k.span_id, k.cgroup_id) for k in table.keys()}
 
 
-def _clear(table) -> None:
-    for k in list(table.keys()):
-        del table[k]
+def _clear(span) -> None:
+    for table in (span.facts.table, span.facts.index):
+        for k in list(table.keys()):
+            del table[k]
 
 
 @pytest.fixture
@@ -77,41 +92,72 @@ def span(probes):
     return probes.span_ctx()
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_the_c_join_is_the_python_join(span, seed):
+ORIGINS = [None, None, frozenset({4242}), frozenset({4242, 4243}), frozenset({77, 1}),
+           frozenset({5})]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_c_join_is_the_python_join(span, seed, monkeypatch):
     rnd = random.Random(seed)
     table, cfg = span.facts.table, config.load(env={}).join
-    _clear(table)
+    _clear(span)
     trace_ids = [rnd.randbytes(16) for _ in range(3)]     # few traces: span ids meet across them
     req = _request(rnd, trace_ids)
-    fake = FakeFacts()
-    _put_rows(rnd, req, table, fake)
-    c_req, py_req = ExportTraceServiceRequest(), ExportTraceServiceRequest()
-    c_req.CopyFrom(req)
-    py_req.CopyFrom(req)
-    in_c, in_py = SpanJoin(cfg, facts=span.facts), SpanJoin(cfg, facts=fake)
+    plan, origin = _plan(rnd, req), ORIGINS[seed % len(ORIGINS)]
+    fake = FakeFacts(index_cgroups=4)
+    _put_rows(plan, span, fake)
+    c_req, py_req, real_req = (ExportTraceServiceRequest() for _ in range(3))
+    for r in (c_req, py_req, real_req):
+        r.CopyFrom(req)
+    in_c, in_py, in_real = (SpanJoin(cfg, facts=f) for f in (span.facts, fake, span.facts))
     taken_before = span.facts.stats().taken
-    c_cgroups = in_c.join(c_req.resource_spans)
-    py_cgroups = in_py.join(py_req.resource_spans)
-    assert c_req == py_req
-    assert c_cgroups == py_cgroups
-    assert _left(table) == set(fake.map)
-    assert in_c.stats.as_dict() == in_py.stats.as_dict()
-    assert list(in_c._done) == list(in_py._done)
-    assert span.facts.stats().taken - taken_before == fake.st.taken
-    _clear(table)
+    c_cgroups = in_c.join(c_req.resource_spans, origin=origin)
+    c_left = _left(table)
+    # the Python join through the real map's reader, span by span (no C part)
+    _clear(span)
+    _put_rows(plan, span)
+    with monkeypatch.context() as m:
+        m.setattr(span_facts_mod, "_join_resource", None)
+        real_cgroups = in_real.join(real_req.resource_spans, origin=origin)
+    py_cgroups = in_py.join(py_req.resource_spans, origin=origin)
+    assert c_req == py_req == real_req
+    assert c_cgroups == py_cgroups == real_cgroups
+    assert c_left == _left(table) == set(fake.map)
+    assert in_c.stats.as_dict() == in_py.stats.as_dict() == in_real.stats.as_dict()
+    assert in_c.foreign() == in_py.foreign() == in_real.foreign()
+    assert list(in_c._done) == list(in_py._done) == list(in_real._done)
+    assert (span.facts.stats().taken - taken_before) // 2 == fake.st.taken
+    _clear(span)
+
+
+def test_the_joins_see_rows_of_many_cgroups_and_foreign_ones(span):
+    """The random requests above do meet every rule (checked once here)."""
+    seen = {"other_pod": 0, "conflict": 0, "overflow origin": 0}
+    for seed in range(24):
+        rnd = random.Random(seed)
+        req = _request(rnd, [rnd.randbytes(16) for _ in range(3)])
+        plan, origin = _plan(rnd, req), ORIGINS[seed % len(ORIGINS)]
+        fake = FakeFacts(index_cgroups=4)
+        _put_rows(plan, span, fake)
+        _clear(span)
+        j = SpanJoin(config.load(env={}).join, facts=fake)
+        j.join(req.resource_spans, origin=origin)
+        seen["other_pod"] += j.stats.foreign_other_pod
+        seen["conflict"] += j.stats.foreign_conflict
+        seen["overflow origin"] += bool(origin) and any(
+            len(rows) > 4 and {cg for cg, _ in rows[4:]} & origin for _, _, rows in plan)
+    assert all(seen.values()), seen
 
 
 @pytest.mark.parametrize("case", ["link", "facts already", "short span id", "no trace id", "bad bytes"])
 def test_what_the_c_join_leaves_to_python_takes_nothing(span, case):
     rnd = random.Random(case)
     table = span.facts.table
-    _clear(table)
+    _clear(span)
     req = _request(rnd, [rnd.randbytes(16)])
     rs = req.resource_spans.add()
     s = rs.scope_spans.add().spans.add(name="odd", trace_id=rnd.randbytes(16), span_id=rnd.randbytes(8))
-    fake = FakeFacts()
-    _put_rows(rnd, req, table, fake)
+    _put_rows(_plan(rnd, req), span)
     before = _left(table)
     if case == "link":
         s.links.add(trace_id=rnd.randbytes(16), span_id=rnd.randbytes(8))
@@ -126,5 +172,37 @@ def test_what_the_c_join_leaves_to_python_takes_nothing(span, case):
     else:
         blob = rs.SerializeToString()
     assert span.facts.join_resource(blob) is None
+    assert span.facts.join_resource(blob, frozenset({4242})) is None
     assert _left(table) == before
-    _clear(table)
+    _clear(span)
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_an_index_entry_that_lost_a_slot_still_gives_the_sender_its_row(span, path, monkeypatch):
+    """Two CPUs making rows for one span at once may write one index slot
+    twice (n = 2, one cgroup listed): the sender's row is looked up directly,
+    another cgroup's unlisted row waits for the sweep."""
+    if path == "python":
+        monkeypatch.setattr(span_facts_mod, "_join_resource", None)
+    _clear(span)
+    rnd = random.Random(path)
+    trace_id, span_id = rnd.randbytes(16), rnd.getrandbits(63) | 1
+    for cg, n in ((4242, 100), (77, 6), (78, 9)):
+        span.facts.put_row(trace_id, span_id, cg, launches_driver=n)
+    index = span.facts.index
+    ik = index.Key()
+    ik.trace_id[:] = list(trace_id)
+    ik.span_id = span_id
+    iv = index[ik]
+    iv.cgroups[1], iv.cgroups[2], iv.n = 4242, 0, 3      # 77 and 78 lost to the race
+    index[ik] = iv
+    join = SpanJoin(config.load(env={}).join, facts=span.facts)
+    req = ExportTraceServiceRequest()
+    req.resource_spans.add().scope_spans.add().spans.add(
+        trace_id=trace_id, span_id=span_id.to_bytes(8, "big"))
+    join.join(req.resource_spans, origin=frozenset({77}))
+    (s,) = req.resource_spans[0].scope_spans[0].spans
+    assert {kv.key: kv.value.int_value for kv in s.attributes} == {"kernel.gpu.launches": 6}
+    assert join.foreign() == {4242: 1}
+    assert _left(span.facts.table) == {(trace_id, span_id, 78)}
+    _clear(span)

@@ -16,6 +16,8 @@ STRUCTS = {
     "span_ctx_val": events.SpanCtx,
     "span_facts_key": events.SpanFactsKey,
     "span_facts_val": events.SpanFactsVal,
+    "span_facts_index_key": events.SpanFactsIndexKey,
+    "span_facts_index_val": events.SpanFactsIndexVal,
     "flow_key": events.FlowKey,
     "gpu_launch_event": events.GpuLaunch,
     "gpu_sync_event": events.GpuSync,

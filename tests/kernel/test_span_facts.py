@@ -9,36 +9,12 @@ import time
 
 import pytest
 
-from spanlet import config
 from spanlet.events import Api, Modality
 
 from gpu_harness import cgroup_id, counts
 from spanlet.probes.gpu import DRIVER_HOOKS
 
 pytestmark = pytest.mark.kernel
-
-
-@pytest.fixture
-def kernel():
-    """start(**config) → (span_ctx probe, GPU probe) with default GPU settings."""
-    from spanlet.probes.gpu import GpuProbe
-    from spanlet.probes.span_ctx import SpanCtxProbe
-
-    started = []
-
-    def start(span_facts_max: int = 65536):
-        cfg = config.load(env={}, overrides=[f"join.span_facts_max={span_facts_max}"])
-        span = SpanCtxProbe(cfg)
-        started.append(span)
-        assert span.start().attached, span.status.reason
-        gpu = GpuProbe(cfg)
-        started.append(gpu)
-        assert gpu.start(pin_dir=span.shared_pin_dir()).attached, gpu.status.reason
-        return span, gpu
-
-    yield start
-    for p in reversed(started):
-        p.stop()
 
 
 def ids() -> tuple[bytes, int]:

@@ -158,5 +158,16 @@ def join_one_span(join: SpanJoin) -> None:
     ev.hdr.kind, ev.hdr.span_id = events.Kind.GPU_SYNC, 7
     ev.hdr.trace_id[:] = list(trace_id)
     join.add_event(ev)
+    join.facts.add(trace_id, 7, driver=5, cgroup_id=99)       # another pod's row, same ids
     join.join([trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=[
-        trace_pb2.Span(trace_id=trace_id, span_id=(7).to_bytes(8, "big"))])])])
+        trace_pb2.Span(trace_id=trace_id, span_id=(7).to_bytes(8, "big"))])])],
+        origin=frozenset({0}))
+    join.facts.st.refused_by_cgroup = {99: 4}                 # the kernel refused that pod rows
+    # steps whose links are one past their sender's bound of waiting shares
+    links, per_step = join.cfg.batch_max_pending_per_pod + 1, join.cfg.batch_max_links
+    for first in range(0, links, per_step):
+        step = trace_pb2.Span(trace_id=bytes(range(1, 17)), span_id=(8 + first).to_bytes(8, "big"))
+        for i in range(first, min(links, first + per_step)):
+            step.links.add(trace_id=trace_id, span_id=(100 + i).to_bytes(8, "big"))
+        join.join([trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=[step])])],
+                  origin=frozenset({99}))

@@ -18,6 +18,16 @@ def cgroup2_root() -> Path:
     raise AssertionError("cgroup v2 is not mounted")
 
 
+def remove_cgroup(path: Path, tries: int = 50) -> None:
+    """rmdir a test's cgroup, waiting for its last process to be on its way out."""
+    for _ in range(tries):
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 def cgroup_id(pid: int) -> int:
     """What bpf_get_current_cgroup_id() returns for that process (cgroup v2)."""
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():

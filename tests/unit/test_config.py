@@ -23,6 +23,18 @@ def test_defaults_are_the_documented_ones():
     assert config.load(env={}, overrides=["gpu.launch_events=off"]).gpu.launch_events == "off"
     assert not cfg.gpu.launch_timing and not cfg.gpu.runtime_hooks
     assert cfg.gpu.sampled_events_per_span == 4 and cfg.join.span_facts_max == 65_536
+    assert cfg.join.span_facts_max_per_cgroup == 16_384
+    assert (cfg.join.batch_max_pending_per_pod, cfg.join.batch_max_held_per_pod) == (16_384, 25_000)
+
+
+def test_the_per_pod_bounds_come_from_the_environment_and_reach_the_kernel_programs():
+    from spanlet.probes.gpu import GpuProbe
+
+    cfg = config.load(env={"SPANLET_JOIN_SPAN_FACTS_MAX_PER_CGROUP": "500",
+                           "SPANLET_JOIN_BATCH_MAX_PENDING_PER_POD": "70"})
+    assert cfg.join.span_facts_max_per_cgroup == 500 and cfg.join.batch_max_pending_per_pod == 70
+    flags = GpuProbe(cfg).compile_flags("/pins")
+    assert "-DSPANLET_SPAN_FACTS_MAX_PER_CGROUP=500" in flags
 
 
 def test_every_key_has_an_environment_variable():

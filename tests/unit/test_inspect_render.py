@@ -101,7 +101,15 @@ SUMMARY = {
              "late_records": 0, "span_events_capped": 0, "rows_expired": 2, "rows_late": 1,
              "batch_steps": 40, "batch_held_now": 3, "batch_pending_now": 5, "batch_requests": 77,
              "batch_late": 4, "batch_expired": 6, "batch_links_dropped": 7,
-             "span_facts": {"created": 9, "taken": 3, "swept": 2, "evicted": 1, "present": 3}},
+             "foreign_other_pod": 11, "foreign_conflict": 2,
+             "span_facts": {"created": 9, "taken": 3, "swept": 2, "evicted": 1, "present": 3,
+                            "refused": 40},
+             "by_pod": [{"cgroup": 5, "namespace": "serving", "pod": "engine-" + LONG[:40],
+                         "container": "c", "foreign": 11, "refused": 40, "live_rows": 16384,
+                         "batch_dropped": 3, "batch_hold_full": 1},
+                        {"cgroup": 6, "namespace": "", "pod": "", "container": "",
+                         "foreign": 2, "refused": 0, "live_rows": 0, "batch_dropped": 0,
+                         "batch_hold_full": 0}]},
     "exporters": [
         {"name": "otlp_receiver", "enabled": True,
          "stats": {"spans_accepted": 4, "spans_rejected": {"too_big": 1},
@@ -170,7 +178,10 @@ def test_every_view_fits_80_columns(op):
     if op == "summary":
         assert "NOT attached" in text and "slo_compliance_ratio" in text
         assert "< 0.75 (slo_class=bronze)" in text       # the breaching class is the one shown
-        assert "span facts: 3 rows waiting, 1 evicted, 2 expired, 1 late" in " ".join(text.split())
+        assert ("span facts: 3 rows waiting, 1 evicted, 2 expired, 1 late, 40 events refused "
+                "(pod bound)") in " ".join(text.split())
+        assert "foreign facts: 11 other pod, 2 conflict" in " ".join(text.split())
+        assert "Facts by pod" in text and "cgroup 6" in text and "16384" in text
         assert ("OTLP senders: 7 requests by their socket, 2 by pod IP, 1 unknown (no kernel "
                 "facts)") in " ".join(text.split())
         assert ("batched steps: 40 steps, 3 requests held now, 5 waiting shares, 77 requests with "

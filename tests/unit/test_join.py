@@ -129,7 +129,7 @@ def test_other_trace_with_same_span_id_does_not_join():
     j = SpanJoin(JoinConfig(), facts=facts)
     j.add_event(launch(7, trace=b"\x09" * 16))
     assert j.join(request(7)) == [0]
-    assert list(facts.map) == [(b"\x09" * 16, 7)]    # still waiting for its own span
+    assert facts.spans() == [(b"\x09" * 16, 7)]    # still waiting for its own span
     rs = request(7, trace=b"\x09" * 16)
     assert j.join(rs) == [1] and attrs(rs[0].scope_spans[0].spans[0])["kernel.gpu.launches"] == 4
 
@@ -186,7 +186,7 @@ def test_late_facts_become_their_own_record():
     assert late.trace_id == TRACE and late.parent_span_id == (7).to_bytes(8, "big")
     assert attrs(late) == {"kernel.gpu.launches": 2, "kernel.gpu.launch_ns": 42}
     assert j.flush_late() == 0 and j.stats.late_records == 1 and j.stats.rows_late == 1
-    assert list(facts.map) == [(TRACE, 8)]
+    assert facts.spans() == [(TRACE, 8)]
 
 
 def test_rows_whose_span_never_comes_expire_after_ttl():
@@ -195,7 +195,7 @@ def test_rows_whose_span_never_comes_expire_after_ttl():
     facts.add(TRACE, 1, driver=1, first_ns=time.time_ns() - 31 * 10**9)
     facts.add(TRACE, 2, driver=1, first_ns=time.time_ns() - 29 * 10**9)
     assert j.sweep(force=True) == 1
-    assert list(facts.map) == [(TRACE, 2)] and j.stats.rows_expired == 1
+    assert facts.spans() == [(TRACE, 2)] and j.stats.rows_expired == 1
     assert facts.stats().swept == 1
 
 
@@ -312,7 +312,7 @@ def test_late_row_within_ttl_is_late_and_after_ttl_waits_for_its_span():
     facts.add(TRACE, 8, driver=1, first_ns=time.time_ns())   # span 8 passed on 6 s ago: forgotten
     j.sweep(force=True)
     assert j.flush_late() == 1 and len(out) == 1
-    assert list(facts.map) == [(TRACE, 8)] and j.stats.late_records == 1
+    assert facts.spans() == [(TRACE, 8)] and j.stats.late_records == 1
     assert j.join(request(8)) == [1] and facts.map == {}
 
 
@@ -328,7 +328,7 @@ def test_rejoined_span_is_remembered_from_its_last_pass():
     facts.add(TRACE, 1, driver=1, first_ns=time.time_ns())
     facts.add(TRACE, 2, driver=1, first_ns=time.time_ns())
     assert j.sweep(force=True) == 1
-    assert j.flush_late() == 1 and list(facts.map) == [(TRACE, 2)]
+    assert j.flush_late() == 1 and facts.spans() == [(TRACE, 2)]
 
 
 def test_steady_span_stream_keeps_memory_of_passed_spans_flat():
