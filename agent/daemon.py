@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import queue
 import signal
 import threading
 import time
@@ -160,20 +161,14 @@ class Daemon:
         # start, below, once the store and the span path are up to take them.
         t0 = time.monotonic()
         self.nvml.start()                    # its own thread (NVML may hang in the driver)
-        owner, *rest = [cls(self.cfg, sink=self.sink, clock=self.clock)
-                        for cls in probe_classes(self.cfg)]
-        statuses = [owner.start()]
-        self.probes.append(owner)
-        for probe in rest:
-            finder = getattr(probe, "finder", None)
-            if finder is not None and owner.maps_watch is not None:
-                finder.watch = owner.maps_watch.subscribe()   # discovery from the kernel's changes
-            statuses.append(probe.start(pin_dir=owner.shared_pin_dir()))
-            self.probes.append(probe)
-        log.info("probes compiled and attached in %.2f s", time.monotonic() - t0)
+        statuses = self._start_probes()
+        t1 = time.monotonic()
+        log.info("probes compiled and attached in %.2f s (%s)", t1 - t0, "; ".join(
+            f"{st.name} compile {st.compile_s:.2f} s, attach {st.attach_s:.2f} s" for st in statuses))
         if self.store is not None:
             self.store.start()
         self.spans.start()
+        log.info("store and span path started in %.2f s", time.monotonic() - t1)
         released = release_startup_memory()
         log.info("start-up memory given back: %.0f MB of LLVM/clang/chdb mappings paged out, heap trimmed",
                  released / 2**20)
@@ -202,6 +197,41 @@ class Daemon:
         self.metrics_exporter = OtlpMetricsExporter(self.cfg.otlp, source=self.metrics.families,
                                                     node=self.cfg.node_name,
                                                     interval_s=self.cfg.window_s)
+        return statuses
+
+    def _start_probes(self) -> list[ProbeStatus]:
+        """Every probe compiled and attached, in start order. The span-context
+        owner first and whole (the others share its pinned maps); then the
+        others are compiled one after another in a thread (BCC compiles one
+        at a time: base.BCC_LOCK) while this one attaches each compiled one
+        (programs through the verifier, uprobes, TC filters), so that the
+        attaching of one overlaps the compile of the next."""
+        owner, *rest = [cls(self.cfg, sink=self.sink, clock=self.clock)
+                        for cls in probe_classes(self.cfg)]
+        statuses = [owner.start()]
+        self.probes.append(owner)
+        for probe in rest:
+            finder = getattr(probe, "finder", None)
+            if finder is not None and owner.maps_watch is not None:
+                finder.watch = owner.maps_watch.subscribe()   # discovery from the kernel's changes
+        pin_dir = owner.shared_pin_dir()
+        compiled: queue.Queue = queue.Queue()
+
+        def compile_all() -> None:
+            for probe in rest:
+                try:
+                    ok = probe.start_compile(pin_dir=pin_dir)
+                except Exception as e:   # a bug in one probe's compile step: that probe only
+                    log.exception("probe %s: compile", probe.name)
+                    probe.status.attached, probe.status.reason = False, f"compile: {e}"
+                    ok = False
+                compiled.put((probe, ok))
+
+        threading.Thread(target=compile_all, name="compile", daemon=True).start()
+        for _ in rest:
+            probe, ok = compiled.get()
+            statuses.append(probe.finish_start() if ok else probe.status)
+            self.probes.append(probe)
         return statuses
 
     def _start_http(self) -> None:
