@@ -35,7 +35,7 @@ from netns import Namespace  # noqa: E402
 from processes import free_port  # noqa: E402
 
 GOAL_S = 2.0
-PHASES = re.compile(r"probes compiled and attached in ([\d.]+) s(?: \((.*)\))?")
+PHASES = re.compile(r"probes compiled and attached (?:in )?([\d.]+) s(?: after the daemon's start)?(?: \((.*)\))?")
 REST = re.compile(r"store and span path started in ([\d.]+) s")
 
 
