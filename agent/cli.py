@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _dump_bpf(cfg: config_mod.Config) -> None:
-    from spanlet.daemon import probe_classes
+    from spanlet.probes.starter import probe_classes
     owner = None
     for cls in probe_classes(cfg):
         probe = cls(cfg)
@@ -90,18 +90,27 @@ def _run(args: argparse.Namespace) -> int:
     if args.dump_bpf:
         _dump_bpf(cfg)
         return EXIT_OK
-    from spanlet.daemon import Daemon
+    from spanlet.probes.starter import ProbeStarter, check_node
 
-    sink = None
-    if args.print_events:
-        def sink(ev):
-            print(json.dumps(ev.as_dict()), flush=True)
-    daemon = Daemon(cfg, sink=sink)
     try:
-        daemon.check_node()
+        check_node(cfg)
     except node_check.EnvironmentProblem as e:
         print(f"spanlet: cannot start: {e}", file=sys.stderr)
         return EXIT_START_REFUSED
+    # The probes compile in a thread while the rest of the agent is imported and built.
+    starter = ProbeStarter(cfg)
+    starter.begin()
+    try:
+        from spanlet.daemon import Daemon
+
+        sink = None
+        if args.print_events:
+            def sink(ev):
+                print(json.dumps(ev.as_dict()), flush=True)
+        daemon = Daemon(cfg, sink=sink, starter=starter)
+    except BaseException:
+        starter.abandon()
+        raise
     try:
         daemon.start()
         print("spanlet: running; SIGTERM or Ctrl-C stops it", file=sys.stderr, flush=True)

@@ -4,7 +4,6 @@ discovery, and on SIGTERM/SIGINT detaches everything within the deadline."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 import signal
 import threading
@@ -12,7 +11,7 @@ import time
 from typing import Callable
 
 from spanlet import events, modality
-from spanlet.probes import node_check, privileges
+from spanlet.probes import node_check
 from spanlet.admin import AdminServer
 from spanlet.config import Config, SchedulerThresholds, ServingSettings
 from spanlet.metrics.engine import MetricEngine
@@ -22,32 +21,13 @@ from spanlet.pipeline.store import StorePath
 from spanlet.scheduler import Scheduler, WindowInputs
 from spanlet.nvml import NvmlPoller
 from spanlet.probes.base import Probe, ProbeStatus, release_startup_memory
+from spanlet.probes.starter import ProbeStarter, check_node, probe_classes  # noqa: F401 (probe_classes: cli)
 
 from spanlet.exporters.otlp.metric_exporter import OtlpMetricsExporter
 from spanlet.exporters.http import AgentHttpServer
 from spanlet.exporters.prometheus import SpanletCollector, SpanletRegistry
 
 log = logging.getLogger("spanlet")
-
-# (config section, module, class): the order is the start order; the span
-# context owner comes first so the others can share its map.
-PROBES = [
-    ("tc", "spanlet.probes.tc.probe", "TcProbe"),
-    ("sandbox", "spanlet.probes.sandbox.probe", "SandboxProbe"),
-    ("gpu", "spanlet.probes.gpu", "GpuProbe"),
-]
-
-
-def probe_classes(cfg: Config) -> list[type[Probe]]:
-    """The probe classes enabled in the config, the span-context owner first."""
-    from spanlet.probes.span_ctx import SpanCtxProbe
-
-    classes: list[type[Probe]] = [SpanCtxProbe]
-    for section, module, cls in PROBES:
-        if getattr(cfg, section).enabled:
-            classes.append(getattr(importlib.import_module(module), cls))
-    return classes
-
 
 class _Attached:
     """A StartedProbes attribute: the started probe of that name while it is
@@ -92,9 +72,13 @@ class Daemon:
     """Builds the parts, hands each only what it reads (never itself), starts
     them in order and stops them against one deadline."""
 
-    def __init__(self, cfg: Config, sink: Callable[[events._Event], None] | None = None):
+    def __init__(self, cfg: Config, sink: Callable[[events._Event], None] | None = None,
+                 starter: ProbeStarter | None = None):
+        """starter: the probes' start begun before the daemon was built (the
+        node checked first); by default start() begins it."""
         self.cfg = cfg
-        self.clock = events.MonotonicClock()
+        self._starter = starter
+        self.clock = starter.clock if starter is not None else events.MonotonicClock()
         self.serving = ServingMetrics(ServingSettings(window_s=cfg.window_s,
                                                       **cfg.serving.model_dump()),
                                       start=time.monotonic())
@@ -143,16 +127,7 @@ class Daemon:
     # -- start-up ----------------------------------------------------------------
     def check_node(self) -> node_check.Headers:
         """Root, mounts and headers; raises node_check.EnvironmentProblem."""
-        node_check.require_root()
-        node_check.require_mounts()
-        headers = node_check.find_headers(self.cfg.kernel_headers, self.cfg.image_kernel_headers)
-        node_check.apply_headers(headers)
-        log.info("kernel headers: compiling against the %s", headers.describe())
-        privs = privileges.check(tc_enabled=self.cfg.tc.enabled)
-        log.info("%s", privs.summary())
-        for line in privs.missing_lines():
-            log.error("%s", line)
-        return headers
+        return check_node(self.cfg)
 
     def start(self) -> list[ProbeStatus]:
         # Probes first: after a restart the node is unobserved until they are
@@ -160,20 +135,19 @@ class Daemon:
         # start, below, once the store and the span path are up to take them.
         t0 = time.monotonic()
         self.nvml.start()                    # its own thread (NVML may hang in the driver)
-        owner, *rest = [cls(self.cfg, sink=self.sink, clock=self.clock)
-                        for cls in probe_classes(self.cfg)]
-        statuses = [owner.start()]
-        self.probes.append(owner)
-        for probe in rest:
-            finder = getattr(probe, "finder", None)
-            if finder is not None and owner.maps_watch is not None:
-                finder.watch = owner.maps_watch.subscribe()   # discovery from the kernel's changes
-            statuses.append(probe.start(pin_dir=owner.shared_pin_dir()))
-            self.probes.append(probe)
-        log.info("probes compiled and attached in %.2f s", time.monotonic() - t0)
+        starter = self._starter or ProbeStarter(self.cfg, self.clock)
+        try:
+            starter.finish(sink=self.sink)
+        finally:
+            self.probes.extend(starter.probes)   # what was started, for stop() to detach
+        statuses = starter.statuses()
+        t1 = time.monotonic()
+        log.info("probes compiled and attached %.2f s after the daemon's start (%s)", t1 - t0, "; ".join(
+            f"{st.name} compile {st.compile_s:.2f} s, attach {st.attach_s:.2f} s" for st in statuses))
         if self.store is not None:
             self.store.start()
         self.spans.start()
+        log.info("store and span path started in %.2f s", time.monotonic() - t1)
         released = release_startup_memory()
         log.info("start-up memory given back: %.0f MB of LLVM/clang/chdb mappings paged out, heap trimmed",
                  released / 2**20)

@@ -42,12 +42,12 @@ class Agent:
     """`spanlet run` with each of `settings` (KEY=VALUE) as a --set; `tail` holds
     the last lines of its log, which is drained so that it never blocks on a pipe."""
 
-    def __init__(self, settings: list[str], keep: int = 20) -> None:
+    def __init__(self, settings: list[str], keep: int = 20, env: dict | None = None) -> None:
         self.keep = keep
         self.tail: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "spanlet.cli", "run", *(arg for kv in settings for arg in ("--set", kv))],
-            cwd=REPO, stderr=subprocess.PIPE, text=True)
+            cwd=REPO, stderr=subprocess.PIPE, text=True, env=env)
 
     def _read(self, until: str | None) -> bool:
         for line in self.proc.stderr:

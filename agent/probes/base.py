@@ -9,6 +9,7 @@ import mmap
 import re
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,21 @@ BPF_DIR = Path(str(importlib.resources.files("spanlet.bpf")))
 _LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.-]+\.h)"\s*$', re.M)
 
 EventSink = Callable[[events._Event], None]
+
+# Passed to BCC before each probe's own flags. BCC compiles with -g so that
+# LLVM emits BTF; no program or map of ours needs BTF (no spin locks, no
+# kptrs; BCC builds the maps' ctypes types from its own rewriter), and the
+# debug info costs LLVM 10-15% of each compile. Without it a verifier
+# rejection is printed without source lines.
+COMPILER_FLAGS = ["-g0"]
+
+# One BCC compile at a time in a process, and no compile while a module is
+# destroyed: libbcc keeps every module's map descriptions in one process-wide
+# std::map with no lock (SharedTableStorage), and it chdir()s the process into
+# the kernel headers' folder while it compiles (iovisor/bcc#4500: concurrent
+# compiles fail to find headers or crash). Attaching, loading programs into
+# the verifier and map updates go on beside a compile.
+BCC_LOCK = threading.Lock()
 
 
 class ProbeError(Exception):
@@ -58,6 +74,8 @@ class ProbeStatus:
     reason: str = ""
     attachments: list[str] = field(default_factory=list)
     failed_attachments: list[str] = field(default_factory=list)
+    compile_s: float = 0.0     # wall seconds of the last compile (BCC, maps created)
+    attach_s: float = 0.0      # of what followed it: programs loaded, attached, ring opened
 
 _U64 = struct.Struct("<Q")
 _BUDGET = struct.Struct("<3Q")     # struct spanlet_cgroup_budget_val (bpf/spanlet.h)
@@ -117,7 +135,7 @@ class Probe:
     def compile_flags(self, pin_dir: str | None = None) -> list[str]:
         """Everything passed to the compiler besides the text; with pin_dir,
         the program uses the span context and span facts maps pinned there."""
-        flags = self.cflags()
+        flags = [*COMPILER_FLAGS, *self.cflags()]
         if pin_dir is not None:
             flags.append(f'-DSPANLET_PIN_DIR="{pin_dir}"')
             flags.append(f"-DSPANLET_SPAN_FACTS_MAX={self.cfg.join.span_facts_max}")
@@ -129,8 +147,10 @@ class Probe:
         from bcc import BPF  # imported late: unit tiers run without BCC
 
         flags = self.compile_flags(pin_dir)
+        text = self.source_text()
         try:
-            self.bpf = BPF(text=self.source_text(), cflags=flags)
+            with BCC_LOCK:
+                self.bpf = BPF(text=text, cflags=flags)
         except Exception as e:  # BCC raises bare Exception with the reason
             raise ProbeError(f"compile/load of {self.source_path.name} failed: {e}") from None
 
@@ -139,18 +159,42 @@ class Probe:
         pin_dir (SpanCtxProbe.shared_pin_dir() of the span_ctx probe started
         before it) the program shares that probe's span context and span
         facts maps, else it has private, empty ones."""
+        if self.start_compile(pin_dir):
+            self.finish_start()
+        return self.status
+
+    def start_compile(self, pin_dir: str | None = None) -> bool:
+        """start()'s first half: the compile; never raises. False (the
+        reason in status) if it failed."""
+        t0 = time.monotonic()
         try:
             self.compile(pin_dir)
+            return True
+        except ProbeError as e:
+            self._failed(e)
+            return False
+        finally:
+            self.status.compile_s = time.monotonic() - t0
+
+    def finish_start(self) -> ProbeStatus:
+        """start()'s second half, after start_compile: attach and open the
+        ring buffer (may run while another probe compiles); never raises."""
+        t0 = time.monotonic()
+        try:
             self._attach()
             ring = self.bpf["events"]
             self._ring = RingBufferReader(ring.map_fd, self.ringbuf_pages() * mmap.PAGESIZE)
             self.status.attached = True
             self.status.reason = ""
         except ProbeError as e:
-            self.status.attached = False
-            self.status.reason = str(e)
-            self.stop()
+            self._failed(e)
+        self.status.attach_s = time.monotonic() - t0
         return self.status
+
+    def _failed(self, e: ProbeError) -> None:
+        self.status.attached = False
+        self.status.reason = str(e)
+        self.stop()
 
     def _on_record(self, buf, offset: int, size: int) -> None:
         try:
@@ -209,11 +253,24 @@ class Probe:
                 self._ring = None
             if self.bpf is not None:
                 try:
-                    self.bpf.cleanup()
+                    _cleanup(self.bpf)
                 except Exception as e:
                     log.warning("%s: cleanup: %s", self.name, e)
                 self.bpf = None
             self.status.attached = False
+
+
+def _cleanup(bpf) -> None:
+    """bpf.cleanup(), the module destroyed under BCC_LOCK (BPF.close() is its
+    last step); the detaching before it, which waits for the kernel's grace
+    periods, is not held up by a compile nor holds one up."""
+    close = bpf.close
+
+    def locked_close() -> None:
+        with BCC_LOCK:
+            close()
+    bpf.close = locked_close
+    bpf.cleanup()
 
 
 # -- what the start leaves resident --------------------------------------------

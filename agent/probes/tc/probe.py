@@ -173,9 +173,9 @@ class TcProbe(Probe):
             leaf.modality = mod
             pts[pts.Key(pt)] = leaf
 
-    def start(self, pin_dir: str | None = None):
-        """Probe.start, except that a configured interface list naming nothing
-        usable fails at once, without a compile."""
+    def start_compile(self, pin_dir: str | None = None) -> bool:
+        """Probe.start_compile, except that a configured interface list naming
+        nothing usable fails at once, without a compile."""
         tc = self.cfg.tc
         if tc.interfaces:
             try:
@@ -188,8 +188,8 @@ class TcProbe(Probe):
                 self.status.failed_attachments = problems
                 self.status.reason = ("none of the configured interfaces could be attached: "
                                       + "; ".join(problems))
-                return self.status
-        return super().start(pin_dir)
+                return False
+        return super().start_compile(pin_dir)
 
     def _attach(self) -> None:
         from bcc import BPF

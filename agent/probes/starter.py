@@ -1,0 +1,134 @@
+"""The probes' start, begun as early as the agent can: the node checked, then
+every probe compiled and attached in a thread of its own while the rest of
+the agent is imported and built (a BCC compile runs in libbcc without the
+GIL). The span-context owner is started first and whole (the others share
+its pinned maps); the others are compiled one after another (BCC compiles
+one at a time: base.BCC_LOCK) and each is attached by whoever takes it
+(finish()), beside the compile of the next."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import queue
+import threading
+
+from spanlet import events
+from spanlet.config import Config
+from spanlet.probes import node_check, privileges
+from spanlet.probes.base import Probe, ProbeStatus
+
+log = logging.getLogger("spanlet")
+
+# (config section, module, class): the order is the start order; the span
+# context owner comes first so the others can share its map.
+PROBES = [
+    ("tc", "spanlet.probes.tc.probe", "TcProbe"),
+    ("sandbox", "spanlet.probes.sandbox.probe", "SandboxProbe"),
+    ("gpu", "spanlet.probes.gpu", "GpuProbe"),
+]
+
+
+def probe_classes(cfg: Config) -> list[type[Probe]]:
+    """The probe classes enabled in the config, the span-context owner first."""
+    from spanlet.probes.span_ctx import SpanCtxProbe
+
+    classes: list[type[Probe]] = [SpanCtxProbe]
+    for section, module, cls in PROBES:
+        if getattr(cfg, section).enabled:
+            classes.append(getattr(importlib.import_module(module), cls))
+    return classes
+
+
+def check_node(cfg: Config) -> node_check.Headers:
+    """Root, mounts and headers; raises node_check.EnvironmentProblem."""
+    node_check.require_root()
+    node_check.require_mounts()
+    headers = node_check.find_headers(cfg.kernel_headers, cfg.image_kernel_headers)
+    node_check.apply_headers(headers)
+    log.info("kernel headers: compiling against the %s", headers.describe())
+    privs = privileges.check(tc_enabled=cfg.tc.enabled)
+    log.info("%s", privs.summary())
+    for line in privs.missing_lines():
+        log.error("%s", line)
+    return headers
+
+
+class ProbeStarter:
+    """The enabled probes, made and started by begin() in a thread and taken,
+    attached, by finish(), in start order. Their events go to the sink given
+    to finish() (no record is read before the daemon's readers start)."""
+
+    def __init__(self, cfg: Config, clock: events.MonotonicClock | None = None) -> None:
+        self.cfg = cfg
+        self.clock = clock or events.MonotonicClock()
+        self.probes: list[Probe] = []      # made so far, in start order
+        self._compiled: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._taken: list[Probe] | None = None
+
+    def begin(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._compile_all, name="compile", daemon=True)
+            self._thread.start()
+
+    def _compile_all(self) -> None:
+        try:
+            from spanlet.probes.span_ctx import SpanCtxProbe
+
+            owner = SpanCtxProbe(self.cfg, clock=self.clock)   # its module first: the first compile
+            self.probes.append(owner)
+            self._run(owner, owner.start)   # compiled and attached here (finish() skips it)
+            rest = [cls(self.cfg, clock=self.clock) for cls in probe_classes(self.cfg)[1:]]
+            self.probes += rest
+            for probe in rest:
+                finder = getattr(probe, "finder", None)
+                if finder is not None and owner.maps_watch is not None:
+                    finder.watch = owner.maps_watch.subscribe()   # discovery from the kernel's changes
+            pin_dir = owner.shared_pin_dir()
+            for probe in rest:
+                self._run(probe, lambda: probe.start_compile(pin_dir=pin_dir))
+        except BaseException as e:  # a probe that could not be made: finish() raises it
+            self._error = e
+        finally:
+            self._compiled.put(None)
+
+    def _run(self, probe: Probe, step) -> None:
+        try:
+            ok = bool(step())
+        except Exception as e:   # a bug in one probe's start: that probe only
+            log.exception("probe %s: start", probe.name)
+            probe.status.attached, probe.status.reason = False, f"start: {e}"
+            ok = False
+        self._compiled.put((probe, ok))
+
+    def finish(self, sink=None) -> list[Probe]:
+        """Every probe, in start order, each attached here once compiled
+        (the owner in the thread already) or reported. Raises only what kept
+        a probe from being made at all (after the others were taken)."""
+        if self._taken is None:
+            self.begin()
+            self._taken = []
+            while (item := self._compiled.get()) is not None:
+                probe, ok = item
+                probe.sink = sink
+                if ok and self._taken:
+                    probe.finish_start()
+                self._taken.append(probe)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self._taken
+
+    def abandon(self) -> None:
+        """For a start that fails before finish(): every probe stopped once
+        its compile has ended (TC filters and pins removed)."""
+        try:
+            self.finish()
+        finally:
+            for probe in self.probes:
+                probe.stop()
+
+    def statuses(self) -> list[ProbeStatus]:
+        return [p.status for p in self.probes]

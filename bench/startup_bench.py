@@ -1,0 +1,140 @@
+"""Start-up to /readyz with the defaults (every probe compiled and attached),
+this tree beside another commit's (--before, default main) in one run,
+alternating, with the goal beside them; and, for this tree, each probe's
+compile and attach seconds and the store and span path's start, from the
+agent's log. The TC probe classifies the interfaces of a network namespace
+made by the bench (a veth pair, both ends in it), never the machine's own.
+
+    sudo .venv/bin/python bench/startup_bench.py [--before REF] [--rounds 3] [--set KEY=VALUE]
+
+The other commit runs from its files (`git archive`) with this tree's built
+native extensions: a commit whose C parts differ from this tree's cannot be
+compared this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
+
+from common import Agent, agent_bench_args  # noqa: E402
+from netns import Namespace  # noqa: E402
+from processes import free_port  # noqa: E402
+
+GOAL_S = 2.0
+PHASES = re.compile(r"probes compiled and attached (?:in )?([\d.]+) s(?: after the daemon's start)?(?: \((.*)\))?")
+REST = re.compile(r"store and span path started in ([\d.]+) s")
+
+
+def tree_at(ref: str, into: Path) -> Path:
+    """A folder to put on PYTHONPATH whose `spanlet` is the package of `ref`."""
+    src = into / "src"
+    src.mkdir()
+    archive = subprocess.run(["git", "archive", ref, "agent", "exporters", "bpf"], cwd=REPO,
+                             capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as t:
+        t.extractall(src, filter="data")
+    pkg = into / "pkg" / "spanlet"
+    shutil.copytree(src / "agent", pkg)
+    shutil.copytree(src / "exporters", pkg / "exporters")
+    shutil.copytree(src / "bpf", pkg / "bpf")
+    for built in list((REPO / "agent").glob("*.so")) + [REPO / "agent" / "_native"]:
+        if built.is_dir():
+            shutil.copytree(built, pkg / built.name, dirs_exist_ok=True)
+        elif built.exists():
+            shutil.copy2(built, pkg / built.name)
+    return into / "pkg"
+
+
+def start_once(settings: list[str], env: dict | None, tmp: str) -> tuple[float, list[str]]:
+    """Seconds from the agent's exec to a 200 from /readyz, and its log."""
+    port = free_port()
+    agent = Agent([f"data_dir={tmp}/data", f"admin_socket={tmp}/admin.sock",
+                   f"otlp.grpc_port={free_port()}", f"otlp.http_port={free_port()}",
+                   f"http_port={port}", "http_address=127.0.0.1", *settings], keep=400, env=env)
+    t0 = time.monotonic()
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
+                    if r.status == 200:
+                        ready = time.monotonic() - t0
+                        break
+            except OSError:
+                pass
+            if agent.proc.poll() is not None or time.monotonic() - t0 > 120:
+                agent.proc.kill()
+                agent._read(None)
+                raise SystemExit("the agent did not get ready:\n" + "".join(agent.tail[-30:]))
+            time.sleep(0.01)
+    finally:
+        if agent.proc.poll() is None:
+            agent.proc.terminate()
+        agent._read(None)
+        agent.proc.wait(30)
+    return ready, agent.tail
+
+
+def phases(log: list[str]) -> str:
+    out = []
+    for line in log:
+        if m := PHASES.search(line):
+            out.append(f"probes {float(m.group(1)):.2f} s" + (f" ({m.group(2)})" if m.group(2) else ""))
+        elif m := REST.search(line):
+            out.append(f"store + span path {float(m.group(1)):.2f} s")
+    return "; ".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", default="main", help="the commit to compare with (default main)")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = agent_bench_args(ap, "the bench")
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    print(f"start-up to /readyz, defaults (every probe, TC in a namespace of the bench), "
+          f"{os.cpu_count()} CPUs ({cpu}), load average {os.getloadavg()[0]:.1f} at the start")
+    ns = Namespace("spl-startup")
+    tmp = tempfile.mkdtemp(prefix="spanlet-startup-bench-")
+    try:
+        ns.ip("link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        for end in ("v0", "v1"):
+            ns.ip("link", "set", end, "up")
+        settings = [f"tc.netns={ns.name}", *a.agent_set]
+        before_env = dict(os.environ, PYTHONPATH=str(tree_at(a.before, Path(tmp))))
+        runs: dict[str, list[float]] = {"before": [], "this tree": []}
+        logs: dict[str, str] = {}
+        for r in range(a.rounds):
+            for label, env in (("before", before_env), ("this tree", None)):
+                ready, log = start_once(settings, env, f"{tmp}/{label.replace(' ', '_')}{r}")
+                runs[label].append(ready)
+                logs[label] = phases(log)
+                print(f"  round {r + 1} {label:10} {ready:6.2f} s   {logs[label]}", flush=True)
+        print(f"\n  {'':22}{'median':>8}{'min':>8}{'max':>8}   goal")
+        for label, xs in runs.items():
+            name = f"{label} ({a.before})" if label == "before" else label
+            print(f"  {name:22}{statistics.median(xs):8.2f}{min(xs):8.2f}{max(xs):8.2f}   "
+                  f"≤ {GOAL_S:g} s")
+        print(f"  ratio this tree / before (medians): "
+              f"{statistics.median(runs['this tree']) / statistics.median(runs['before']):.2f}; "
+              f"load average {os.getloadavg()[0]:.1f} at the end")
+    finally:
+        ns.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The probes' start at agent start-up (probes/starter.py): the span-context
+owner started whole in the compile thread, the others compiled there in
+order and attached by whoever takes them, a failing one reported while the
+others start. The probes here stand in for the real ones (no compile): what
+is tested is the order, the threads and the reporting."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from spanlet.probes import span_ctx, starter
+from spanlet.probes.base import Probe, ProbeError
+
+MAIN = threading.main_thread()
+
+
+class Fake(Probe):
+    fail_compile: Exception | None = None
+    seen: list = []
+
+    def compile(self, pin_dir=None):
+        self.seen.append((self.name, "compile", threading.current_thread() is MAIN, pin_dir))
+        if self.fail_compile is not None:
+            raise self.fail_compile
+
+    def _attach(self):
+        self.seen.append((self.name, "attach", threading.current_thread() is MAIN, None))
+
+    def stop(self):
+        self.seen.append((self.name, "stop", None, None))
+        self.status.attached = False
+
+
+class Owner(Fake):
+    name = "span_ctx"
+    maps_watch = None
+
+    def shared_pin_dir(self):
+        return "/pins" if self.status.attached else None
+
+
+def _fake(name, fail=None):
+    return type(name, (Fake,), {"name": name, "fail_compile": fail})
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    Fake.seen = []
+    monkeypatch.setattr(span_ctx, "SpanCtxProbe", Owner)
+    # a finished start opens the ring buffer of the "events" map: none here
+    monkeypatch.setattr(Probe, "finish_start", _attach_only)
+    return monkeypatch
+
+
+def _attach_only(self):
+    try:
+        self._attach()
+        self.status.attached = True
+    except ProbeError as e:
+        self._failed(e)
+    return self.status
+
+
+def test_owner_in_the_thread_then_each_compiled_in_order_and_attached_by_the_taker(fakes, cfg):
+    fakes.setattr(starter, "probe_classes", lambda c: [Owner, _fake("a"), _fake("b")])
+    s = starter.ProbeStarter(cfg)
+    s.begin()
+    probes = s.finish(sink=print)
+    assert [p.name for p in probes] == ["span_ctx", "a", "b"]
+    assert all(p.status.attached and p.sink is print for p in probes)
+    steps = [(n, step, main) for n, step, main, _ in Fake.seen]
+    assert steps[:2] == [("span_ctx", "compile", False), ("span_ctx", "attach", False)]
+    assert ("a", "compile", False) in steps and ("a", "attach", True) in steps
+    assert steps.index(("a", "compile", False)) < steps.index(("b", "compile", False))
+    # the others share the owner's pinned maps
+    assert [pin for n, step, _, pin in Fake.seen if step == "compile" and n != "span_ctx"] == \
+        ["/pins", "/pins"]
+
+
+@pytest.mark.parametrize("error", [ProbeError("refused"), RuntimeError("a bug")])
+def test_a_probe_that_fails_is_reported_and_the_next_still_starts(fakes, cfg, error):
+    fakes.setattr(starter, "probe_classes", lambda c: [Owner, _fake("bad", error), _fake("good")])
+    s = starter.ProbeStarter(cfg)
+    probes = s.finish()
+    bad, good = probes[1], probes[2]
+    assert not bad.status.attached and str(error) in bad.status.reason
+    assert good.status.attached
+    assert [st.name for st in s.statuses()] == ["span_ctx", "bad", "good"]
+
+
+def test_a_probe_that_cannot_be_made_is_raised_and_abandon_stops_the_rest(fakes, cfg):
+    def broken(*a, **kw):
+        raise RuntimeError("no such probe")
+    fakes.setattr(starter, "probe_classes", lambda c: [Owner, broken])
+    s = starter.ProbeStarter(cfg)
+    s.begin()
+    with pytest.raises(RuntimeError, match="no such probe"):
+        s.finish()
+    assert s.probes[0].status.attached           # the owner had started: stop() must see it
+    s.abandon()
+    assert ("span_ctx", "stop", None, None) in Fake.seen
