@@ -559,10 +559,9 @@ class SpanJoin:
             self._done.popitem(last=False)
         row = None
         if self.facts is not None:
-            rows = self.facts.take_rows(trace_id, key[1], origin)
-            if rows:
-                if len(rows) > 1 or (origin is not None and rows[0].cgroup_id not in origin):
-                    rows, foreign = pick_rows(rows, origin)
+            rows, foreign = self.facts.take_rows(trace_id, key[1], origin, pick_rows)
+            if rows or foreign:
+                if foreign:
                     self._foreign_locked(foreign)
                 if rows:
                     self.stats.rows_taken += len(rows)
@@ -762,7 +761,12 @@ class SpanJoin:
             late_rows: dict[SpanKey, list] = {}
             for trace_id, span_id, cgroup_id, first_ns in rows:
                 key = (trace_id, span_id)
-                if key in self._done:
+                done = self._done.get(key)
+                # another pod's row of a span passed on stays for its own
+                # sender's span (an impostor's span must not be able to make
+                # the victim's facts late, nor the other way round) until it
+                # expires
+                if done is not None and (done[1] is None or cgroup_id in done[1]):
                     late = self.facts.take_row(trace_id, span_id, cgroup_id)
                     if late is None:
                         continue

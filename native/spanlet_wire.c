@@ -21,9 +21,11 @@
  * most launches + syncs + violations + graph launches, the first on a tie),
  * the picked rows summed and their non-zero facts appended to the span as
  * kernel.* int attributes, in the order and under the names of
- * join.FACT_ATTRIBUTES. rows: spans that got facts; taken: (cgroup, reason)
- * of every row taken, reason 0 picked, 1 another pod's (other_pod), 2 not
- * the cgroup picked (conflict). None, before any row is taken,
+ * join.FACT_ATTRIBUTES. Only the picked rows are deleted: the others stay,
+ * listed again in the index, for their own sender's span (or the sweep).
+ * rows: spans that got facts; taken: (cgroup, reason) of every row seen,
+ * reason 0 picked and taken, 1 another pod's (other_pod), 2 not the cgroup
+ * picked (conflict), both left in the map. None, before any row is taken,
  * when the resource is not that case: a span with links, a kernel.* attribute
  * already, ids not 16 + 8 bytes, or bytes not well-formed (the Python join
  * then does it all). keys: the (trace id, span id) of every span; rows: rows
@@ -250,6 +252,31 @@ static int facts_take(int fd, const void *k, void *v)
     if (syscall(__NR_bpf, BPF_MAP_LOOKUP_AND_DELETE_ELEM, &attr, sizeof(attr)) == 0)
         return 1;
     return errno == ENOENT ? 0 : -1;
+}
+
+/* The same without deleting it (BPF_MAP_LOOKUP_ELEM): a row another pod's
+ * span may still take. */
+static int facts_peek(int fd, const void *k, void *v)
+{
+    union bpf_attr attr;
+    memset(&attr, 0, sizeof(attr));
+    attr.map_fd = (uint32_t)fd;
+    attr.key = (uint64_t)(uintptr_t)k;
+    attr.value = (uint64_t)(uintptr_t)v;
+    if (syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &attr, sizeof(attr)) == 0)
+        return 1;
+    return errno == ENOENT ? 0 : -1;
+}
+
+/* Write (BPF_ANY) an element. */
+static int facts_put(int fd, const void *k, const void *v)
+{
+    union bpf_attr attr;
+    memset(&attr, 0, sizeof(attr));
+    attr.map_fd = (uint32_t)fd;
+    attr.key = (uint64_t)(uintptr_t)k;
+    attr.value = (uint64_t)(uintptr_t)v;
+    return syscall(__NR_bpf, BPF_MAP_UPDATE_ELEM, &attr, sizeof(attr)) == 0 ? 0 : -1;
 }
 
 static size_t put_varint(uint8_t *out, uint64_t v)
@@ -581,21 +608,29 @@ static PyObject *join_resource(PyObject *self, PyObject *args)
                     cgs[ncg++] = origin[j];
         struct facts_val got_v[INDEX_CGROUPS + ORIGIN_MAX];
         uint64_t got_cg[INDEX_CGROUPS + ORIGIN_MAX];
+        int got_taken[INDEX_CGROUPS + ORIGIN_MAX];
         int nrows = 0;
+        struct facts_key k;
+        memcpy(k.trace_id, js->trace_id, 16);
+        k.span_id = js->span_id;
+        /* Only the rows the span gets are deleted: those it gets for sure
+         * (its origin's; the one row, sender unknown) at once, the others
+         * read, and of those the one picked taken after the pick; the rest
+         * stay, listed again, for their own sender's span or the sweep. */
         for (int j = 0; j < ncg; j++) {
-            struct facts_key k;
-            memcpy(k.trace_id, js->trace_id, 16);
-            k.span_id = js->span_id;
+            int sure = n_origin >= 0 ? in_origin(origin, n_origin, cgs[j]) : ncg == 1;
             k.cgroup_id = cgs[j];
             Py_BEGIN_ALLOW_THREADS
-            got = facts_take(fd, &k, &got_v[nrows]);
+            got = sure ? facts_take(fd, &k, &got_v[nrows]) : facts_peek(fd, &k, &got_v[nrows]);
             Py_END_ALLOW_THREADS
             if (got < 0) {
                 PyErr_SetFromErrno(PyExc_OSError);
                 goto out;
             }
-            if (got)
+            if (got) {
+                got_taken[nrows] = sure;
                 got_cg[nrows++] = cgs[j];
+            }
         }
         if (!nrows)
             continue;
@@ -608,14 +643,34 @@ static PyObject *join_resource(PyObject *self, PyObject *args)
         struct facts_val sum;
         int kept = 0;
         memset(&sum, 0, sizeof(sum));
+        struct index_val left;
+        uint32_t nleft = 0;
+        memset(&left, 0, sizeof(left));
         for (int j = 0; j < nrows; j++) {
             int reason = n_origin < 0 ? (nrows == 1 || j == best ? REASON_KEPT : REASON_CONFLICT)
                                       : (in_origin(origin, n_origin, got_cg[j]) ? REASON_KEPT
                                                                                : REASON_OTHER_POD);
             if (add_taken(taken, got_cg[j], reason) < 0)
                 goto out;
-            if (reason != REASON_KEPT)
+            if (reason != REASON_KEPT) {
+                if (!got_taken[j] && nleft < INDEX_CGROUPS)
+                    left.cgroups[nleft++] = got_cg[j];
                 continue;
+            }
+            if (!got_taken[j]) {          /* picked among others: taken now, as it is now */
+                struct facts_val now_v;
+                k.cgroup_id = got_cg[j];
+                int again;
+                Py_BEGIN_ALLOW_THREADS
+                again = facts_take(fd, &k, &now_v);
+                Py_END_ALLOW_THREADS
+                if (again < 0) {
+                    PyErr_SetFromErrno(PyExc_OSError);
+                    goto out;
+                }
+                if (again)
+                    got_v[j] = now_v;
+            }
             struct facts_val *v = &got_v[j];
             if (!kept++)
                 sum.cgroup_id = v->cgroup_id;
@@ -627,6 +682,17 @@ static PyObject *join_resource(PyObject *self, PyObject *args)
             sum.violations += v->violations;
             sum.graph_launches += v->graph_launches;
             sum.graph_kernels += v->graph_kernels;
+        }
+        if (nleft) {
+            left.n = nleft;
+            int put;
+            Py_BEGIN_ALLOW_THREADS
+            put = facts_put(index_fd, &ik, &left);
+            Py_END_ALLOW_THREADS
+            if (put < 0) {
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto out;
+            }
         }
         if (!kept)
             continue;

@@ -19,6 +19,7 @@ from spanlet import events
 from spanlet.probes.maps import percpu_sum, read_batches
 
 # bpf(2) commands (uapi/linux/bpf.h, enum bpf_cmd).
+BPF_MAP_LOOKUP_ELEM = 1
 BPF_MAP_UPDATE_ELEM = 2
 BPF_MAP_DELETE_ELEM = 3
 BPF_MAP_LOOKUP_AND_DELETE_ELEM = 21   # hash and LRU maps: Linux 5.14
@@ -191,18 +192,55 @@ class SpanFacts:
         self._release(cgroup_id, 1)
         return decode(trace_id, span_id, self._row.val, self.clock)
 
-    def take_rows(self, trace_id: bytes, span_id: int, origin=None) -> list[KernelFacts]:
-        """Every row of the span, one per cgroup that made one, each deleted
-        as it is read (BPF_MAP_LOOKUP_AND_DELETE_ELEM), in the order the
-        kernel made them; [] when the kernel has no facts for it. `origin`:
-        the sender's cgroups (read past a full index entry)."""
+    def take_rows(self, trace_id: bytes, span_id: int, origin=None, pick=None):
+        """Without `pick`: every row of the span, one per cgroup that made one,
+        each deleted as it is read (BPF_MAP_LOOKUP_AND_DELETE_ELEM), in the
+        order the kernel made them; [] when the kernel has no facts for it.
+        With `pick` (join.pick_rows): (the rows the span gets, (cgroup,
+        reason) of those it does not); only the rows it gets are deleted:
+        the others stay, listed again in the index, for their own sender's
+        span or the sweep. `origin`: the sender's cgroups (None: unknown)."""
         with self._lock:
-            got = []
-            for cg in self._take_index(trace_id, span_id, origin):
-                row = self._take_row(trace_id, span_id, cg)
-                if row is not None:
-                    got.append(row)
-            return got
+            cgroups = self._take_index(trace_id, span_id, origin)
+            if pick is None:
+                return [r for cg in cgroups if (r := self._take_row(trace_id, span_id, cg))]
+            # the rows the span gets for sure are taken at once, the rest read
+            sure = (lambda cg: cg in origin) if origin is not None else \
+                (lambda cg: len(cgroups) == 1)
+            seen = []
+            for cg in cgroups:
+                r = self._take_row(trace_id, span_id, cg) if sure(cg) else \
+                    self._peek_row(trace_id, span_id, cg)
+                if r is not None:
+                    seen.append((r, sure(cg)))
+            if not seen:
+                return [], []
+            kept, foreign = pick([r for r, _ in seen], origin)
+            kept_ids = {id(r) for r in kept}
+            got, left = [], []
+            for r, taken in seen:
+                if id(r) in kept_ids:
+                    got.append(r if taken else self._take_row(trace_id, span_id, r.cgroup_id) or r)
+                elif not taken:
+                    left.append(r.cgroup_id)
+            if left:
+                self._put_index(trace_id, span_id, left)
+            return got, foreign
+
+    def _peek_row(self, trace_id: bytes, span_id: int, cgroup_id: int) -> KernelFacts | None:
+        _KEY.pack_into(self._row.key, 0, trace_id, span_id, cgroup_id)
+        if not self._call(BPF_MAP_LOOKUP_ELEM, self._row.attr_p):
+            return None
+        return decode(trace_id, span_id, self._row.val, self.clock)
+
+    def _put_index(self, trace_id: bytes, span_id: int, cgroups: list[int]) -> None:
+        """List these cgroups' rows of the span in its index again (the rows
+        another sender's span may still take)."""
+        _IKEY.pack_into(self._idx.key, 0, trace_id, span_id)
+        listed = (cgroups + [0] * INDEX_CGROUPS)[:INDEX_CGROUPS]
+        _IVAL.pack_into(self._idx.val, 0, *listed, min(len(cgroups), INDEX_CGROUPS), 0)
+        if not self._closed:
+            _syscall(self._sys_bpf, BPF_MAP_UPDATE_ELEM, self._idx.attr_p, self._attr_size)
 
     def take(self, trace_id: bytes, span_id: int) -> KernelFacts | None:
         """The span's rows summed into one (every cgroup's: tools and tests;
@@ -248,9 +286,10 @@ class SpanFacts:
             got = _join_resource(blob, self.table.map_fd, self.index.map_fd,
                                  None if origin is None else tuple(origin))
             if got is not None and got[4]:
-                self._stats.taken += len(got[4])
-                for cg, _ in got[4]:
-                    self._release(cg, 1)
+                for cg, reason in got[4]:
+                    if reason == 0:          # taken; the others were left in the map
+                        self._stats.taken += 1
+                        self._release(cg, 1)
             return got
 
     def delete(self, trace_id: bytes, span_id: int, cgroup_id: int) -> bool:

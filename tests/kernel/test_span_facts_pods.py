@@ -115,15 +115,23 @@ def test_an_impostor_marking_the_same_ids_adds_nothing(standin, spawn, pods, ker
             assert (st.foreign_other_pod, st.foreign_conflict) == (0, 1)
             assert join.foreign() == {v_cg: 1}
         assert st.rows_taken == 1 and st.spans_joined == 1
-        # both rows are gone: nothing of this span is left for a late record
+        # the row the span did not get stays, for its own sender's span: it
+        # gets exactly that row, and then nothing of this span is left
+        left = [r for r in span.facts.rows() if r.trace_id == trace_id]
+        other = i_cg if origin is not None else v_cg
+        assert [(r.cgroup_id, r.launches) for r in left] == [(other, 1000 if other == i_cg else 10)]
+        req = request(trace_id, span_id)
+        assert SpanJoin(cfg, facts=span.facts).join(req.resource_spans,
+                                                    origin=frozenset({other})) == [other]
+        assert launches_on(req) == (1000 if other == i_cg else 10)
         assert [r for r in span.facts.rows() if r.trace_id == trace_id] == []
 
 
 @pytest.mark.parametrize("rep", range(RUNS))
 def test_late_rows_of_another_pod_are_not_the_spans(standin, spawn, pods, kernel, rep):
     """After the victim's span went out, the impostor marks its ids: the
-    sweep deletes that row as foreign, sends no late record with it, and
-    still sends the victim's own late launches."""
+    sweep sends no late record with that row (it stays for the impostor's
+    own span, else expires) and still sends the victim's own late launches."""
     span, victim, impostor, v_cg, i_cg = two_pods(standin, spawn, pods, kernel)
     late: list = []
     join = SpanJoin(config.load(env={}).join, facts=span.facts, on_late=late.extend)
@@ -139,7 +147,10 @@ def test_late_rows_of_another_pod_are_not_the_spans(standin, spawn, pods, kernel
     (rec,) = rs.scope_spans[0].spans
     assert cg == v_cg
     assert {kv.key: kv.value.int_value for kv in rec.attributes}["kernel.gpu.launches"] == 3
-    assert join.stats.foreign_other_pod == 1 and join.foreign() == {i_cg: 1}
+    assert join.stats.foreign_other_pod == 0 and join.foreign() == {}
+    assert [(r.cgroup_id, r.launches) for r in span.facts.rows() if r.trace_id == trace_id] == \
+        [(i_cg, 500)]
+    span.facts.take_rows(trace_id, span_id)         # the test's own: nothing left behind
 
 
 def attach_marker(span, pid: int, timeout_s: float = 20) -> None:

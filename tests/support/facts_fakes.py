@@ -45,18 +45,30 @@ class FakeFacts:
         """(trace id, span id) of every row left, in the order made."""
         return list(dict.fromkeys((t, s) for t, s, _ in self.map))
 
-    def take_rows(self, trace_id: bytes, span_id: int, origin=None) -> list[KernelFacts]:
+    def take_rows(self, trace_id: bytes, span_id: int, origin=None, pick=None):
+        """As SpanFacts.take_rows: with `pick`, only the rows the span gets
+        are taken, the others listed again for their own span."""
         self.takes += 1
         made = self.index.pop((trace_id, span_id), None)
         if made is None:
-            return []
+            return [] if pick is None else ([], [])
         cap = self.index_cgroups
         listed = list(dict.fromkeys(made if cap is None else made[:cap]))
         if origin and cap is not None and len(made) > cap:
             listed += [cg for cg in sorted(origin) if cg not in listed]
-        got = [r for cg in listed if (r := self.map.pop((trace_id, span_id, cg), None))]
-        self.st.taken += len(got)
-        return got
+        if pick is None:
+            got = [r for cg in listed if (r := self.map.pop((trace_id, span_id, cg), None))]
+            self.st.taken += len(got)
+            return got
+        rows = [r for cg in listed if (r := self.map.get((trace_id, span_id, cg)))]
+        kept, foreign = pick(rows, origin)
+        for r in kept:
+            del self.map[(trace_id, span_id, r.cgroup_id)]
+        self.st.taken += len(kept)
+        left = [r.cgroup_id for r in rows if not any(r is k for k in kept)]
+        if left:
+            self.index[(trace_id, span_id)] = left
+        return kept, foreign
 
     def take(self, trace_id: bytes, span_id: int) -> KernelFacts | None:
         got = self.take_rows(trace_id, span_id)

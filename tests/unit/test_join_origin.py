@@ -54,7 +54,25 @@ def test_an_impostor_with_the_same_ids_adds_nothing_to_the_victims_span(rep):
     assert j.join(req, origin=frozenset({VICTIM})) == [VICTIM]
     assert launches(req) == [10]
     assert (j.stats.foreign_other_pod, j.stats.foreign_conflict) == (1, 0)
-    assert j.foreign() == {IMPOSTOR: 1} and facts.map == {}
+    assert j.foreign() == {IMPOSTOR: 1}
+    # the impostor's row stays for its own span, which gets its own and nothing more
+    assert list(facts.map) == [(TRACE, 7, IMPOSTOR)]
+    req = rs(7)
+    assert j.join(req, origin=frozenset({IMPOSTOR})) == [IMPOSTOR]
+    assert launches(req) == [1000 + rep] and facts.map == {}
+    assert j.stats.foreign_other_pod == 1
+
+
+@pytest.mark.parametrize("rep", range(5))
+def test_an_impostors_span_first_takes_nothing_of_the_victims(rep):
+    j, facts = make()
+    facts.add(TRACE, 7, driver=10, cgroup_id=VICTIM)
+    facts.add(TRACE, 7, driver=1000 + rep, cgroup_id=IMPOSTOR)
+    first, second = rs(7), rs(7)
+    j.join(first, origin=frozenset({IMPOSTOR}))
+    j.join(second, origin=frozenset({VICTIM}))
+    assert launches(first) == [1000 + rep] and launches(second) == [10]
+    assert j.foreign() == {VICTIM: 1} and facts.map == {}
 
 
 def test_unknown_sender_with_two_cgroups_is_a_counted_conflict():
@@ -67,6 +85,10 @@ def test_unknown_sender_with_two_cgroups_is_a_counted_conflict():
     assert launches(req) == [1000, 4]
     assert (j.stats.foreign_other_pod, j.stats.foreign_conflict) == (0, 1)
     assert j.foreign() == {VICTIM: 1}
+    assert list(facts.map) == [(TRACE, 7, VICTIM)]      # left for a sender that is known
+    req = rs(7)
+    j.join(req, origin=frozenset({VICTIM}))
+    assert launches(req) == [10] and facts.map == {}
 
 
 def test_a_worker_of_the_same_pod_counts():
@@ -91,7 +113,7 @@ def test_four_impostor_cgroups_cannot_hide_the_victims_row():
     req = rs(7)
     j.join(req, origin=frozenset({VICTIM}))
     assert launches(req) == [10]
-    assert j.stats.foreign_other_pod == 4 and facts.map == {}
+    assert j.stats.foreign_other_pod == 4 and sorted(cg for _, _, cg in facts.map) == [1, 2, 3, 4]
 
 
 def test_late_rows_follow_the_origin_of_the_span():
@@ -105,22 +127,24 @@ def test_late_rows_follow_the_origin_of_the_span():
     facts.add(TRACE, 7, driver=3, cgroup_id=VICTIM, first_ns=now)
     facts.add(TRACE, 8, driver=2, cgroup_id=VICTIM, first_ns=now)
     facts.add(TRACE, 8, driver=9, cgroup_id=IMPOSTOR, first_ns=now)
-    assert j.sweep(force=True) == 4 and facts.map == {}
+    # span 7's sender is known: the impostor's row is not its late fact, and
+    # stays (for the impostor's own span, else it expires)
+    assert j.sweep(force=True) == 3 and list(facts.map) == [(TRACE, 7, IMPOSTOR)]
     assert j.flush_late() == 2
     got = {(cg, s.parent_span_id[-1]): launches([r])[0] for cg, r in out
            for s in r.scope_spans[0].spans}
     assert got == {(VICTIM, 7): 3, (IMPOSTOR, 8): 9}
-    assert (j.stats.foreign_other_pod, j.stats.foreign_conflict) == (1, 1)
-    assert j.foreign() == {IMPOSTOR: 1, VICTIM: 1} and j.stats.rows_late == 2
+    assert (j.stats.foreign_other_pod, j.stats.foreign_conflict) == (0, 1)
+    assert j.foreign() == {VICTIM: 1} and j.stats.rows_late == 2
 
 
 def test_the_per_cgroup_table_of_foreign_rows_is_bounded(monkeypatch):
     monkeypatch.setattr(join_mod, "FOREIGN_CGROUPS_MAX", 3)
     j, facts = make()
     for i in range(10):
-        facts.add(TRACE, 7, driver=1, cgroup_id=50 + i % 5)
-        facts.add(TRACE, 7, driver=1, cgroup_id=VICTIM)
-        j.join(rs(7), origin=frozenset({VICTIM}))
+        facts.add(TRACE, 100 + i, driver=1, cgroup_id=50 + i % 5)
+        facts.add(TRACE, 100 + i, driver=1, cgroup_id=VICTIM)
+        j.join(rs(100 + i), origin=frozenset({VICTIM}))
     assert j.stats.foreign_other_pod == 10
     assert len(j.foreign()) == 3 and sum(j.foreign().values()) == 6
     assert j.stats.foreign_cgroups_overflow == 4
