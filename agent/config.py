@@ -610,6 +610,19 @@ class Config(_Section):
             raise ValueError(f"{v} is not a power of two")
         return v
 
+    @model_validator(mode="after")
+    def _absolute_paths(self) -> "Config":
+        """Relative paths are taken from the directory the config was loaded
+        in, once: BCC changes the process's working directory while it
+        compiles, which the agent does beside its other start-up work. (A
+        library name without a slash stays a name for the dynamic linker.)"""
+        for section, key in _PATH_KEYS:
+            owner = getattr(self, section) if section else self
+            value = getattr(owner, key)
+            if value and not os.path.isabs(value) and (key != "library" or "/" in value):
+                setattr(owner, key, os.path.abspath(value))
+        return self
+
     def secrets(self, env: Mapping[str, str] | None = None) -> list[str]:
         """Every credential this config (and the OTEL_EXPORTER_OTLP_*HEADERS
         it is used with) names, longest first, for `redact`."""
@@ -861,6 +874,13 @@ def _read_file(file_path: Path) -> Any:
 
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+# Settings that name a file or folder (Config._absolute_paths).
+_PATH_KEYS = (("", "data_dir"), ("", "admin_socket"), ("", "kernel_headers"),
+              ("", "image_kernel_headers"), ("nvml", "library"), ("otlp", "tls_cert_file"),
+              ("otlp", "tls_key_file"), ("otlp", "tls_client_ca_file"), ("otlp", "bearer_token_file"),
+              ("store", "password_file"), ("store", "ca_file"), ("span_context", "otel_map_path"))
 
 
 def load(path: str | os.PathLike | None = None,

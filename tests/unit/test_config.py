@@ -109,3 +109,20 @@ def test_missing_file_is_named(tmp_path):
 def test_config_file_from_environment(tmp_path):
     f = write(tmp_path, "log_level: debug\n")
     assert config.load(env={"SPANLET_CONFIG": str(f)}).log_level == "debug"
+
+
+def test_relative_paths_are_made_absolute_at_load(tmp_path, monkeypatch):
+    """BCC changes the working directory while it compiles, beside the agent's
+    other start-up work: a relative path must not depend on it."""
+    from spanlet import config
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret/token").write_text("t0ken\n")
+    cfg = config.load(env={}, overrides=["nvml.library=lib/libnvidia-ml.so.1", "data_dir=data",
+                                         "otlp.bearer_token_file=secret/token"])
+    assert cfg.nvml.library == str(tmp_path / "lib/libnvidia-ml.so.1")
+    assert cfg.data_dir == str(tmp_path / "data")
+    assert cfg.otlp.bearer_token_file == str(tmp_path / "secret/token")
+    assert config.load(env={}, overrides=["nvml.library=libnvidia-ml.so.1"]).nvml.library == \
+        "libnvidia-ml.so.1"                       # a name for the dynamic linker stays one
+    assert config.load(env={}).admin_socket == "/run/spanlet/admin.sock"
