@@ -171,7 +171,7 @@ class Probe:
             self.compile(pin_dir)
             return True
         except ProbeError as e:
-            self._failed(e)
+            self._start_failed(e)
             return False
         finally:
             self.status.compile_s = time.monotonic() - t0
@@ -187,11 +187,11 @@ class Probe:
             self.status.attached = True
             self.status.reason = ""
         except ProbeError as e:
-            self._failed(e)
+            self._start_failed(e)
         self.status.attach_s = time.monotonic() - t0
         return self.status
 
-    def _failed(self, e: ProbeError) -> None:
+    def _start_failed(self, e: ProbeError) -> None:
         self.status.attached = False
         self.status.reason = str(e)
         self.stop()

@@ -59,7 +59,7 @@ def _attach_only(self):
         self._attach()
         self.status.attached = True
     except ProbeError as e:
-        self._failed(e)
+        self._start_failed(e)
     return self.status
 
 
