@@ -242,41 +242,35 @@ struct facts_val {
     uint32_t pid, sampled_events;
 };
 
+/* One map element call (bpf(2)): 1 done, 0 no such element, -1 an error. */
+static int map_elem(int cmd, int fd, const void *k, const void *v)
+{
+    union bpf_attr attr;
+    memset(&attr, 0, sizeof(attr));
+    attr.map_fd = (uint32_t)fd;
+    attr.key = (uint64_t)(uintptr_t)k;
+    attr.value = (uint64_t)(uintptr_t)v;
+    if (syscall(__NR_bpf, cmd, &attr, sizeof(attr)) == 0)
+        return 1;
+    return errno == ENOENT ? 0 : -1;
+}
+
+/* A row read and deleted in one call. */
 static int facts_take(int fd, const void *k, void *v)
 {
-    union bpf_attr attr;
-    memset(&attr, 0, sizeof(attr));
-    attr.map_fd = (uint32_t)fd;
-    attr.key = (uint64_t)(uintptr_t)k;
-    attr.value = (uint64_t)(uintptr_t)v;
-    if (syscall(__NR_bpf, BPF_MAP_LOOKUP_AND_DELETE_ELEM, &attr, sizeof(attr)) == 0)
-        return 1;
-    return errno == ENOENT ? 0 : -1;
+    return map_elem(BPF_MAP_LOOKUP_AND_DELETE_ELEM, fd, k, v);
 }
 
-/* The same without deleting it (BPF_MAP_LOOKUP_ELEM): a row another pod's
- * span may still take. */
+/* Read, not deleted: a row another pod's span may still take. */
 static int facts_peek(int fd, const void *k, void *v)
 {
-    union bpf_attr attr;
-    memset(&attr, 0, sizeof(attr));
-    attr.map_fd = (uint32_t)fd;
-    attr.key = (uint64_t)(uintptr_t)k;
-    attr.value = (uint64_t)(uintptr_t)v;
-    if (syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &attr, sizeof(attr)) == 0)
-        return 1;
-    return errno == ENOENT ? 0 : -1;
+    return map_elem(BPF_MAP_LOOKUP_ELEM, fd, k, v);
 }
 
-/* Write (BPF_ANY) an element. */
+/* Written (BPF_ANY): 0 done, -1 an error. */
 static int facts_put(int fd, const void *k, const void *v)
 {
-    union bpf_attr attr;
-    memset(&attr, 0, sizeof(attr));
-    attr.map_fd = (uint32_t)fd;
-    attr.key = (uint64_t)(uintptr_t)k;
-    attr.value = (uint64_t)(uintptr_t)v;
-    return syscall(__NR_bpf, BPF_MAP_UPDATE_ELEM, &attr, sizeof(attr)) == 0 ? 0 : -1;
+    return map_elem(BPF_MAP_UPDATE_ELEM, fd, k, v) == 1 ? 0 : -1;
 }
 
 static size_t put_varint(uint8_t *out, uint64_t v)

@@ -10,13 +10,12 @@ gets its own 1,000 and nothing of the victim's, whichever span comes first."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 import cuda_standin
 from facts_agent import Agent, running_agent
-from gpu_harness import cgroup2_root, cgroup_id
+from gpu_harness import cgroup2_root, cgroup_id, remove_cgroup
 from otlp_upstream import kernel_attrs, wait_for
 
 pytestmark = pytest.mark.kernel
@@ -43,12 +42,7 @@ def cgroups():
         yield made
     finally:
         for path in made:
-            for _ in range(50):      # the last process may still be on its way out
-                try:
-                    path.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            remove_cgroup(path)
 
 
 def foreign(agent: Agent, reason: str) -> float:

@@ -18,7 +18,7 @@ import pytest
 from spanlet import config
 from spanlet.events import Modality
 
-from gpu_harness import cgroup2_root, cgroup_id
+from gpu_harness import cgroup2_root, cgroup_id, remove_cgroup
 
 pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,12 +84,7 @@ def second_cgroup():
     try:
         yield path
     finally:
-        for _ in range(50):
-            try:
-                path.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(path)
 
 
 def launches(api: str, n: int) -> str:
