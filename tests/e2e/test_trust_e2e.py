@@ -59,8 +59,10 @@ def foreign_of(agent: Agent, cg: int) -> int:
 def test_an_impostor_in_another_pod_adds_to_and_takes_nothing_from_the_victims_span(
         agent, cgroups, impostor_sends, run):
     victim_cg_dir, impostor_cg_dir = cgroups
-    victim = agent.child("batch")
-    impostor = agent.child("none" if impostor_sends == "silent" else "batch")
+    # The SDK's own batch processor (an export every 5 s) so that the flushes
+    # below decide which span arrives first.
+    victim = agent.child("batch-sdk")
+    impostor = agent.child("none" if impostor_sends == "silent" else "batch-sdk")
     try:
         # each in its pod before it connects or launches anything
         (victim_cg_dir / "cgroup.procs").write_text(str(victim.pid))
