@@ -242,7 +242,8 @@ struct facts_val {
     uint32_t pid, sampled_events;
 };
 
-/* One map element call (bpf(2)): 1 done, 0 no such element, -1 an error. */
+/* One map element call (bpf(2)), without the GIL: 1 done, 0 no such
+ * element, -1 an error (the Python exception set; the GIL is held again). */
 static int map_elem(int cmd, int fd, const void *k, const void *v)
 {
     union bpf_attr attr;
@@ -250,9 +251,19 @@ static int map_elem(int cmd, int fd, const void *k, const void *v)
     attr.map_fd = (uint32_t)fd;
     attr.key = (uint64_t)(uintptr_t)k;
     attr.value = (uint64_t)(uintptr_t)v;
-    if (syscall(__NR_bpf, cmd, &attr, sizeof(attr)) == 0)
+    long r;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    r = syscall(__NR_bpf, cmd, &attr, sizeof(attr));
+    err = errno;
+    Py_END_ALLOW_THREADS
+    if (r == 0)
         return 1;
-    return errno == ENOENT ? 0 : -1;
+    if (err == ENOENT)
+        return 0;
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    return -1;
 }
 
 /* A row read and deleted in one call. */
@@ -577,13 +588,8 @@ static PyObject *join_resource(PyObject *self, PyObject *args)
         PyList_SET_ITEM(keys, i, key);
         struct index_val iv;
         int got;
-        Py_BEGIN_ALLOW_THREADS
-        got = facts_take(index_fd, &ik, &iv);
-        Py_END_ALLOW_THREADS
-        if (got < 0) {
-            PyErr_SetFromErrno(PyExc_OSError);
+        if ((got = facts_take(index_fd, &ik, &iv)) < 0)
             goto out;
-        }
         if (!got)
             continue;
         /* the cgroups to take, as SpanFacts._take_index lists them */
@@ -614,13 +620,9 @@ static PyObject *join_resource(PyObject *self, PyObject *args)
         for (int j = 0; j < ncg; j++) {
             int sure = n_origin >= 0 ? in_origin(origin, n_origin, cgs[j]) : ncg == 1;
             k.cgroup_id = cgs[j];
-            Py_BEGIN_ALLOW_THREADS
             got = sure ? facts_take(fd, &k, &got_v[nrows]) : facts_peek(fd, &k, &got_v[nrows]);
-            Py_END_ALLOW_THREADS
-            if (got < 0) {
-                PyErr_SetFromErrno(PyExc_OSError);
+            if (got < 0)
                 goto out;
-            }
             if (got) {
                 got_taken[nrows] = sure;
                 got_cg[nrows++] = cgs[j];
@@ -655,13 +657,8 @@ static PyObject *join_resource(PyObject *self, PyObject *args)
                 struct facts_val now_v;
                 k.cgroup_id = got_cg[j];
                 int again;
-                Py_BEGIN_ALLOW_THREADS
-                again = facts_take(fd, &k, &now_v);
-                Py_END_ALLOW_THREADS
-                if (again < 0) {
-                    PyErr_SetFromErrno(PyExc_OSError);
+                if ((again = facts_take(fd, &k, &now_v)) < 0)
                     goto out;
-                }
                 if (again)
                     got_v[j] = now_v;
             }
@@ -680,13 +677,8 @@ static PyObject *join_resource(PyObject *self, PyObject *args)
         if (nleft) {
             left.n = nleft;
             int put;
-            Py_BEGIN_ALLOW_THREADS
-            put = facts_put(index_fd, &ik, &left);
-            Py_END_ALLOW_THREADS
-            if (put < 0) {
-                PyErr_SetFromErrno(PyExc_OSError);
+            if ((put = facts_put(index_fd, &ik, &left)) < 0)
                 goto out;
-            }
         }
         if (!kept)
             continue;
