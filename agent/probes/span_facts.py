@@ -12,6 +12,7 @@ import os
 import platform
 import struct
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -286,10 +287,11 @@ class SpanFacts:
             got = _join_resource(blob, self.table.map_fd, self.index.map_fd,
                                  None if origin is None else tuple(origin))
             if got is not None and got[4]:
-                for cg, reason in got[4]:
-                    if reason == 0:          # taken; the others were left in the map
-                        self._stats.taken += 1
-                        self._release(cg, 1)
+                # taken (reason 0); the others were left in the map
+                kept = Counter(cg for cg, reason in got[4] if reason == 0)
+                for cg, n in kept.items():
+                    self._stats.taken += n
+                    self._release(cg, n)
             return got
 
     def delete(self, trace_id: bytes, span_id: int, cgroup_id: int) -> bool:

@@ -53,7 +53,6 @@ REQUEST_TIMEOUT_S = 60.0
 # Concurrent OTLP/HTTP connections (a thread each); more are closed at once.
 MAX_HTTP_CONNECTIONS = 256
 # How often the deadlines above are checked.
-_REAP_INTERVAL_S = 0.25
 _READ_CHUNK = 64 * 1024
 # Closing after an unread body: discard at most this much, this long.
 LINGER_S = 2.0
@@ -258,7 +257,12 @@ class OtlpReceiver:
         self._calls: dict[int, list] = {}
         self._calls_lock = threading.Lock()
         self._reaper: threading.Thread | None = None
-        self._reaper_stop = threading.Event()
+        # The reaper sleeps until the first deadline, or until one is set when
+        # there was none (idle: no wake-ups); _reap_cv guards both flags.
+        self._reap_cv = threading.Condition()
+        self._reaper_stop = False
+        self._reaper_idle = False
+        self.reaper_wakeups = 0
         # The lock-down (trust.py), made by start() from the files named in cfg.
         self._ssl_context: ssl.SSLContext | None = None
         self._token: BearerToken | None = None
@@ -288,7 +292,7 @@ class OtlpReceiver:
                 raise
             self._grpc_server = grpc_server
             self._running = self._accepting = True
-            self._reaper_stop.clear()
+            self._reaper_stop = False
             self._reaper = threading.Thread(target=self._reap_loop, name="otlp-reaper", daemon=True)
             self._reaper.start()
             log.info("OTLP receiver on %s: gRPC port %d, HTTP port %d; %s",
@@ -311,7 +315,9 @@ class OtlpReceiver:
             self._accepting = False
             self._httpd.close_connections()
             self._httpd.server_close()
-            self._reaper_stop.set()
+            with self._reap_cv:
+                self._reaper_stop = True
+                self._reap_cv.notify()
             self._reaper.join(timeout=5)
             self._grpc_server = self._httpd = self._http_thread = self._reaper = None
 
@@ -400,11 +406,20 @@ class OtlpReceiver:
 
     # ---- deadlines ----
 
+    def _deadline_set(self) -> None:
+        """A gRPC call or HTTP connection got a deadline: wake the reaper if
+        it sleeps with none (it finds the deadline itself otherwise)."""
+        with self._reap_cv:
+            if self._reaper_idle:
+                self._reaper_idle = False
+                self._reap_cv.notify()
+
     def _reap_loop(self) -> None:
-        while not self._reaper_stop.wait(_REAP_INTERVAL_S):
+        while True:
+            self.reaper_wakeups += 1
             now = time.monotonic()
             with self._calls_lock:
-                late = [call for call in self._calls.values() if call[0] < now and not call[2]]
+                late = [call for call in self._calls.values() if call[0] <= now and not call[2]]
                 for call in late:
                     call[2] = True
             for call in late:
@@ -413,6 +428,18 @@ class OtlpReceiver:
             if httpd is not None:
                 for _ in httpd.close_expired(now):
                     self._count("http", TIMEOUT)
+            with self._reap_cv:
+                if self._reaper_stop:
+                    return
+                # Read under _reap_cv: a deadline set after this is announced by
+                # _deadline_set, which waits for the lock until we sleep.
+                with self._calls_lock:
+                    first = min((call[0] for call in self._calls.values() if not call[2]),
+                                default=math.inf)
+                if httpd is not None:
+                    first = min(first, httpd.first_deadline())
+                self._reaper_idle = first == math.inf
+                self._reap_cv.wait(None if self._reaper_idle else max(first - time.monotonic(), 0.0))
 
     # ---- the one request path both transports share ----
 
@@ -478,6 +505,7 @@ class OtlpReceiver:
         call = [time.monotonic() + self.request_timeout_s, context, False]
         with self._calls_lock:
             self._calls[token] = call
+        self._deadline_set()
         try:
             return next(request_iterator)
         except (StopIteration, grpc.RpcError):
@@ -520,6 +548,9 @@ class OtlpReceiver:
 
 class _HttpServer(ThreadingHTTPServer):
     daemon_threads = True
+    # listen() backlog: socketserver's 5 drops the SYNs of a burst of clients
+    # (each then waits a 1 s retransmit); max_http_connections bounds the rest.
+    request_queue_size = 128
     receiver: OtlpReceiver   # set on the per-receiver subclass
 
     def __init__(self, *args, **kwargs) -> None:
@@ -536,6 +567,7 @@ class _HttpServer(ThreadingHTTPServer):
             self.receiver._count("http", TOO_MANY_CONNECTIONS)
             self.shutdown_request(request)
             return
+        self.receiver._deadline_set()
         try:
             super().process_request(request, client_address)
         except BaseException:          # no thread for it: forget it (serve_forever closes it)
@@ -583,12 +615,19 @@ class _HttpServer(ThreadingHTTPServer):
                 self._conns[conn] = time.monotonic() + self.receiver.request_timeout_s
             else:
                 self._conns.pop(conn, None)
+        if alive:
+            self.receiver._deadline_set()
 
     def hold(self, conn: socket.socket) -> None:
         """The request is in: no deadline while it is processed and answered."""
         with self._conns_lock:
             if conn in self._conns:
                 self._conns[conn] = float("inf")
+
+    def first_deadline(self) -> float:
+        """The earliest deadline of a connection (inf: none)."""
+        with self._conns_lock:
+            return min(self._conns.values(), default=math.inf)
 
     def close_expired(self, now: float) -> list[socket.socket]:
         """Shut the connections whose request is not in by its deadline."""

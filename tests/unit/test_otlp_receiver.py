@@ -584,6 +584,24 @@ def test_backpressure_and_callback_errors(started, channels):
 # ---------------------------------------------------------------------------
 # lifecycle
 
+def test_the_reaper_sleeps_while_nothing_has_a_deadline(started, channels):
+    """No wake-ups of the deadline reaper while no call or connection waits
+    (an idle agent costs nothing there); one after a request: it wakes for
+    the request's deadline, finds it done, and sleeps again."""
+    rx, rec = started()
+    time.sleep(0.3)
+    before = rx.reaper_wakeups
+    time.sleep(1.5)
+    assert rx.reaper_wakeups == before
+    stub = TraceServiceStub(channels(rx.grpc_port))
+    stub.Export(ExportTraceServiceRequest(), timeout=10)
+    time.sleep(0.5)
+    assert rx.reaper_wakeups - before <= 2
+    settled = rx.reaper_wakeups
+    time.sleep(1.0)
+    assert rx.reaper_wakeups == settled
+
+
 def test_start_stop_are_idempotent_and_free_the_ports():
     cfg = OtlpConfig(grpc_port=0, http_port=0)
     r = OtlpReceiver(cfg, Recorder())
