@@ -457,7 +457,7 @@ static PyObject *envelope(PyObject *self, PyObject *arg)
                 Py_DECREF(row);
                 goto out;
             }
-            /* rows hold their values, and seq holds the rows: borrowed is enough */
+            /* rows hold their values, and seq holds the rows (lists, tuples): borrowed is enough */
             prev[0] = v[2], prev[1] = v[3], prev[2] = v[4], prev[3] = v[5];
         }
         uint8_t tag[20];
@@ -474,6 +474,8 @@ static PyObject *envelope(PyObject *self, PyObject *arg)
         o.n += (size_t)len;
         memcpy(o.buf + o.n, tag, tl);
         o.n += tl;
+        if (row != items[i])                  /* a copy made here: its values go with it */
+            prev[0] = NULL;
         Py_DECREF(row);
     }
     uint8_t head[10];

@@ -7,6 +7,7 @@ a retried batch leaves one copy; proto rows survive the sink's spool."""
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 import re
@@ -314,7 +315,7 @@ def test_the_c_envelope_is_the_python_envelope(seed):
     elif seed % 4 == 2:                                           # back from the spool: a dict a row
         proto_rows = decode_batch(encode_batch("otel_traces", rows.SPAN_PROTO_COLUMNS, proto_rows))[2]
     elif seed % 4 == 3:
-        proto_rows = [tuple(r) for r in proto_rows]
+        proto_rows = [tuple(r) if i % 2 else collections.deque(r) for i, r in enumerate(proto_rows)]
     got, want = span_protos.envelope(proto_rows), span_protos.python_envelope(proto_rows)
     assert got.data == want.data
     assert got.nested is want.nested
