@@ -118,10 +118,10 @@ class Daemon:
                     span_export=self.spans.exporter, receiver=self.spans.receiver,
                     store=self.store, nvml=self.nvml, memory_peaks=lambda: self.memory_peaks)
 
-    def _on_joined(self, resource_spans) -> None:
+    def _on_joined(self, resource_spans, blobs=None) -> None:
         self.serving.observe(resource_spans, time.monotonic())
         if self.store is not None:
-            self.store.add_spans(resource_spans)
+            self.store.add_spans(resource_spans, blobs)
         self.admin.on_joined(resource_spans)
 
     # -- start-up ----------------------------------------------------------------

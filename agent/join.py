@@ -479,7 +479,8 @@ class SpanJoin:
 
     # -- span side ---------------------------------------------------------------
     def join(self, resource_spans: Iterable[trace_pb2.ResourceSpans],
-             held: list | None = None, origin: frozenset[int] | None = None) -> list[int]:
+             held: list | None = None, origin: frozenset[int] | None = None,
+             blobs: list | None = None) -> list[int]:
         """Enrich the spans in place. Returns, per ResourceSpans, the cgroup id
         its kernel facts came from (0 when none joined), for the resource.
         `held`: a list the caller will hold these spans back for (batched
@@ -487,7 +488,11 @@ class SpanJoin:
         request span is appended to it as (key, span) and waits for its steps
         until the caller passes the list to release(). `origin`: the cgroup
         ids of the sender's pod, established from the connection (never from
-        the payload); None when it cannot be (pick_rows says what a span gets)."""
+        the payload); None when it cannot be (pick_rows says what a span gets).
+        `blobs`: a list that gets, per ResourceSpans, serialized bytes whose
+        spans are its spans as joined (the resource's part as it came), or
+        None where the spans were changed from Python: the store makes its
+        rows from them without serializing each resource again."""
         cgroups = []
         with self._lock:
             mark = (self.clock(), origin)   # one read per request: its spans arrived together
@@ -509,7 +514,11 @@ class SpanJoin:
                     got = self.facts.join_resource(blob, origin)
                     if got is not None:
                         cgroups.append(self._joined_in_c(rs, got, mark))
+                        if blobs is not None:
+                            blobs.append(blob if got[0] is None else got[0])
                         continue
+                if blobs is not None:
+                    blobs.append(None)
                 fresh = _FACT_PREFIX not in blob
                 # and whether any span has links (span.links costs ~0.2 µs a span)
                 linked = _LINK_WIRE.search(blob) is not None

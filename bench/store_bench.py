@@ -6,7 +6,17 @@ of the wall clock, the rows' making from what the agent holds included
 (decoded ring-buffer records, received spans, metric families). Then the
 resident memory of a process before and after chdb is loaded.
 
-    .venv/bin/python bench/store_bench.py [--batch 10000] [--seconds 4]
+otel_traces is measured with what its inserts cost later as well: a run of
+`--inserts` batches, then `--quiet` seconds for the background merges they
+cause, all of the process's CPU (every thread, less its idle rate measured
+before and the input's making), in rounds that alternate the way before
+(schema v5 in its own database: the merge selector's default base; rows
+made span by span in Python, SerializeToString each) and the way now
+(schema v6; rows and their framing made in C from the bytes the join
+serialized each resource to, as the agent's store gets them). The spans are
+an SDK's: traces of 8 spans, 6 attributes each, kernel facts among them.
+
+    .venv/bin/python bench/store_bench.py [--batch 10000] [--seconds 4] [--inserts 30] [--quiet 10] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -49,6 +59,36 @@ class Inputs:
         from store_load import resource_spans
         return resource_spans(self._ids(), self.batch)
 
+    def sdk_spans(self):
+        """(ResourceSpans, the join's bytes of each): traces of 8 spans, as an SDK's."""
+        import random
+
+        from opentelemetry.proto.trace.v1 import trace_pb2
+        from store_load import BASE_NS
+        start, rnd = self._ids(), random.Random(self.next_id)
+        rs = trace_pb2.ResourceSpans()
+        for key, value in (("service.name", "frontend"), ("telemetry.sdk.language", "python"),
+                           ("k8s.pod.name", "web-0"), ("k8s.namespace.name", "prod"), ("k8s.node.name", "node-1")):
+            rs.resource.attributes.add(key=key).value.string_value = value
+        ss = rs.scope_spans.add()
+        ss.scope.name, ss.scope.version = "opentelemetry.instrumentation.flask", "0.48b0"
+        parent = b""
+        for n in range(start, start + self.batch):
+            if n % 8 == 0:
+                trace_id, parent = rnd.randbytes(16), b""
+            span = ss.spans.add(trace_id=trace_id, span_id=rnd.randbytes(8), parent_span_id=parent,
+                                name=f"POST /v1/images/{n % 7}", kind=1 if parent else 2,
+                                start_time_unix_nano=BASE_NS + n * 1_000_000)
+            span.end_time_unix_nano = span.start_time_unix_nano + rnd.randrange(10 ** 5, 10 ** 8)
+            for key, value in (("http.method", "POST"), ("http.route", f"/v1/images/{n % 7}"),
+                               ("net.peer.name", f"10.0.0.{n % 50}")):
+                span.attributes.add(key=key).value.string_value = value
+            for key, value in (("http.status_code", 200), ("kernel.gpu.launches", 50),
+                               ("kernel.gpu.launch_ns", rnd.randrange(10 ** 6))):
+                span.attributes.add(key=key).value.int_value = value
+            parent = span.span_id
+        return [rs], [rs.SerializeToString()]
+
     def families(self):
         from spanlet.metrics import Family, HistogramSample, Sample, labels
         start, n = self._ids(), self.batch
@@ -90,11 +130,6 @@ def ways(db, node_ts: int):
             ("now: ring-buffer records, RowBinary", put("kernel_events", rows.KERNEL_RECORD_COLUMNS,
                                                              rows.kernel_record_rows, db.insert)),
         ]),
-        ("otel_traces", "spans", [
-            ("Python rows, JSON", put("otel_traces", rows.TRACE_COLUMNS, rows.span_rows, db.insert)),
-            ("before and now: serialized, engine-built", put("otel_traces", rows.SPAN_PROTO_COLUMNS,
-                                                                       rows.span_proto_rows, db.insert)),
-        ]),
         ("metric_samples", "families", [
             ("before and now: Python rows, JSON", put("metric_samples", rows.METRIC_COLUMNS,
                                                        lambda f: rows.metric_rows(f, node_ts), db.insert)),
@@ -102,10 +137,64 @@ def ways(db, node_ts: int):
     ]
 
 
+def spans_with_merges(db, inputs: Inputs, a) -> list[tuple[str, float, float, float]]:
+    """(label, spans per CPU second, insert calls' CPU per span, later CPU per span) of each way,
+    its rounds summed."""
+    import copy
+
+    from spanlet.exporters.clickhouse import rows, schema, span_protos
+
+    before = copy.copy(db)                     # the same engine session, another database
+    before.target, before._types = schema.Target(database="spanlet_before", embedded=True), {}
+    schema.migrate(before._query_locked, before.target, upto=5)
+    c_envelope = span_protos._wire_envelope
+
+    def old_way(given):
+        span_protos._wire_envelope = None      # the envelope framed in Python, as before
+        try:
+            before.insert("otel_traces", rows.SPAN_PROTO_COLUMNS, rows.python_span_proto_rows(given[0]))
+        finally:
+            span_protos._wire_envelope = c_envelope
+
+    def new_way(given):
+        db.insert("otel_traces", rows.SPAN_PROTO_COLUMNS, rows.span_proto_rows(*given))
+
+    ways = [("before: Python rows, merge base 5", old_way), ("now: C rows from the join's bytes, base 20", new_way)]
+    for _, store in ways:
+        store(inputs.sdk_spans())             # each way loads what it needs once
+    time.sleep(a.quiet)
+    totals = {label: [0.0, 0.0, 0] for label, _ in ways}
+    for _ in range(a.rounds):
+        for label, store in ways:
+            c0, t0 = time.process_time(), time.perf_counter()
+            time.sleep(2.0)
+            idle = (time.process_time() - c0) / (time.perf_counter() - t0)      # the engine's own wakeups
+            making = calls = 0.0
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(a.inserts):
+                m0 = time.thread_time()
+                given = inputs.sdk_spans()
+                making += time.thread_time() - m0
+                s0 = time.process_time()
+                store(given)
+                calls += time.process_time() - s0
+            time.sleep(a.quiet)
+            total = time.process_time() - c0 - making - idle * (time.perf_counter() - t0)
+            t = totals[label]
+            t[0] += calls
+            t[1] += total - calls
+            t[2] += a.inserts * a.batch
+    return [(label, n / (calls + later), calls / n * 1e6, later / n * 1e6)
+            for label, (calls, later, n) in totals.items()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=10_000)
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--inserts", type=int, default=30, help="otel_traces inserts a way a round")
+    ap.add_argument("--quiet", type=float, default=10.0, help="seconds after a way's inserts for its merges")
+    ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
     before = rss_mb()
     from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
@@ -120,12 +209,19 @@ def main() -> int:
             fresh = getattr(inputs, given)
             for label, store in table_ways:
                 results.append((table, label, *rate(a.seconds, a.batch, fresh, store)))
+        spans = spans_with_merges(db, inputs, a)
         after = rss_mb()
         db.close()
     print(f"chdb inserts, batches of {a.batch:,}, rows/s of one core's CPU (and of the wall clock); "
           f"goal >= {GOAL:,} rows/s for every table:")
     for table, label, cpu_rate, wall_rate in results:
         print(f"  {table:15} {label:44} {cpu_rate:>9,.0f} per CPU second ({wall_rate:,.0f}/s)")
+    print(f"otel_traces, {a.rounds} x {a.inserts} inserts of {a.batch:,} SDK spans a way, each way's "
+          f"merges included ({a.quiet:.0f} s after its inserts), all threads' CPU:")
+    for label, cpu_rate, calls_us, later_us in spans:
+        print(f"  {label:44} {cpu_rate:>9,.0f} spans per CPU second "
+              f"({calls_us:.1f} us a span in the insert calls, rows' making included, +{later_us:.1f} us later)")
+    print(f"  ratio now / before: {spans[1][1] / spans[0][1]:.2f}")
     print(f"RSS: {before:.0f} MB before chdb, {loaded:.0f} MB with chdb and the schema, "
           f"{after:.0f} MB after the inserts (goal: agent <= 400 MB)")
     return 0

@@ -62,6 +62,27 @@ static int varint(span_t *s, uint64_t *out)
     return -1;
 }
 
+static size_t put_varint(uint8_t *out, uint64_t v)
+{
+    size_t n = 0;
+    while (v > 0x7f) {
+        out[n++] = (uint8_t)(v & 0x7f) | 0x80;
+        v >>= 7;
+    }
+    out[n++] = (uint8_t)v;
+    return n;
+}
+
+static size_t varint_len(uint64_t v)
+{
+    size_t n = 1;
+    while (v > 0x7f) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
 /* One field: its number, wire type and, for length-delimited ones, the bytes;
  * for fixed64 the 8 bytes. -1 when malformed. */
 typedef struct {
@@ -215,6 +236,263 @@ fail:
     return NULL;
 }
 
+/* -- the store's rows ------------------------------------------------------ */
+
+/* A string field's bytes as str (a proto3 string: UTF-8, as the parse that
+ * made the blob checked). */
+static PyObject *text(span_t t)
+{
+    return PyUnicode_DecodeUTF8((const char *)t.p, t.end - t.p, "surrogateescape");
+}
+
+/* InstrumentationScope: name 1, version 2 (the last of each wins, as a parse
+ * merges). -1 when malformed. */
+static int read_scope(span_t m, span_t *name, span_t *version)
+{
+    field_t f;
+    while (m.p < m.end) {
+        if (next_field(&m, &f) < 0)
+            return -1;
+        if ((f.num == 1 || f.num == 2) && f.type != 2)
+            return -1;
+        if (f.num == 1)
+            *name = f.sub;
+        else if (f.num == 2)
+            *version = f.sub;
+    }
+    return 0;
+}
+
+/* 1 if the Span has an event (11) or a link (13). */
+static int has_nested(span_t s)
+{
+    field_t f;
+    while (s.p < s.end) {
+        if (next_field(&s, &f) < 0)
+            return 1;
+        if (f.num == 11 || f.num == 13)
+            return 1;
+    }
+    return 0;
+}
+
+/* One ScopeSpans' spans appended to `out` as rows.SPAN_PROTO_COLUMNS rows. */
+static int scope_rows(span_t ss, PyObject *res_attrs, PyObject *service, PyObject *out)
+{
+    span_t name = {0, 0}, version = {0, 0};
+    field_t f;
+    span_t m = ss;
+    while (m.p < m.end) {                     /* the scope first, wherever it is */
+        if (next_field(&m, &f) < 0)
+            return -1;
+        if (f.num == 1 && (f.type != 2 || read_scope(f.sub, &name, &version) < 0))
+            return -1;
+    }
+    PyObject *py_name = text(name), *py_version = text(version);
+    int rc = -1;
+    if (!py_name || !py_version)
+        goto done;
+    m = ss;
+    while (m.p < m.end) {
+        next_field(&m, &f);                   /* well-formed: walked above */
+        if (f.num != 2)
+            continue;
+        if (f.type != 2)
+            goto done;
+        PyObject *row = PyList_New(6);
+        if (!row)
+            goto done;
+        PyObject *blob = PyBytes_FromStringAndSize((const char *)f.sub.p, f.sub.end - f.sub.p);
+        if (!blob) {
+            Py_DECREF(row);
+            goto done;
+        }
+        PyObject *nested = PyBool_FromLong(has_nested(f.sub));
+        PyList_SET_ITEM(row, 0, blob);
+        PyList_SET_ITEM(row, 1, nested);
+        Py_INCREF(res_attrs);
+        PyList_SET_ITEM(row, 2, res_attrs);
+        Py_INCREF(service);
+        PyList_SET_ITEM(row, 3, service);
+        Py_INCREF(py_name);
+        PyList_SET_ITEM(row, 4, py_name);
+        Py_INCREF(py_version);
+        PyList_SET_ITEM(row, 5, py_version);
+        int r = PyList_Append(out, row);
+        Py_DECREF(row);
+        if (r < 0)
+            goto done;
+    }
+    rc = 0;
+done:
+    Py_XDECREF(py_name);
+    Py_XDECREF(py_version);
+    return rc;
+}
+
+static PyObject *span_proto_rows(PyObject *self, PyObject *args)
+{
+    Py_buffer blob;
+    PyObject *res_attrs, *service;
+    if (!PyArg_ParseTuple(args, "y*OU", &blob, &res_attrs, &service))
+        return NULL;
+    span_t rs = {blob.buf, (const uint8_t *)blob.buf + blob.len};
+    PyObject *out = PyList_New(0);
+    field_t f;
+    if (!out)
+        goto fail;
+    while (rs.p < rs.end) {
+        if (next_field(&rs, &f) < 0)
+            goto malformed;
+        if (f.num != 2)
+            continue;
+        if (f.type != 2)
+            goto malformed;
+        if (scope_rows(f.sub, res_attrs, service, out) < 0) {
+            if (PyErr_Occurred())
+                goto fail;
+            goto malformed;
+        }
+    }
+    PyBuffer_Release(&blob);
+    return out;
+malformed:
+    PyErr_SetString(PyExc_ValueError, "not a well-formed ResourceSpans");
+fail:
+    Py_XDECREF(out);
+    PyBuffer_Release(&blob);
+    return NULL;
+}
+
+/* The ProtobufList data of span_protos.envelope: each row's span framed as
+ * one message of the list, tagged with its group (field GROUP_FIELD). */
+#define GROUP_FIELD 1000
+
+typedef struct {
+    uint8_t *buf;
+    size_t n, cap;
+} out_t;
+
+static int reserve(out_t *o, size_t more)
+{
+    if (o->n + more <= o->cap)
+        return 0;
+    size_t cap = o->cap ? o->cap : 4096;
+    while (cap < o->n + more)
+        cap *= 2;
+    uint8_t *grown = PyMem_Realloc(o->buf, cap);
+    if (!grown) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    o->buf = grown;
+    o->cap = cap;
+    return 0;
+}
+
+static PyObject *envelope(PyObject *self, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "envelope() takes a sequence of rows");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *groups = PyDict_New(), *order = PyList_New(0), *result = NULL;
+    PyObject *prev[4] = {NULL, NULL, NULL, NULL};
+    uint64_t g = 0;
+    int nested = 0;
+    out_t o = {NULL, 0, 0};
+    if (!groups || !order || reserve(&o, 10) < 0)
+        goto out;
+    o.n = 10;                                 /* room for the list's length, moved down at the end */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PySequence_Fast(items[i], "a row must be a sequence");
+        if (!row)
+            goto out;
+        if (PySequence_Fast_GET_SIZE(row) != 6) {
+            PyErr_SetString(PyExc_ValueError, "a row of rows.SPAN_PROTO_COLUMNS has 6 values");
+            Py_DECREF(row);
+            goto out;
+        }
+        PyObject **v = PySequence_Fast_ITEMS(row);
+        char *buf;
+        Py_ssize_t len;
+        if (PyBytes_AsStringAndSize(v[0], &buf, &len) < 0) {
+            Py_DECREF(row);
+            goto out;
+        }
+        int t = PyObject_IsTrue(v[1]);
+        if (t < 0) {
+            Py_DECREF(row);
+            goto out;
+        }
+        nested |= t;
+        /* the group: the identity of the resource's dict and the scope's strings */
+        if (!(prev[0] == v[2] && prev[1] == v[3] && prev[2] == v[4] && prev[3] == v[5])) {
+            PyObject *id = PyLong_FromVoidPtr(v[2]);
+            PyObject *key = id ? PyTuple_Pack(4, id, v[3], v[4], v[5]) : NULL;
+            Py_XDECREF(id);
+            if (!key) {
+                Py_DECREF(row);
+                goto out;
+            }
+            PyObject *found = PyDict_GetItemWithError(groups, key);
+            if (found) {
+                g = PyLong_AsUnsignedLongLong(found);
+            } else if (PyErr_Occurred()) {
+                g = (uint64_t)-1;
+            } else {
+                g = (uint64_t)PyList_GET_SIZE(order);
+                PyObject *gi = PyLong_FromUnsignedLongLong(g);
+                PyObject *entry = PyTuple_Pack(4, v[2], v[3], v[4], v[5]);
+                int bad = !gi || !entry || PyDict_SetItem(groups, key, gi) < 0 ||
+                          PyList_Append(order, entry) < 0;
+                Py_XDECREF(gi);
+                Py_XDECREF(entry);
+                if (bad)
+                    g = (uint64_t)-1;
+            }
+            Py_DECREF(key);
+            if (g == (uint64_t)-1 && PyErr_Occurred()) {
+                Py_DECREF(row);
+                goto out;
+            }
+            /* rows hold their values, and seq holds the rows (lists, tuples): borrowed is enough */
+            prev[0] = v[2], prev[1] = v[3], prev[2] = v[4], prev[3] = v[5];
+        }
+        uint8_t tag[20];
+        size_t tl = put_varint(tag, (uint64_t)GROUP_FIELD << 3);
+        tl += put_varint(tag + tl, g);
+        size_t inner = (size_t)len + tl;
+        if (reserve(&o, 11 + inner) < 0) {
+            Py_DECREF(row);
+            goto out;
+        }
+        o.buf[o.n++] = 0x0a;
+        o.n += put_varint(o.buf + o.n, inner);
+        memcpy(o.buf + o.n, buf, (size_t)len);
+        o.n += (size_t)len;
+        memcpy(o.buf + o.n, tag, tl);
+        o.n += tl;
+        if (row != items[i])                  /* a copy made here: its values go with it */
+            prev[0] = NULL;
+        Py_DECREF(row);
+    }
+    uint8_t head[10];
+    size_t body = o.n - 10, hl = put_varint(head, body);
+    memcpy(o.buf + 10 - hl, head, hl);
+    PyObject *data = PyBytes_FromStringAndSize((const char *)o.buf + 10 - hl, (Py_ssize_t)(hl + body));
+    if (data) {
+        result = Py_BuildValue("(NOO)", data, order, nested ? Py_True : Py_False);
+    }
+out:
+    PyMem_Free(o.buf);
+    Py_XDECREF(groups);
+    Py_XDECREF(order);
+    Py_DECREF(seq);
+    return result;
+}
+
 /* -- the join ------------------------------------------------------------- */
 
 /* struct span_facts_key / span_facts_val / span_facts_index_* (bpf/spanlet.h) */
@@ -282,27 +560,6 @@ static int facts_peek(int fd, const void *k, void *v)
 static int facts_put(int fd, const void *k, const void *v)
 {
     return map_elem(BPF_MAP_UPDATE_ELEM, fd, k, v) == 1 ? 0 : -1;
-}
-
-static size_t put_varint(uint8_t *out, uint64_t v)
-{
-    size_t n = 0;
-    while (v > 0x7f) {
-        out[n++] = (uint8_t)(v & 0x7f) | 0x80;
-        v >>= 7;
-    }
-    out[n++] = (uint8_t)v;
-    return n;
-}
-
-static size_t varint_len(uint64_t v)
-{
-    size_t n = 1;
-    while (v > 0x7f) {
-        v >>= 7;
-        n++;
-    }
-    return n;
 }
 
 /* join.FACT_ATTRIBUTES, in order (rx/tx bytes never come from a row). */
@@ -719,6 +976,12 @@ static PyMethodDef methods[] = {
     {"complex_spans", complex_spans, METH_O,
      "complex_spans(blobs) -> indices of the serialized Spans whose attribute text the "
      "store's SQL may write differently (arrays, maps, exponent doubles, a key twice)"},
+    {"span_proto_rows", span_proto_rows, METH_VARARGS,
+     "span_proto_rows(resource_spans_blob, resource_attributes, service) -> the serialized "
+     "ResourceSpans' spans as rows.SPAN_PROTO_COLUMNS rows (each span's bytes, events or links, "
+     "the resource's dict and service, its scope's name and version)"},
+    {"envelope", envelope, METH_O,
+     "envelope(rows) -> (data, groups, nested): span_protos.envelope of rows.SPAN_PROTO_COLUMNS rows"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -29,7 +29,7 @@ log = logging.getLogger("spanlet")
 class SpanPath:
     """OTLP spans in → k8s resource names and kernel facts joined → upstream."""
 
-    def __init__(self, cfg: Config, on_joined: Callable[[list], None] | None = None):
+    def __init__(self, cfg: Config, on_joined: Callable[[list, list | None], None] | None = None):
         self.cfg = cfg
         self.on_joined = on_joined
         self.exporter = OtlpSpanExporter(cfg.otlp)
@@ -65,19 +65,22 @@ class SpanPath:
 
     def on_request(self, request: ExportTraceServiceRequest, peer: Peer | None = None) -> int:
         held: list = []
+        blobs: list = []
         origin = self.senders.origin(peer)
-        cgroups = self.join.join(request.resource_spans, held, origin=origin)
+        cgroups = self.join.join(request.resource_spans, held, origin=origin, blobs=blobs)
         if held:
             self._hold(request, cgroups, held)
         else:
-            self._finish(request, cgroups)
+            self._finish(request, cgroups, blobs)
         return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
-    def _finish(self, request: ExportTraceServiceRequest, cgroups: list[int]) -> None:
+    def _finish(self, request: ExportTraceServiceRequest, cgroups: list[int], blobs: list | None = None) -> None:
+        """The joined spans named and passed on; `blobs` the join's bytes of
+        them (SpanJoin.join), None for spans changed since (held ones)."""
         for rs, cgroup in zip(request.resource_spans, cgroups):
             self._name_resource(rs, cgroup)
         if self.on_joined is not None:
-            self.on_joined(request.resource_spans)
+            self.on_joined(request.resource_spans, blobs)
         self.exporter.export(request.resource_spans)
 
     # -- requests held back for their batched steps (only once a step was seen) ------

@@ -69,9 +69,11 @@ class StorePath:
                 self.events_overflow += 1
             self._events.append(ev)
 
-    def add_spans(self, resource_spans) -> None:
+    def add_spans(self, resource_spans, blobs=None) -> None:
+        """`blobs`: the join's bytes of each resource's spans (SpanJoin.join), or None."""
         if self.sink is not None:
-            self.sink.write("otel_traces", self.rows.SPAN_PROTO_COLUMNS, self.rows.span_proto_rows(resource_spans))
+            self.sink.write("otel_traces", self.rows.SPAN_PROTO_COLUMNS,
+                            self.rows.span_proto_rows(resource_spans, blobs))
 
     def add_metrics(self, families) -> None:
         if self.sink is not None:

@@ -101,7 +101,7 @@ class ChdbBackend:
     name = "chdb"
 
     def __init__(self, path: str, database: str = "spanlet", ttl_days: int = 7):
-        self.target = schema.Target(database=database, ttl_days=ttl_days)
+        self.target = schema.Target(database=database, ttl_days=ttl_days, embedded=True)
         self.path = os.path.abspath(path)
         os.makedirs(self.path, exist_ok=True)
         self._lock = threading.Lock()

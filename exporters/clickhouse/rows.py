@@ -17,6 +17,11 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from spanlet import events
 
+try:
+    from spanlet._wire import span_proto_rows as _wire_rows
+except ImportError:        # a source tree without its build: the rows made in Python
+    _wire_rows = None
+
 # ---------------------------------------------------------------------------
 # otel_traces
 
@@ -122,8 +127,25 @@ SPAN_PROTO_COLUMNS = ("SpanProto", "SpanNested", "ResourceAttributes", "ServiceN
                       "ScopeVersion")
 
 
-def span_proto_rows(resource_spans: Iterable[trace_pb2.ResourceSpans]) -> list[list]:
-    """One SPAN_PROTO_COLUMNS row per span."""
+def span_proto_rows(resource_spans: Iterable[trace_pb2.ResourceSpans],
+                    blobs: Sequence[bytes | None] | None = None) -> list[list]:
+    """One SPAN_PROTO_COLUMNS row per span: in C from each resource's bytes
+    (native/spanlet_wire.c), the same rows as python_span_proto_rows.
+    `blobs`: per resource, bytes whose spans are its spans (those the join
+    read and wrote: only their resource part may be older), or None where
+    the resource is serialized here."""
+    if _wire_rows is None:
+        return python_span_proto_rows(resource_spans)
+    out = []
+    for i, rs in enumerate(resource_spans):
+        blob = blobs[i] if blobs else None
+        res_attrs, service = _resource(rs)
+        out.extend(_wire_rows(rs.SerializeToString() if blob is None else blob, res_attrs, service))
+    return out
+
+
+def python_span_proto_rows(resource_spans: Iterable[trace_pb2.ResourceSpans]) -> list[list]:
+    """span_proto_rows made span by span from the proto objects."""
     return _per_span(resource_spans, _span_proto_row)
 
 

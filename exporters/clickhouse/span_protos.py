@@ -27,8 +27,9 @@ from spanlet.exporters.clickhouse import schema
 
 try:
     from spanlet._wire import complex_spans as _complex_spans
+    from spanlet._wire import envelope as _wire_envelope
 except ImportError:        # a source tree without its build: every span goes the Python way
-    _complex_spans = None
+    _complex_spans = _wire_envelope = None
 from spanlet.exporters.clickhouse.rows import SPAN_KINDS, STATUS_CODES, TRACE_COLUMNS
 
 # The OTLP trace proto's field numbers (opentelemetry/proto/trace/v1/trace.proto,
@@ -89,6 +90,14 @@ class Envelope(NamedTuple):
 
 
 def envelope(proto_rows: Sequence[Sequence]) -> Envelope:
+    """The rows' spans as the engine reads them (python_envelope's bytes and
+    groups, made in C: native/spanlet_wire.c)."""
+    if _wire_envelope is None:
+        return python_envelope(proto_rows)
+    return Envelope(*_wire_envelope(proto_rows))
+
+
+def python_envelope(proto_rows: Sequence[Sequence]) -> Envelope:
     """The rows' spans as the engine reads them. Groups are told apart by the
     identity of the resource's dict (shared by its spans) and the scope's
     strings."""

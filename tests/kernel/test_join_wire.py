@@ -5,7 +5,8 @@ rows, every mix of facts, ids reused across traces, rows of one to six
 cgroups for one span, a sender's origin known or not) the spans, the
 cgroups, the rows left in the map and the join's counts (foreign rows by
 reason and cgroup included) are exactly those of the span-by-span Python
-join over the same rows, through the real map and through the fake; the
+join over the same rows, through the real map and through the fake, and so
+are the store's rows made from the bytes it leaves (SpanJoin.join's blobs); the
 cases it leaves to Python (links, facts already on a span, malformed ids)
 take nothing."""
 
@@ -19,6 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from facts_fakes import FakeFacts
 from spanlet import config
+from spanlet.exporters.clickhouse import rows
 from spanlet.join import SpanJoin
 
 pytestmark = pytest.mark.kernel
@@ -111,14 +113,15 @@ def test_the_c_join_is_the_python_join(span, seed, monkeypatch):
         r.CopyFrom(req)
     in_c, in_py, in_real = (SpanJoin(cfg, facts=f) for f in (span.facts, fake, span.facts))
     taken_before = span.facts.stats().taken
-    c_cgroups = in_c.join(c_req.resource_spans, origin=origin)
+    c_blobs, real_blobs = [], []
+    c_cgroups = in_c.join(c_req.resource_spans, origin=origin, blobs=c_blobs)
     c_left = _left(table)
     # the Python join through the real map's reader, span by span (no C part)
     _clear(span)
     _put_rows(plan, span)
     with monkeypatch.context() as m:
         m.setattr(span_facts_mod, "_join_resource", None)
-        real_cgroups = in_real.join(real_req.resource_spans, origin=origin)
+        real_cgroups = in_real.join(real_req.resource_spans, origin=origin, blobs=real_blobs)
     py_cgroups = in_py.join(py_req.resource_spans, origin=origin)
     assert c_req == py_req == real_req
     assert c_cgroups == py_cgroups == real_cgroups
@@ -127,6 +130,11 @@ def test_the_c_join_is_the_python_join(span, seed, monkeypatch):
     assert in_c.foreign() == in_py.foreign() == in_real.foreign()
     assert list(in_c._done) == list(in_py._done) == list(in_real._done)
     assert (span.facts.stats().taken - taken_before) // 2 == fake.st.taken
+    # the store's rows from the C join's bytes: the joined spans' rows; the Python join gives none
+    assert len(c_blobs) == len(real_blobs) == len(req.resource_spans) and set(real_blobs) == {None}
+    assert any(b is not None for b in c_blobs)
+    assert rows.rows_from_span_protos(rows.span_proto_rows(c_req.resource_spans, c_blobs)) == \
+        rows.span_rows(py_req.resource_spans)
     _clear(span)
 
 

@@ -81,7 +81,7 @@ def test_single_node_ddl_parses_and_has_no_cluster(backend):
 
 
 def test_fresh_schema_has_collector_columns_and_engines(backend):
-    assert backend.ensure_schema() == schema.SCHEMA_VERSION == 5
+    assert backend.ensure_schema() == schema.SCHEMA_VERSION == 6
     assert _columns(backend, "otel_traces") == COLLECTOR_TRACE_COLUMNS
     rows = dict(backend.query(
         "SELECT name, engine || '|' || sorting_key || '|' || partition_key FROM system.tables "
@@ -100,9 +100,23 @@ def test_fresh_schema_has_collector_columns_and_engines(backend):
     assert "TTL toDateTime(Timestamp) + toIntervalDay(3)" in ddl
     assert ("Node", "LowCardinality(String)") in _columns(backend, "kernel_events")
     # Idempotent: a second start-up applies nothing.
-    assert backend.ensure_schema() == 5
+    assert backend.ensure_schema() == 6
     assert backend.query("SELECT Version FROM spanlet.schema_version ORDER BY Version") == [
-        (1,), (2,), (3,), (4,), (5,)]
+        (1,), (2,), (3,), (4,), (5,), (6,)]
+
+
+def test_the_embedded_spans_table_merges_wider_and_a_server_keeps_its_ddl(backend):
+    """v6: the embedded store's otel_traces merges with merge_selector_base 20
+    (its background merges' CPU); a server's or cluster's tables stay as the
+    Collector's DDL makes them, and the other embedded tables as they were."""
+    backend.ensure_schema()
+    ddl = dict(backend.query("SELECT name, create_table_query FROM system.tables WHERE database = 'spanlet'"))
+    assert f"merge_selector_base = {schema.TRACES_MERGE_SELECTOR_BASE}" in ddl["otel_traces"]
+    assert schema.TRACES_MERGE_SELECTOR_BASE == 20
+    assert all("merge_selector_base" not in text for name, text in ddl.items() if name != "otel_traces")
+    for t in (schema.Target(), schema.Target(cluster="c")):
+        assert schema.MIGRATIONS[5].statements(t) == []
+        assert not any("merge_selector" in stmt for stmt in schema.all_statements(t))
 
 
 def test_a_retried_insert_is_stored_once(backend):

@@ -252,7 +252,7 @@ def test_the_span_path_holds_requests_for_batch_wait_s_then_exports_them_with_th
                                          "otlp.http_port=0"])
     seen, lock = [], threading.Lock()
 
-    def on_joined(resource_spans):
+    def on_joined(resource_spans, blobs):
         with lock:
             seen.append((time.monotonic(), [s for r in resource_spans for ss in r.scope_spans
                                             for s in ss.spans]))

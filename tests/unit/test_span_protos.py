@@ -7,6 +7,7 @@ a retried batch leaves one copy; proto rows survive the sink's spool."""
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 import re
@@ -264,3 +265,130 @@ def test_complex_spans_names_malformed_bytes_and_keeps_indices():
     assert span_protos.complex_spans([good, good[:-3], b"\xff", good, b""]) == [1, 2]
     with pytest.raises(TypeError):
         span_protos.complex_spans([good, "not bytes"])
+
+
+# -- the rows and their envelope made in C (native/spanlet_wire.c) against the Python way ----------
+
+def _shapes(seed: int) -> ExportTraceServiceRequest:
+    """Random spans in random shapes: resources with and without service.name, empty scopes and
+    resources, scopes with and without a name and version."""
+    rnd = random.Random(seed)
+    req = _spans(seed, resources=rnd.randint(1, 4), scopes=rnd.randint(1, 3), per_scope=rnd.randint(0, 30),
+                 nested=seed % 3 != 0)
+    for rs in req.resource_spans:
+        if rnd.random() < 0.3:
+            del rs.resource.attributes[0]                         # no service.name
+        for ss in rs.scope_spans:
+            if rnd.random() < 0.3:
+                ss.ClearField("scope")
+            elif rnd.random() < 0.3:
+                ss.scope.name = rnd.choice(STRINGS)
+    if rnd.random() < 0.3:
+        req.resource_spans.add()                                  # a resource with nothing
+    return req
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_c_rows_are_the_python_rows(seed):
+    from spanlet import _wire
+    assert rows._wire_rows is _wire.span_proto_rows              # the agent's way is the C one
+    req = _shapes(seed)
+    got, want = rows.span_proto_rows(req.resource_spans), rows.python_span_proto_rows(req.resource_spans)
+    assert got == want
+    assert [type(v) for r in got for v in r] == [type(v) for r in want for v in r]
+    # a resource's rows share its one dict (the envelope's groups go by it)
+    at = 0
+    for rs in req.resource_spans:
+        n = sum(len(ss.spans) for ss in rs.scope_spans)
+        assert len({id(r[2]) for r in got[at:at + n]}) <= 1
+        at += n
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_c_envelope_is_the_python_envelope(seed):
+    from spanlet import _wire
+    assert span_protos._wire_envelope is _wire.envelope
+    rnd = random.Random(seed)
+    proto_rows = rows.span_proto_rows(_shapes(seed).resource_spans)
+    if seed % 4 == 1:
+        rnd.shuffle(proto_rows)                                   # groups interleaved
+    elif seed % 4 == 2:                                           # back from the spool: a dict a row
+        proto_rows = decode_batch(encode_batch("otel_traces", rows.SPAN_PROTO_COLUMNS, proto_rows))[2]
+    elif seed % 4 == 3:
+        proto_rows = [tuple(r) if i % 2 else collections.deque(r) for i, r in enumerate(proto_rows)]
+    got, want = span_protos.envelope(proto_rows), span_protos.python_envelope(proto_rows)
+    assert got.data == want.data
+    assert got.nested is want.nested
+    assert [tuple(g) for g in got.groups] == [tuple(g) for g in want.groups]
+    assert [id(g[0]) for g in got.groups] == [id(g[0]) for g in want.groups]
+
+
+def test_the_c_envelope_tags_hundreds_of_groups():
+    req = _spans(17, resources=300, scopes=1, per_scope=1, nested=False)
+    proto_rows = rows.span_proto_rows(req.resource_spans)
+    got, want = span_protos.envelope(proto_rows), span_protos.python_envelope(proto_rows)
+    assert len(got.groups) == 300 and got.data == want.data and got.nested is want.nested is False
+    assert span_protos.envelope([]) == span_protos.python_envelope([]) == (b"\x00", [], False)
+
+
+def test_the_c_rows_read_a_scope_after_its_spans_and_refuse_malformed_bytes():
+    from opentelemetry.proto.trace.v1 import trace_pb2
+
+    from spanlet import _wire
+    span = trace_pb2.Span(name="x", trace_id=b"t" * 16, span_id=b"s" * 8)
+    span.events.add(name="e")
+    scope = trace_pb2.ScopeSpans(scope={"name": "late", "version": "2"}).SerializeToString()
+    spans = trace_pb2.ScopeSpans(spans=[span, trace_pb2.Span(name="y")]).SerializeToString()
+    blob = b"\x12" + span_protos.varint(len(spans + scope)) + spans + scope      # ResourceSpans.scope_spans
+    assert rows.python_span_proto_rows([trace_pb2.ResourceSpans.FromString(blob)]) == [
+        [span.SerializeToString(), True, {}, "", "late", "2"],
+        [trace_pb2.Span(name="y").SerializeToString(), False, {}, "", "late", "2"]]
+    assert _wire.span_proto_rows(blob, {}, "") == rows.python_span_proto_rows([trace_pb2.ResourceSpans.FromString(blob)])
+    for bad in (blob[:-1], b"\x12\x05ab", b"\xff", b"\x10\x01"):
+        with pytest.raises(ValueError):
+            _wire.span_proto_rows(bad, {}, "")
+    with pytest.raises(TypeError):
+        _wire.envelope([["not bytes", False, {}, "", "", ""]])
+    with pytest.raises(ValueError):
+        _wire.envelope([[b"", False, {}, ""]])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_rows_from_the_joins_bytes_store_the_joined_spans(backend, seed):
+    """The C join's bytes (attributes appended at each span's end, after its
+    events, links and status, as native/spanlet_wire.c's join writes them) give
+    the rows the Python way makes of the spans parsed from them; a resource
+    without bytes is serialized."""
+    from opentelemetry.proto.common.v1.common_pb2 import KeyValue
+    from opentelemetry.proto.trace.v1 import trace_pb2
+
+    req = _spans(100 + seed, resources=3, scopes=2, per_scope=20, nested=seed % 2 == 0)
+    blobs = []
+    for rs in req.resource_spans:
+        parts = []
+        for ss in rs.scope_spans:
+            spans = b""
+            for s in ss.spans:
+                extra = KeyValue(key="kernel.gpu.launches")
+                extra.value.int_value = seed + 1
+                body = s.SerializeToString() + b"\x4a" + span_protos.varint(extra.ByteSize()) + \
+                    extra.SerializeToString()
+                spans += b"\x12" + span_protos.varint(len(body)) + body
+            scope = ss.scope.SerializeToString()
+            whole = b"\x0a" + span_protos.varint(len(scope)) + scope + spans
+            parts.append(b"\x12" + span_protos.varint(len(whole)) + whole)
+        blobs.append(b"".join(parts))
+    blobs[1] = None
+    joined = ExportTraceServiceRequest()
+    for rs, blob in zip(req.resource_spans, blobs):
+        r = joined.resource_spans.add()
+        r.CopyFrom(rs if blob is None else trace_pb2.ResourceSpans.FromString(blob))
+        r.resource.CopyFrom(rs.resource)
+    proto_rows = rows.span_proto_rows(req.resource_spans, blobs)
+    assert rows.rows_from_span_protos(proto_rows) == rows.span_rows(joined.resource_spans)
+    backend.insert("otel_traces", rows.SPAN_PROTO_COLUMNS, proto_rows)
+    backend.insert("reference", rows.TRACE_COLUMNS, rows.span_rows(joined.resource_spans))
+    got, want = _stored(backend, "otel_traces"), _stored(backend, "reference")
+    assert len(got) == 120 and got == want
+    launches = [dict(r[11]).get("kernel.gpu.launches") for r in got]
+    assert launches.count(str(seed + 1)) == 80                   # the spans of the two resources with bytes
