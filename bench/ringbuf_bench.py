@@ -99,6 +99,10 @@ def _reads_header(ev) -> None:
     ev.hdr.span_id          # what the daemon's join reads of every record
 
 
+def _reads_payload(ev) -> None:
+    ev.func                 # a payload field: the record decoded into its struct
+
+
 def ceiling(cfg, w, cls, n: int, sink=lambda ev: None) -> float:
     """Records/s one reader decodes while emptying a ring filled with it paused
     (best of three fills)."""
@@ -133,7 +137,8 @@ def main() -> int:
             ceilings = {}
             for label, cls in readers:
                 ceilings[label] = (ceiling(cfg, w, cls, full),
-                                   ceiling(cfg, w, cls, full, sink=_reads_header))
+                                   ceiling(cfg, w, cls, full, sink=_reads_header),
+                                   ceiling(cfg, w, cls, full, sink=_reads_payload))
             if args.before:
                 callback_only = ceiling(cfg, w, CallbackOnly, full)
             tables = {label: rate_table(cfg, w, cls, args.window) for label, cls in readers}
@@ -154,9 +159,10 @@ def main() -> int:
         print("drops begin at an offered rate of " + (f"{first_drop:,.0f}/s" if first_drop else
               "(none: the producer's uprobe cost limits the offered rate first)"))
     print("\nreader ceiling (draining a full ring, producer idle), records/s:")
-    for label, (top, touched) in ceilings.items():
+    for label, (top, header, payload) in ceilings.items():
         print(f"  {label}: {top:,.0f} to a consumer that keeps each record; "
-              f"{touched:,.0f} to one that reads each record's header (ev.hdr.span_id)")
+              f"{header:,.0f} to one that reads each record's header (ev.hdr.span_id); "
+              f"{payload:,.0f} to one that reads a payload field (ev.func)")
     if args.before:
         c, p = ceilings["C walk"][0], ceilings["Python walk"][0]
         print(f"  ratio C / Python walk: {c / p:.1f}x; the Python walk's callback alone, "

@@ -39,7 +39,8 @@
  * `epoch_ns`, `hdr` and the dunder ones is the decoded struct's (decoded once,
  * by classes[kind].from_buffer_copy(raw), its epoch_ns set), so a Record reads
  * as the struct does (ev.flow, ev.as_dict(), ev.rx_tx()); bytes(ev) and its
- * buffer are the struct's bytes. ev.hdr is a view of the header: its integer
+ * buffer are the struct's bytes, and ev.__class__ is the struct's class (so
+ * isinstance(ev, GpuLaunch) holds, as it did for the struct). ev.hdr is a view of the header: its integer
  * fields (struct spanlet_hdr, bpf/spanlet.h: ts_ns, pid, tid, cgroup_id,
  * span_id, kind, modality, flags) read from the bytes with no decode, what
  * else is asked of it (trace_id, a ctypes array as before) from the decoded
@@ -85,7 +86,7 @@ static const struct {
 #define N_HDR_FIELDS ((int)(sizeof(HDR_FIELDS) / sizeof(HDR_FIELDS[0])))
 #define HDR_SIZE 56
 static PyObject *hdr_names[N_HDR_FIELDS];
-static PyObject *str_hdr, *str_raw, *str_epoch_ns;
+static PyObject *str_hdr, *str_raw, *str_epoch_ns, *str_class;
 
 static int same_name(PyObject *name, PyObject *interned)
 {
@@ -123,6 +124,10 @@ typedef struct {
 
 static PyObject *record_getattro(PyObject *o, PyObject *name)
 {
+    if (same_name(name, str_class)) {      /* isinstance(ev, events.GpuLaunch) holds */
+        Py_INCREF(((Record *)o)->cls);
+        return ((Record *)o)->cls;
+    }
     if (same_name(name, str_hdr)) {
         Header *h = PyObject_New(Header, &HeaderType);
         if (h != NULL) {
@@ -581,7 +586,8 @@ PyMODINIT_FUNC PyInit__ring(void)
             return NULL;
     if ((str_hdr = PyUnicode_InternFromString("hdr")) == NULL ||
         (str_raw = PyUnicode_InternFromString("raw")) == NULL ||
-        (str_epoch_ns = PyUnicode_InternFromString("epoch_ns")) == NULL)
+        (str_epoch_ns = PyUnicode_InternFromString("epoch_ns")) == NULL ||
+        (str_class = PyUnicode_InternFromString("__class__")) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

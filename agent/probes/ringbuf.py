@@ -157,8 +157,7 @@ class NativeRingBufferReader(_Waiting):
             self._ring.close()
 
 
-def open_reader(map_fd: int, size: int, native: bool = NATIVE):
+def open_reader(map_fd: int, size: int, native: bool = NATIVE, wake_fd: int | None = None):
     """The C reader where the module is built (and `native`), else the Python one."""
-    if native and NATIVE:
-        return NativeRingBufferReader(map_fd, size)
-    return RingBufferReader(map_fd, size)
+    cls = NativeRingBufferReader if native and NATIVE else RingBufferReader
+    return cls(map_fd, size, wake_fd)

@@ -222,6 +222,8 @@ def test_a_record_reads_as_its_struct(tmp_path, kind):
         assert errors == 0 and ev.epoch_ns == 1_700_000_000_000_000_000 + 1_000 + 123_456
         assert bytes(ev) == raw and memoryview(ev).tobytes() == raw and ev.raw == raw
         assert ev.as_dict() == want.as_dict() and ev.kind == want.kind == kind
+        assert isinstance(ev, type(want)) and isinstance(ev, events._Event)
+        assert not isinstance(ev, next(c for k, c in events.RECORDS.items() if k != kind))
         for name, _ in type(want)._fields_:
             a, b = getattr(ev, name), getattr(want, name)
             assert bytes(a) == bytes(b) if not isinstance(b, int) else a == b, name
@@ -258,9 +260,18 @@ def test_consume_hands_each_record_as_it_is(tmp_path):
         fake.close()
 
 
-def test_the_probe_reads_through_the_c_walk_where_it_is_built(cfg):
-    assert Probe.native_ring is True
-    assert ringbuf.open_reader.__defaults__ == (True,)
+def test_the_probes_read_through_the_c_walk_where_it_is_built(tmp_path):
+    fake = FakeRing(tmp_path / "ring", PAGE)
+    try:
+        assert Probe.native_ring is True
+        for native, cls in [(True, ringbuf.NativeRingBufferReader), (False, ringbuf.RingBufferReader)]:
+            reader = ringbuf.open_reader(fake.fd, fake.size, native=native, wake_fd=fake.wake_fd)
+            assert type(reader) is cls and reader.native is native
+            reader.close()
+        with pytest.raises(ValueError):
+            ringbuf.open_reader(fake.fd, 3 * PAGE, wake_fd=fake.wake_fd)
+    finally:
+        fake.close()
 
 
 def test_the_header_reads_its_integers_without_a_decode(tmp_path):
