@@ -14,7 +14,10 @@
  * Ring.read(limit, layout, clock, offset_ns, next_ns) -> (records, errors):
  *   at most `limit` committed records (discarded ones not counted), each one
  *   a Record: its bytes (the first sizes[kind] of the record) and its epoch
- *   time, decoded into its struct only when a field is asked for. layout is
+ *   time, decoded into its struct only when a field is asked for. records is
+ *   a Batch: len() the records read, iterated once, each record let go by the
+ *   batch as it is handed out (a consumer that decodes them and keeps none
+ *   does not hold a wake-up's structs at once). layout is
  *   (header size, offset of the u16 kind in the header, classes, sizes),
  *   classes[kind] the ctypes struct of a kind (None: unknown kind), sizes[kind]
  *   its size. A record shorter than the header, of an unknown kind or shorter
@@ -86,7 +89,7 @@ static const struct {
 #define N_HDR_FIELDS ((int)(sizeof(HDR_FIELDS) / sizeof(HDR_FIELDS[0])))
 #define HDR_SIZE 56
 static PyObject *hdr_names[N_HDR_FIELDS];
-static PyObject *str_hdr, *str_raw, *str_epoch_ns, *str_class;
+static PyObject *str_hdr, *str_raw, *str_epoch_ns, *str_class, *str_from_buffer_copy;
 
 static int same_name(PyObject *name, PyObject *interned)
 {
@@ -105,10 +108,10 @@ static void record_dealloc(Record *self)
 static PyObject *record_decoded(Record *self)
 {
     if (self->ev == NULL) {
-        PyObject *ev = PyObject_CallMethod(self->cls, "from_buffer_copy", "O", self->raw);
+        PyObject *ev = PyObject_CallMethodOneArg(self->cls, str_from_buffer_copy, self->raw);
         if (ev == NULL)
             return NULL;
-        if (PyObject_SetAttrString(ev, "epoch_ns", self->epoch) < 0) {
+        if (PyObject_SetAttr(ev, str_epoch_ns, self->epoch) < 0) {
             Py_DECREF(ev);
             return NULL;
         }
@@ -256,6 +259,56 @@ static PyTypeObject HeaderType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "a record's header: its integer fields read from its bytes",
     .tp_methods = header_methods,
+};
+
+/* -- Batch: a read's records, handed out once ----------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *list;
+    Py_ssize_t next;
+} Batch;
+
+static void batch_dealloc(Batch *self)
+{
+    Py_XDECREF(self->list);
+    PyObject_Free(self);
+}
+
+static PyObject *batch_iter(PyObject *self)
+{
+    Py_INCREF(self);
+    return self;
+}
+
+static PyObject *batch_next(Batch *self)
+{
+    if (self->next >= PyList_GET_SIZE(self->list))
+        return NULL;        /* StopIteration */
+    PyObject *item = PyList_GET_ITEM(self->list, self->next);
+    Py_INCREF(Py_None);
+    PyList_SET_ITEM(self->list, self->next, Py_None);   /* the reference goes to the caller */
+    self->next++;
+    return item;
+}
+
+static Py_ssize_t batch_len(Batch *self)
+{
+    return PyList_GET_SIZE(self->list);
+}
+
+static PySequenceMethods batch_as_sequence = {.sq_length = (lenfunc)batch_len};
+
+static PyTypeObject BatchType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "spanlet._ring.Batch",
+    .tp_basicsize = sizeof(Batch),
+    .tp_dealloc = (destructor)batch_dealloc,
+    .tp_as_sequence = &batch_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "the records of one read: len() of them, iterated once",
+    .tp_iter = batch_iter,
+    .tp_iternext = (iternextfunc)batch_next,
 };
 
 /* -- Ring ------------------------------------------------------------------- */
@@ -522,8 +575,15 @@ static PyObject *ring_read(Ring *r, PyObject *args)
         return NULL;
     r->busy++;
     PyObject *result = NULL;
-    if (ring_walk(r, limit, visit_record, &c) >= 0)
-        result = Py_BuildValue("(On)", c.out, c.errors);
+    if (ring_walk(r, limit, visit_record, &c) >= 0) {
+        Batch *b = PyObject_New(Batch, &BatchType);
+        if (b != NULL) {
+            b->list = c.out;          /* the list's reference goes to the batch */
+            b->next = 0;
+            result = Py_BuildValue("(Nn)", (PyObject *)b, c.errors);
+            return ring_finish(r, result);
+        }
+    }
     Py_DECREF(c.out);
     return ring_finish(r, result);
 }
@@ -579,7 +639,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "spanlet._ring", NULL
 PyMODINIT_FUNC PyInit__ring(void)
 {
     if (PyType_Ready(&RecordType) < 0 || PyType_Ready(&HeaderType) < 0 ||
-        PyType_Ready(&RingType) < 0)
+        PyType_Ready(&BatchType) < 0 || PyType_Ready(&RingType) < 0)
         return NULL;
     for (int i = 0; i < N_HDR_FIELDS; i++)
         if ((hdr_names[i] = PyUnicode_InternFromString(HDR_FIELDS[i].name)) == NULL)
@@ -587,7 +647,8 @@ PyMODINIT_FUNC PyInit__ring(void)
     if ((str_hdr = PyUnicode_InternFromString("hdr")) == NULL ||
         (str_raw = PyUnicode_InternFromString("raw")) == NULL ||
         (str_epoch_ns = PyUnicode_InternFromString("epoch_ns")) == NULL ||
-        (str_class = PyUnicode_InternFromString("__class__")) == NULL)
+        (str_class = PyUnicode_InternFromString("__class__")) == NULL ||
+        (str_from_buffer_copy = PyUnicode_InternFromString("from_buffer_copy")) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

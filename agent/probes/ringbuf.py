@@ -118,7 +118,7 @@ class NativeRingBufferReader(_Waiting):
     """The same reader with the walk in C (spanlet._ring.Ring: the same
     layout, BUSY and DISCARD bits, space given back every 256 records of a
     long drain, acquire loads and a release store of the position).
-    `read(layout, clock)` returns a wake-up's records as one list of
+    `read(layout, clock)` returns a wake-up's records as one batch of
     spanlet._ring.Record (agent/events.py RECORD_LAYOUT); `consume(handle)`
     hands each record's bytes to handle(bytes, 0, size)."""
 
@@ -137,11 +137,12 @@ class NativeRingBufferReader(_Waiting):
         """(consumer, producer) positions."""
         return self._ring.positions()
 
-    def read(self, layout: tuple, clock, limit: int | None = None) -> tuple[list, int]:
+    def read(self, layout: tuple, clock, limit: int | None = None) -> tuple:
         """(records, errors): at most `limit` records (default as consume's),
         each decoded by `layout` when a field of it is read, its epoch time
         clock.to_epoch(ts_ns); errors: records not of the layout (counted in
-        limit, not returned)."""
+        limit, not returned). records: a spanlet._ring.Batch, len() of them,
+        iterated once (each let go as it is handed out)."""
         offset, nxt = clock.state() if hasattr(clock, "state") else (0, -1)
         return self._ring.read(self.size // HDR_SIZE if limit is None else limit,
                                layout, clock, offset, nxt)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes as C
 import random
 import struct
+import sys
 
 import pytest
 
@@ -184,6 +185,26 @@ def test_limit_and_space_given_back_during_a_long_drain(tmp_path):
         fake.close()
 
 
+def test_a_batch_hands_each_record_out_once_and_lets_it_go(tmp_path):
+    fake = FakeRing(tmp_path / "ring", PAGE)
+    try:
+        reader = ringbuf.NativeRingBufferReader(fake.fd, fake.size, fake.wake_fd)
+        rng = random.Random(4)
+        raws = [random_record(rng, 1_000 * (i + 1), events.Kind.GPU_SYNC) for i in range(5)]
+        for r in raws:
+            fake.put(r)
+        batch, _ = reader.read(events.RECORD_LAYOUT, events.MonotonicClock())
+        assert len(batch) == 5
+        it = iter(batch)
+        first = next(it)
+        assert sys.getrefcount(first) == 2          # ours and getrefcount's: the batch let it go
+        assert [bytes(first)] + [bytes(ev) for ev in it] == raws
+        assert list(batch) == [] and len(batch) == 5
+        reader.close()
+    finally:
+        fake.close()
+
+
 def test_closed_in_the_middle_of_a_read(tmp_path):
     """The clock may run Python during a read: a close() then waits for the
     read's end to unmap, and the reader refuses reads after it."""
@@ -199,7 +220,8 @@ def test_closed_in_the_middle_of_a_read(tmp_path):
                 reader.close()
                 return mono_ns
 
-        recs, _ = reader.read(events.RECORD_LAYOUT, Closing())
+        batch, _ = reader.read(events.RECORD_LAYOUT, Closing())
+        recs = list(batch)
         assert len(recs) == 20 and bytes(recs[19])[:8] == struct.pack("<Q", 20_000)
         with pytest.raises(ValueError):
             reader._ring.pending()
@@ -296,7 +318,8 @@ def test_the_header_reads_its_integers_without_a_decode(tmp_path):
         raws = [random_record(rng, 1_000 * (i + 1), events.Kind.GPU_SYNC) for i in range(40)]
         for r in raws:
             fake.put(r)
-        recs, _ = reader.read(layout, events.MonotonicClock())
+        batch, _ = reader.read(layout, events.MonotonicClock())
+        recs = list(batch)
         names = [n for n, _ in events.Header._fields_ if n not in ("trace_id", "_pad")]
         for ev, raw in zip(recs, raws):
             want = events.Header.from_buffer_copy(raw)
