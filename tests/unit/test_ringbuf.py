@@ -39,6 +39,26 @@ class AnyClock(events.MonotonicClock):
     """A clock the C reader does not know: it asks to_epoch for each record."""
 
 
+@pytest.fixture
+def synced(tmp_path):
+    """filled(n, seed) -> (reader, raws): a one-page ring holding n sync
+    records (ts 1 µs apart), read by the C walk; all closed at teardown."""
+    opened = []
+
+    def filled(n: int, seed: int):
+        fake = FakeRing(tmp_path / f"ring{len(opened)}", PAGE)
+        reader = ringbuf.NativeRingBufferReader(fake.fd, fake.size, fake.wake_fd)
+        opened.extend([fake, reader])
+        rng = random.Random(seed)
+        raws = [random_record(rng, 1_000 * (i + 1), events.Kind.GPU_SYNC) for i in range(n)]
+        for r in raws:
+            fake.put(r)
+        return reader, raws
+    yield filled
+    for x in reversed(opened):
+        x.close()
+
+
 def reader_probe(cfg, fake: FakeRing, native: bool, clock) -> tuple[Probe, list]:
     got: list = []
     p = Probe(cfg, sink=got.append, clock=clock)
@@ -185,50 +205,33 @@ def test_limit_and_space_given_back_during_a_long_drain(tmp_path):
         fake.close()
 
 
-def test_a_batch_hands_each_record_out_once_and_lets_it_go(tmp_path):
-    fake = FakeRing(tmp_path / "ring", PAGE)
-    try:
-        reader = ringbuf.NativeRingBufferReader(fake.fd, fake.size, fake.wake_fd)
-        rng = random.Random(4)
-        raws = [random_record(rng, 1_000 * (i + 1), events.Kind.GPU_SYNC) for i in range(5)]
-        for r in raws:
-            fake.put(r)
-        batch, _ = reader.read(events.RECORD_LAYOUT, events.MonotonicClock())
-        assert len(batch) == 5
-        it = iter(batch)
-        first = next(it)
-        assert sys.getrefcount(first) == 2          # ours and getrefcount's: the batch let it go
-        assert [bytes(first)] + [bytes(ev) for ev in it] == raws
-        assert list(batch) == [] and len(batch) == 5
-        reader.close()
-    finally:
-        fake.close()
+def test_a_batch_hands_each_record_out_once_and_lets_it_go(synced):
+    reader, raws = synced(5, 4)
+    batch, _ = reader.read(events.RECORD_LAYOUT, events.MonotonicClock())
+    assert len(batch) == 5
+    it = iter(batch)
+    first = next(it)
+    assert sys.getrefcount(first) == 2          # ours and getrefcount's: the batch let it go
+    assert [bytes(first)] + [bytes(ev) for ev in it] == raws
+    assert list(batch) == [] and len(batch) == 5
 
 
-def test_closed_in_the_middle_of_a_read(tmp_path):
+def test_closed_in_the_middle_of_a_read(synced):
     """The clock may run Python during a read: a close() then waits for the
     read's end to unmap, and the reader refuses reads after it."""
-    fake = FakeRing(tmp_path / "ring", PAGE)
-    try:
-        reader = ringbuf.NativeRingBufferReader(fake.fd, fake.size, fake.wake_fd)
-        rng = random.Random(3)
-        for i in range(20):
-            fake.put(random_record(rng, 1_000 * (i + 1), events.Kind.GPU_SYNC))
+    reader, raws = synced(20, 3)
 
-        class Closing(events.MonotonicClock):
-            def to_epoch(self, mono_ns):
-                reader.close()
-                return mono_ns
+    class Closing(events.MonotonicClock):
+        def to_epoch(self, mono_ns):
+            reader.close()
+            return mono_ns
 
-        batch, _ = reader.read(events.RECORD_LAYOUT, Closing())
-        recs = list(batch)
-        assert len(recs) == 20 and bytes(recs[19])[:8] == struct.pack("<Q", 20_000)
-        with pytest.raises(ValueError):
-            reader._ring.pending()
-        with pytest.raises(ValueError):
-            reader._ring.read_raw(10)
-    finally:
-        fake.close()
+    batch, _ = reader.read(events.RECORD_LAYOUT, Closing())
+    assert [bytes(ev) for ev in batch] == raws
+    with pytest.raises(ValueError):
+        reader._ring.pending()
+    with pytest.raises(ValueError):
+        reader._ring.read_raw(10)
 
 
 @pytest.mark.parametrize("kind", list(events.RECORDS))
@@ -296,7 +299,7 @@ def test_the_probes_read_through_the_c_walk_where_it_is_built(tmp_path):
         fake.close()
 
 
-def test_the_header_reads_its_integers_without_a_decode(tmp_path):
+def test_the_header_reads_its_integers_without_a_decode(synced):
     """ev.hdr's integer fields come from the record's bytes (the struct is not
     decoded for them); anything else of the header (trace_id) from the
     decoded struct, of the same type as before."""
@@ -311,29 +314,20 @@ def test_the_header_reads_its_integers_without_a_decode(tmp_path):
     classes = list(events.RECORD_LAYOUT[2])
     classes[events.Kind.GPU_SYNC] = Counted
     layout = (*events.RECORD_LAYOUT[:2], tuple(classes), events.RECORD_LAYOUT[3])
-    fake = FakeRing(tmp_path / "ring", PAGE)
-    try:
-        reader = ringbuf.NativeRingBufferReader(fake.fd, fake.size, fake.wake_fd)
-        rng = random.Random(11)
-        raws = [random_record(rng, 1_000 * (i + 1), events.Kind.GPU_SYNC) for i in range(40)]
-        for r in raws:
-            fake.put(r)
-        batch, _ = reader.read(layout, events.MonotonicClock())
-        recs = list(batch)
-        names = [n for n, _ in events.Header._fields_ if n not in ("trace_id", "_pad")]
-        for ev, raw in zip(recs, raws):
-            want = events.Header.from_buffer_copy(raw)
-            assert {n: getattr(ev.hdr, n) for n in names} == {n: getattr(want, n) for n in names}
-            assert bytes(ev.hdr) == bytes(want) and memoryview(ev.hdr).tobytes() == bytes(want)
-        assert decodes == []
-        for ev, raw in zip(recs, raws):
-            tid = ev.hdr.trace_id
-            assert type(tid) is type(events.Header.from_buffer_copy(raw).trace_id)
-            assert bytes(tid) == raw[24:40]
-        assert len(decodes) == len(recs)
-        ev = recs[0]
-        ev.stream, ev.hdr.trace_id, ev.as_dict()
-        assert len(decodes) == len(recs)       # decoded once
-        reader.close()
-    finally:
-        fake.close()
+    reader, raws = synced(40, 11)
+    batch, _ = reader.read(layout, events.MonotonicClock())
+    recs = list(batch)
+    names = [n for n, _ in events.Header._fields_ if n not in ("trace_id", "_pad")]
+    for ev, raw in zip(recs, raws):
+        want = events.Header.from_buffer_copy(raw)
+        assert {n: getattr(ev.hdr, n) for n in names} == {n: getattr(want, n) for n in names}
+        assert bytes(ev.hdr) == bytes(want) and memoryview(ev.hdr).tobytes() == bytes(want)
+    assert decodes == []
+    for ev, raw in zip(recs, raws):
+        tid = ev.hdr.trace_id
+        assert type(tid) is type(events.Header.from_buffer_copy(raw).trace_id)
+        assert bytes(tid) == raw[24:40]
+    assert len(decodes) == len(recs)
+    ev = recs[0]
+    ev.stream, ev.hdr.trace_id, ev.as_dict()
+    assert len(decodes) == len(recs)       # decoded once
