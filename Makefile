@@ -63,4 +63,4 @@ dump-bpf:
 	$(VENV)/bin/spanlet run --dump-bpf
 
 clean:
-	rm -rf $(VENV) build *.egg-info agent/_native agent/libspanlet_marker*.so agent/_wire*.so
+	rm -rf $(VENV) build *.egg-info agent/_native agent/libspanlet_marker*.so agent/_wire*.so agent/_ring*.so

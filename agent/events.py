@@ -312,6 +312,12 @@ _HEADER_SIZE = C.sizeof(Header)
 _SIZES = {kind: C.sizeof(cls) for kind, cls in RECORDS.items()}
 
 
+# What the C ring reader (spanlet._ring) needs to check and decode records:
+# (header size, offset of the kind, struct of each kind by number, its size).
+RECORD_LAYOUT = (_HEADER_SIZE, _KIND_OFFSET,
+                 tuple(RECORDS.get(k) for k in range(max(RECORDS) + 1)),
+                 tuple(_SIZES.get(k, 0) for k in range(max(RECORDS) + 1)))
+
 _KIND = struct.Struct("<H")
 _TS = struct.Struct("<Q")
 
@@ -337,6 +343,13 @@ class MonotonicClock:
         m1 = time.monotonic_ns()
         self.offset_ns = wall - (m0 + m1) // 2
         self._next = m1 + self._refresh_ns
+
+    def state(self) -> tuple[int, int]:
+        """(offset, until): to_epoch(ns) is ns + offset while ns <= until (what
+        the C ring reader adds itself; past it, it calls to_epoch)."""
+        if type(self) is not MonotonicClock:   # a subclass may convert otherwise
+            return 0, -1
+        return self.offset_ns, self._next
 
     def to_epoch(self, mono_ns: int) -> int:
         if mono_ns > self._next:

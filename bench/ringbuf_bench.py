@@ -1,9 +1,13 @@
 """How many GPU launch records a second the agent's reader decodes before the
 ring buffer drops: the stand-in cuLaunchKernel is driven at rising rates with
-launch_events=all while a reader thread runs Probe.poll (ring buffer ->
-agent.events.decode -> sink), as the daemon does.
+launch_events=all while a reader thread runs Probe.poll (ring buffer walked in
+C, a batch of records per wake-up, each decoded when a field of it is read ->
+sink), as the daemon does; and the reader's ceiling draining a full ring.
+With --before, the same for the Python walk with a ctypes decode per record
+(the reader before the C walk, still the one where spanlet._ring is not
+built), in the same run.
 
-Run as root: .venv/bin/python bench/ringbuf_bench.py [--window S]
+Run as root: .venv/bin/python bench/ringbuf_bench.py [--window S] [--before]
 """
 
 from __future__ import annotations
@@ -77,19 +81,32 @@ def drain_rate(w, probe: GpuProbe, reader: Reader, n: int) -> float:
     return rate
 
 
-class CallbackOnly(GpuProbe):
-    """Diagnostic: BCC's per-record Python callback with no decoding, to show
-    how the reader's time splits between the callback and the decode."""
+class PythonWalk(GpuProbe):
+    """The reader before: the ring walked in Python, a ctypes struct per record."""
 
-    def _on_record(self, _ctx, _data, _size) -> int:
+    native_ring = False
+
+
+class CallbackOnly(PythonWalk):
+    """Diagnostic: the Python walk's per-record callback with no decoding, to
+    show how its time splits between the walk and the decode."""
+
+    def _on_record(self, _buf, _offset, _size) -> None:
         self.events_read += 1
-        return 0
 
 
-def ceiling(cfg, w, cls, n: int) -> float:
+def _reads_header(ev) -> None:
+    ev.hdr.span_id          # what the daemon's join reads of every record
+
+
+def _reads_payload(ev) -> None:
+    ev.func                 # a payload field: the record decoded into its struct
+
+
+def ceiling(cfg, w, cls, n: int, sink=lambda ev: None) -> float:
     """Records/s one reader decodes while emptying a ring filled with it paused
     (best of three fills)."""
-    probe = cls(cfg, sink=lambda ev: None)
+    probe = cls(cfg, sink=sink)
     if not probe.start().attached:
         raise SystemExit(f"probe did not attach: {probe.status.reason}")
     reader = Reader(probe)
@@ -103,6 +120,8 @@ def ceiling(cfg, w, cls, n: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--window", type=float, default=0.5, help="seconds of launches per rate")
+    ap.add_argument("--before", action="store_true",
+                    help="also the Python walk with a ctypes decode per record, in the same run")
     args = ap.parse_args()
     t_start = time.monotonic()
     cfg = config.load(env={})
@@ -114,41 +133,62 @@ def main() -> int:
             w.run("bench 10000")  # warm up
             capacity = cfg.ringbuf_pages * 4096 // 120  # 112-byte record + 8-byte ring header
             full = capacity * 9 // 10
-            top = ceiling(cfg, w, GpuProbe, full)
-            callback_only = ceiling(cfg, w, CallbackOnly, full)
-            probe = GpuProbe(cfg, sink=lambda ev: None)
-            st = probe.start()
-            if not st.attached:
-                raise SystemExit(f"probe did not attach: {st.reason}")
-            reader = Reader(probe)
-            try:
-                rows = []
-                for rate in RATES:
-                    n = int(rate * args.window)
-                    rows.append((f"{rate:,}/s", step(w, probe, f"paced {n} {rate}", n)))
-                n = int(RATES[-1] * args.window)
-                rows.append(("flat out", step(w, probe, f"bench {n}", n)))
-            finally:
-                reader.close()
-                probe.stop()
+            readers = [("C walk", GpuProbe)] + ([("Python walk", PythonWalk)] if args.before else [])
+            ceilings = {}
+            for label, cls in readers:
+                ceilings[label] = (ceiling(cfg, w, cls, full),
+                                   ceiling(cfg, w, cls, full, sink=_reads_header),
+                                   ceiling(cfg, w, cls, full, sink=_reads_payload))
+            if args.before:
+                callback_only = ceiling(cfg, w, CallbackOnly, full)
+            tables = {label: rate_table(cfg, w, cls, args.window) for label, cls in readers}
     print(f"GPU launch records through the ring buffer ({cfg.ringbuf_pages} pages, "
-          f"~{capacity:,} records), reader = Probe.poll + events.decode, {args.window} s per rate")
-    print(f"{'target':>12}{'offered/s':>14}{'decoded/s':>14}{'decoded':>10}{'dropped':>10}")
-    best, first_drop = 0.0, None
-    for label, r in rows:
-        print(f"{label:>12}{r['offered']:>14,.0f}{r['decoded_rate']:>14,.0f}{r['decoded']:>10,}"
-              f"{r['dropped']:>10,}")
-        if r["dropped"] == 0:
-            best = max(best, r["decoded_rate"])
-        elif first_drop is None:
-            first_drop = r["offered"]
-    print(f"highest decoded rate with zero drops: {best:,.0f}/s")
-    print("drops begin at an offered rate of " + (f"{first_drop:,.0f}/s" if first_drop else
-          "(none: the producer's uprobe cost limits the offered rate first)"))
-    print(f"reader ceiling (draining a full ring, producer idle): {top:,.0f} records/s; "
-          f"BCC's per-record callback alone, no decode: {callback_only:,.0f}/s")
+          f"~{capacity:,} records), reader = Probe.poll -> sink, {args.window} s per rate")
+    for label, rows in tables.items():
+        print(f"\n{label}:")
+        print(f"{'target':>12}{'offered/s':>14}{'decoded/s':>14}{'decoded':>10}{'dropped':>10}")
+        best, first_drop = 0.0, None
+        for target, r in rows:
+            print(f"{target:>12}{r['offered']:>14,.0f}{r['decoded_rate']:>14,.0f}{r['decoded']:>10,}"
+                  f"{r['dropped']:>10,}")
+            if r["dropped"] == 0:
+                best = max(best, r["decoded_rate"])
+            elif first_drop is None:
+                first_drop = r["offered"]
+        print(f"highest decoded rate with zero drops: {best:,.0f}/s")
+        print("drops begin at an offered rate of " + (f"{first_drop:,.0f}/s" if first_drop else
+              "(none: the producer's uprobe cost limits the offered rate first)"))
+    print("\nreader ceiling (draining a full ring, producer idle), records/s:")
+    for label, (top, header, payload) in ceilings.items():
+        print(f"  {label}: {top:,.0f} to a consumer that keeps each record; "
+              f"{header:,.0f} to one that reads each record's header (ev.hdr.span_id); "
+              f"{payload:,.0f} to one that reads a payload field (ev.func)")
+    if args.before:
+        c, p = ceilings["C walk"][0], ceilings["Python walk"][0]
+        print(f"  ratio C / Python walk: {c / p:.1f}x; the Python walk's callback alone, "
+              f"no decode: {callback_only:,.0f}/s")
     print(f"goal: >= 500,000/s; wall time {time.monotonic() - t_start:.1f} s")
     return 0
+
+
+def rate_table(cfg, w, cls, window: float) -> list[tuple[str, dict]]:
+    """Decoded and dropped records at each offered rate, then flat out."""
+    probe = cls(cfg, sink=lambda ev: None)
+    st = probe.start()
+    if not st.attached:
+        raise SystemExit(f"probe did not attach: {st.reason}")
+    reader = Reader(probe)
+    try:
+        rows = []
+        for rate in RATES:
+            n = int(rate * window)
+            rows.append((f"{rate:,}/s", step(w, probe, f"paced {n} {rate}", n)))
+        n = int(RATES[-1] * window)
+        rows.append(("flat out", step(w, probe, f"bench {n}", n)))
+        return rows
+    finally:
+        reader.close()
+        probe.stop()
 
 
 if __name__ == "__main__":

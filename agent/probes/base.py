@@ -17,7 +17,7 @@ from typing import Callable
 from spanlet import events
 from spanlet.config import Config
 from spanlet.probes.maps import Totals, percpu_sum, read_batches
-from spanlet.probes.ringbuf import RingBufferReader
+from spanlet.probes import ringbuf
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,9 @@ class Probe:
     """One kernel program: bpf/<name>.bpf.c and the code that drives it."""
 
     name = ""
+    # The ring walked in C, each record handed on undecoded (spanlet._ring)
+    # where the module is built; False: the Python walk, a struct per record.
+    native_ring = ringbuf.NATIVE
 
     def __init__(self, cfg: Config, sink: EventSink | None = None,
                  clock: events.MonotonicClock | None = None):
@@ -96,7 +99,7 @@ class Probe:
         self.events_read = 0
         self.decode_errors = 0
         self.sink_errors = 0
-        self._ring: RingBufferReader | None = None
+        self._ring = None   # ringbuf.open_reader()
         self._lock = threading.Lock()
         self._limited = Totals()
 
@@ -183,7 +186,8 @@ class Probe:
         try:
             self._attach()
             ring = self.bpf["events"]
-            self._ring = RingBufferReader(ring.map_fd, self.ringbuf_pages() * mmap.PAGESIZE)
+            self._ring = ringbuf.open_reader(ring.map_fd, self.ringbuf_pages() * mmap.PAGESIZE,
+                                             native=self.native_ring)
             self.status.attached = True
             self.status.reason = ""
         except ProbeError as e:
@@ -197,6 +201,7 @@ class Probe:
         self.stop()
 
     def _on_record(self, buf, offset: int, size: int) -> None:
+        """The Python reader's way: one record decoded into its struct."""
         try:
             ev = events.decode_from(buf, offset, size, self.clock)
         except events.DecodeError:
@@ -207,9 +212,29 @@ class Probe:
             try:
                 self.sink(ev)
             except Exception:  # one bad consumer call must not stall the ring
-                self.sink_errors += 1
-                if self.sink_errors == 1:
-                    log.exception("%s: the event consumer failed (logged once)", self.name)
+                self._sink_failed()
+
+    def _sink_failed(self) -> None:
+        self.sink_errors += 1
+        if self.sink_errors == 1:
+            log.exception("%s: the event consumer failed (logged once)", self.name)
+
+    def _consume(self, ring) -> int:
+        """Hand the ring's committed records to the sink; returns how many
+        records were read (decode errors included)."""
+        if not ring.native:
+            return ring.consume(self._on_record)
+        records, errors = ring.read(events.RECORD_LAYOUT, self.clock)
+        self.decode_errors += errors
+        self.events_read += len(records)
+        sink = self.sink
+        if sink is not None:
+            for ev in records:          # spanlet._ring.Record: decoded when read
+                try:
+                    sink(ev)
+                except Exception:  # one bad consumer call must not stall the ring
+                    self._sink_failed()
+        return len(records) + errors
 
     def poll(self, timeout_ms: int = 100) -> int:
         """Wait up to `timeout_ms` for a wake-up, then decode every record that
@@ -220,10 +245,11 @@ class Probe:
             return 0
         if not ring.pending():
             ring.wait(timeout_ms)
-        return ring.consume(self._on_record)
+        return self._consume(ring)
 
     def drain(self) -> int:
-        return self._ring.consume(self._on_record) if self._ring is not None else 0
+        ring = self._ring
+        return self._consume(ring) if ring is not None else 0
 
     def events_dropped(self) -> int:
         if self.bpf is None:

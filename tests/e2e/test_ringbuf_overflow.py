@@ -3,7 +3,9 @@ two million launches inside a planted span (each one a ring-buffer record)
 into a one-page ring. Every launch is either received or counted as dropped,
 exactly; /metrics, /healthz, /readyz and the admin socket answer while the
 flood runs; afterwards the agent receives every record again; stopped in
-the middle of a flood, it leaves no reader behind and the workload runs on."""
+the middle of a flood, it leaves no reader behind and the workload runs on.
+Every record received is the launch it stands for (fields exact, in the
+order the launches were made)."""
 
 from __future__ import annotations
 
@@ -28,12 +30,19 @@ ONE_LAUNCH = "1 1 1 1 1 1 0 0"   # grid, block, shared memory, stream of a scrip
 
 
 class Received:
-    """The daemon's event sink: launch records of one process in the span."""
+    """The daemon's event sink: launch records of one process in the span,
+    each checked against the launch the workload made (`want`: thread,
+    cgroup, modality, func, stream, duration, grid, block, shared memory,
+    api, entry) and against the one before it (ts_ns in order)."""
 
     def __init__(self):
         self.pid = 0
         self.n = 0
         self.foreign = 0          # records of the span from any other process
+        self.want: tuple = ()
+        self.wrong = 0            # records whose fields are not the launch's
+        self.out_of_order = 0
+        self.last_ts = 0
         self._lock = threading.Lock()
 
     def __call__(self, ev: events._Event) -> None:
@@ -42,6 +51,13 @@ class Received:
         with self._lock:
             if ev.hdr.pid == self.pid and bytes(ev.hdr.trace_id) == TRACE_ID:
                 self.n += 1
+                h = ev.hdr
+                if (h.tid, h.cgroup_id, h.modality, ev.func, ev.stream, ev.duration_ns,
+                        list(ev.grid), list(ev.block), ev.shared_mem, ev.api,
+                        ev.entry) != self.want:
+                    self.wrong += 1
+                self.out_of_order += h.ts_ns < self.last_ts
+                self.last_ts = h.ts_ns
             else:
                 self.foreign += 1
 
@@ -81,6 +97,9 @@ def test_flood_drops_are_counted_exactly_and_the_agent_stays_up(tmp_path, standi
     w.load(standin.lib_dir)
     got.pid = w.pid
     cg = cgroup_id(w.pid)
+    # every launch of the flood and of the bursts: FUNC, unit grid and block, stream 0
+    got.want = (w.tid, cg, events.Modality.video, 0xF00D, 0, 0, [1, 1, 1], [1, 1, 1], 0,
+                events.Api.driver, events.Entry.cuLaunchKernel)
     agent = Daemon(cfg, sink=got)
     agent.check_node()
     try:
@@ -133,6 +152,7 @@ def test_flood_drops_are_counted_exactly_and_the_agent_stays_up(tmp_path, standi
         assert received + dropped == FLOOD
         assert dropped > 0 and received > 0
         assert got.foreign == 0 and gpu.decode_errors == 0 and gpu.sink_errors == 0
+        assert got.wrong == 0 and got.out_of_order == 0
         m = scrape(port)
         assert m[("spanlet_events_dropped_total", "gpu_launch")] == dropped
         assert m[("spanlet_events_dropped_total", "span_ctx")] == 0
@@ -144,6 +164,7 @@ def test_flood_drops_are_counted_exactly_and_the_agent_stays_up(tmp_path, standi
             w.run(f"cu 10 {ONE_LAUNCH}")
             wait_for(lambda k=k: got.n == received + 10 * k, 30, f"burst {k} after the flood")
         assert gpu.events_dropped() == dropped
+        assert got.wrong == 0 and got.out_of_order == 0 and got.foreign == 0
         assert launched() == FLOOD + 100
         probes = healthy(port, admin)
         assert probes["gpu_launch"]["events_dropped"] == dropped
