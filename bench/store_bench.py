@@ -96,8 +96,10 @@ def ways(db, node_ts: int):
                                                                        rows.span_proto_rows, db.insert)),
         ]),
         ("metric_samples", "families", [
-            ("before and now: Python rows, JSON", put("metric_samples", rows.METRIC_COLUMNS,
-                                                       lambda f: rows.metric_rows(f, node_ts), db.insert)),
+            ("before: Python rows, JSON", put("metric_samples", rows.METRIC_COLUMNS,
+                                               lambda f: rows.metric_rows(f, node_ts), db.insert)),
+            ("now: series as Native columns", put("metric_samples", rows.METRIC_SERIES_COLUMNS,
+                                                   lambda f: rows.metric_series_rows(f, node_ts), db.insert)),
         ]),
     ]
 
