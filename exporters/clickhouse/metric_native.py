@@ -27,7 +27,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from itertools import accumulate, chain, groupby, islice, repeat
-from operator import is_not, lt
+from operator import is_not, itemgetter, lt
 
 from spanlet.exporters.clickhouse import BackendError, schema
 from spanlet.exporters.clickhouse.rows import METRIC_COLUMNS, METRIC_SERIES_COLUMNS
@@ -139,6 +139,14 @@ def _labels(labels: Sequence[Sequence[Sequence[str]]]) -> bytes:
                      _strings(items[1::2])))
 
 
+_ITEMS = [itemgetter(i) for i in range(4)]
+
+
+def _columns(rows: Sequence[Sequence]) -> list[list]:
+    """The first four columns of the rows (one pass a column: zip(*rows) makes an iterator a row)."""
+    return [list(map(item, rows)) for item in _ITEMS]
+
+
 def _histograms(hist: Sequence) -> tuple[bytes, bytes, bytes, bytes]:
     """Count, Sum, Bounds and BucketCounts of the rows (None for a series that is not a histogram)."""
     counts, sums, bounds_at, bounds, buckets_at, buckets = [], [], [], [], [], []
@@ -151,7 +159,7 @@ def _histograms(hist: Sequence) -> tuple[bytes, bytes, bytes, bytes]:
             bounds_at.append(_packed("Q", (n_bounds,)) * n)
             buckets_at.append(_packed("Q", (n_buckets,)) * n)
         else:
-            c, s, b, bc = zip(*hist[at:at + n])
+            c, s, b, bc = _columns(hist[at:at + n])
             counts.append(_packed("Q", c))
             sums.append(_packed("d", s))
             bounds_at.append(_packed("Q", list(accumulate(map(len, b), initial=n_bounds))[1:]))
@@ -171,7 +179,7 @@ def encode(series_rows: Sequence[Sequence]) -> bytes:
     width = len(METRIC_SERIES_COLUMNS)
     if set(map(len, series_rows)) != {width}:
         raise BackendError(f"a row without {width} values for {width} columns")
-    family, labels, value, hist = zip(*series_rows)
+    family, labels, value, hist = _columns(series_rows)
     families, counts = zip(*[(f, len(list(g))) for f, g in groupby(family)])   # runs of one family's rows
     try:
         ts, name, mtype, unit = zip(*families)
@@ -179,7 +187,7 @@ def encode(series_rows: Sequence[Sequence]) -> bytes:
         raise Unsuitable(f"a family that is not (time, name, type, unit): {e}") from e
     try:
         count, total, bounds, buckets = _histograms(hist)
-    except (TypeError, ValueError) as e:      # not (count, sum, bounds, bucket counts) of sequences
+    except (TypeError, ValueError, IndexError) as e:     # not (count, sum, bounds, bucket counts) of sequences
         raise Unsuitable(f"a histogram that is not (count, sum, bounds, bucket counts): {e}") from e
     columns = [
         _column("ts", "DateTime64(9)", b"".join(_packed("q", (t,)) * n for t, n in zip(ts, counts))),
