@@ -139,9 +139,8 @@ class ChdbBackend:
         rows of rows.KERNEL_RECORD_COLUMNS ring-buffer records: the engine
         builds their columns (span_protos.py, kernel_records.py); rows of
         rows.METRIC_SERIES_COLUMNS are metric series, laid out as a Native
-        block (metric_native.py). (Arrow columns cut a metric insert's CPU
-        by ~40% but pyarrow brings pandas: ~90 MB more resident in the
-        agent.)"""
+        block (metric_native.py). (Arrow columns were tried for metrics:
+        pyarrow brings pandas, ~90 MB more resident in the agent.)"""
         if not rows:
             return
         schema.check_identifier(table, "table name")

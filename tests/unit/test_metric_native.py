@@ -164,3 +164,11 @@ def test_a_replayed_batch_is_stored_once(backend):
     for _ in range(3):
         backend.insert("metric_samples", rows.METRIC_SERIES_COLUMNS, series)
     assert backend.query("SELECT count() FROM spanlet.metric_samples") == [(50,)]
+
+
+@pytest.mark.parametrize("repeat", range(3))
+@settings(max_examples=40, deadline=None)
+@given(fams=st.lists(family(any_labels), max_size=6))
+def test_other_backends_get_the_python_rows_of_the_series(repeat, fams):
+    """What the server backend sends for series rows (rows_from_metric_series) is metric_rows' rows."""
+    assert repr(rows.rows_from_metric_series(rows.metric_series_rows(fams, NOW))) == repr(rows.metric_rows(fams, NOW))
