@@ -131,8 +131,10 @@ def ways(db, node_ts: int):
                                                              rows.kernel_record_rows, db.insert)),
         ]),
         ("metric_samples", "families", [
-            ("before and now: Python rows, JSON", put("metric_samples", rows.METRIC_COLUMNS,
-                                                       lambda f: rows.metric_rows(f, node_ts), db.insert)),
+            ("before: Python rows, JSON", put("metric_samples", rows.METRIC_COLUMNS,
+                                               lambda f: rows.metric_rows(f, node_ts), db.insert)),
+            ("now: series as Native columns", put("metric_samples", rows.METRIC_SERIES_COLUMNS,
+                                                   lambda f: rows.metric_series_rows(f, node_ts), db.insert)),
         ]),
     ]
 
@@ -188,6 +190,42 @@ def spans_with_merges(db, inputs: Inputs, a) -> list[tuple[str, float, float, fl
             for label, (calls, later, n) in totals.items()]
 
 
+def metric_parts(db, inputs: Inputs, node_ts: int, batches: int = 8) -> dict[str, float]:
+    """CPU ms per batch of each part of the metric_samples insert, the engine's apart: the series
+    rows, their Native block, the block's hash and file, the engine's SELECT of the file alone
+    (FORMAT Null), then the INSERT of it (the table's write)."""
+    import hashlib
+    import os
+
+    from spanlet.exporters.clickhouse import metric_native, rows
+    path = os.path.join(db.path, "spanlet-bench-metrics.native")
+    took = dict.fromkeys(("series rows", "Native block", "hash and file", "engine: SELECT of the file alone",
+                          "engine: INSERT (read and write)"), 0.0)
+    for i in range(batches + 1):
+        given = inputs.families()
+        marks = [time.process_time()]
+        series = rows.metric_series_rows(given, node_ts)
+        marks.append(time.process_time())
+        data = metric_native.encode(series)
+        marks.append(time.process_time())
+        token = hashlib.blake2b(data, digest_size=16).hexdigest()
+        with open(path, "wb") as f:
+            f.write(data)
+        marks.append(time.process_time())
+        insert = metric_native.insert_sql(db.target.database, "metric_samples", path)
+        select = insert[insert.index(" SELECT ") + 1:]
+        db.query(f"{select} FORMAT Null")
+        marks.append(time.process_time())
+        head, _, rest = insert.partition(") SELECT ")
+        db.query(f"{head}) SETTINGS insert_deduplication_token = '{token}' SELECT {rest}")
+        marks.append(time.process_time())
+        if i:       # the first loads what it needs once
+            for key, start, end in zip(took, marks, marks[1:]):
+                took[key] += (end - start) * 1000 / batches
+    os.unlink(path)
+    return took
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=10_000)
@@ -210,6 +248,7 @@ def main() -> int:
             for label, store in table_ways:
                 results.append((table, label, *rate(a.seconds, a.batch, fresh, store)))
         spans = spans_with_merges(db, inputs, a)
+        parts = metric_parts(db, inputs, time.time_ns())
         after = rss_mb()
         db.close()
     print(f"chdb inserts, batches of {a.batch:,}, rows/s of one core's CPU (and of the wall clock); "
@@ -222,6 +261,9 @@ def main() -> int:
         print(f"  {label:44} {cpu_rate:>9,.0f} spans per CPU second "
               f"({calls_us:.1f} us a span in the insert calls, rows' making included, +{later_us:.1f} us later)")
     print(f"  ratio now / before: {spans[1][1] / spans[0][1]:.2f}")
+    print(f"metric_samples now, CPU ms per batch of {a.batch:,} (the engine's read and its write apart):")
+    for key, ms in parts.items():
+        print(f"  {key:34} {ms:7.1f} ms  ({ms * 1000 / a.batch:.2f} us a row)")
     print(f"RSS: {before:.0f} MB before chdb, {loaded:.0f} MB with chdb and the schema, "
           f"{after:.0f} MB after the inserts (goal: agent <= 400 MB)")
     return 0

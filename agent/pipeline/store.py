@@ -77,8 +77,8 @@ class StorePath:
 
     def add_metrics(self, families) -> None:
         if self.sink is not None:
-            self.sink.write("metric_samples", self.rows.METRIC_COLUMNS,
-                            self.rows.metric_rows(families, time.time_ns()))
+            self.sink.write("metric_samples", self.rows.METRIC_SERIES_COLUMNS,
+                            self.rows.metric_series_rows(families, time.time_ns()))
 
     def tick(self) -> None:
         if self.sink is None or not self._events:

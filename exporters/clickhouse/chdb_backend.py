@@ -16,7 +16,7 @@ import time
 from typing import Any, Sequence
 
 from spanlet.exporters.clickhouse import BackendError, BackendUnavailable
-from spanlet.exporters.clickhouse import kernel_records, schema, span_protos
+from spanlet.exporters.clickhouse import kernel_records, metric_native, schema, span_protos
 from spanlet.exporters.clickhouse import rows as rows_mod
 from spanlet.exporters.clickhouse.http_backend import RETRYABLE_CLICKHOUSE_CODES
 
@@ -137,9 +137,10 @@ class ChdbBackend:
         JSONCompactEachRow data: every value is encoded, never spliced into
         SQL text. Rows of rows.SPAN_PROTO_COLUMNS are serialized spans and
         rows of rows.KERNEL_RECORD_COLUMNS ring-buffer records: the engine
-        builds their columns (span_protos.py, kernel_records.py). (Arrow
-        columns cut a metric insert's CPU by ~40% but pyarrow brings pandas:
-        ~90 MB more resident in the agent.)"""
+        builds their columns (span_protos.py, kernel_records.py); rows of
+        rows.METRIC_SERIES_COLUMNS are metric series, laid out as a Native
+        block (metric_native.py). (Arrow columns were tried for metrics:
+        pyarrow brings pandas, ~90 MB more resident in the agent.)"""
         if not rows:
             return
         schema.check_identifier(table, "table name")
@@ -149,6 +150,9 @@ class ChdbBackend:
             return
         if columns == rows_mod.KERNEL_RECORD_COLUMNS:
             self._insert_kernel_records(table, rows)
+            return
+        if columns == rows_mod.METRIC_SERIES_COLUMNS:
+            self._insert_metric_series(table, rows)
             return
         with self._lock:
             self._check_open()
@@ -196,6 +200,20 @@ class ChdbBackend:
         with self._lock:
             self._check_open()
             self._insert_from_file_locked(data, lambda path: kernel_records.insert_sql(
+                self.target.database, table, path))
+
+    def _insert_metric_series(self, table: str, series_rows: Sequence[Sequence[Any]]) -> None:
+        """One INSERT ... SELECT of the series, read from a Native block; a
+        batch with values the block cannot hold as given goes through
+        rows.metric_rows' Python rows (metric_native.Unsuitable)."""
+        try:
+            data = metric_native.encode(series_rows)
+        except metric_native.Unsuitable:
+            self.insert(table, rows_mod.METRIC_COLUMNS, rows_mod.rows_from_metric_series(series_rows))
+            return
+        with self._lock:
+            self._check_open()
+            self._insert_from_file_locked(data, lambda path: metric_native.insert_sql(
                 self.target.database, table, path))
 
     def _insert_from_file_locked(self, data: bytes, sql) -> None:

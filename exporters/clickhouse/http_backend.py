@@ -163,6 +163,8 @@ class HttpBackend:
             columns, rows = rows_mod.TRACE_COLUMNS, rows_mod.rows_from_span_protos(rows)
         elif tuple(columns) == rows_mod.KERNEL_RECORD_COLUMNS:
             columns, rows = rows_mod.KERNEL_EVENT_COLUMNS, rows_mod.rows_from_kernel_records(rows)
+        elif tuple(columns) == rows_mod.METRIC_SERIES_COLUMNS:
+            columns, rows = rows_mod.METRIC_COLUMNS, rows_mod.rows_from_metric_series(rows)
         width = len(columns)
         if any(len(row) != width for row in rows):
             raise BackendError(f"a row without {width} values for {width} columns")

@@ -10,6 +10,8 @@ import json
 import math
 import struct
 from decimal import Decimal
+from itertools import repeat
+from operator import attrgetter
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
@@ -379,4 +381,51 @@ def metric_rows(families: Iterable, ts_ns: int) -> list[list]:
             else:
                 out.append([ts_ns, fam.name, fam.type, fam.unit, labels, float(s.value),
                             0, 0.0, [], []])
+    return out
+
+
+# The store's own form of metric_samples rows: each series as the metric
+# engine holds it: its family's (time, name, type, unit), one tuple shared by
+# the family's rows; its labels as the sample's (name, value) pairs; its value
+# (0.0 for a histogram); and a histogram's (count, sum, bounds, bucket
+# counts) as given, or None. Making one costs a tuple of attributes, made in
+# C; the embedded store lays them out column by column (metric_native.py),
+# any other backend through rows_from_metric_series.
+METRIC_SERIES_COLUMNS = ("Family", "LabelPairs", "Value", "Histogram")
+_HIST_FIELDS = attrgetter("count", "sum", "bounds", "bucket_counts")
+_LABELS_FIELD = attrgetter("labels")
+_VALUE_FIELD = attrgetter("value")
+
+
+def metric_series_rows(families: Iterable, ts_ns: int) -> list[tuple]:
+    """One METRIC_SERIES_COLUMNS row per series of each Family, all stamped
+    with the window's time `ts_ns`."""
+    from spanlet.metrics import HistogramSample
+
+    out: list[tuple] = []
+    for fam in families:
+        samples = fam.samples
+        head = (ts_ns, fam.name, fam.type, fam.unit)
+        hist = list(map(isinstance, samples, repeat(HistogramSample)))
+        if not any(hist):
+            out.extend(zip(repeat(head), map(_LABELS_FIELD, samples), map(_VALUE_FIELD, samples), repeat(None)))
+        elif all(hist):
+            out.extend(zip(repeat(head), map(_LABELS_FIELD, samples), repeat(0.0), map(_HIST_FIELDS, samples)))
+        else:
+            out.extend((head, s.labels, 0.0, _HIST_FIELDS(s)) if h else (head, s.labels, s.value, None)
+                       for s, h in zip(samples, hist))
+    return out
+
+
+def rows_from_metric_series(series_rows: Iterable[Sequence]) -> list[list]:
+    """METRIC_SERIES_COLUMNS rows → the same series' METRIC_COLUMNS rows (as metric_rows makes them)."""
+    out = []
+    for (ts_ns, name, mtype, unit), pairs, value, hist in series_rows:
+        labels = {k: str(v) for k, v in sorted(pairs)}
+        if hist is None:
+            out.append([ts_ns, name, mtype, unit, labels, float(value), 0, 0.0, [], []])
+        else:
+            count, total, bounds, buckets = hist
+            out.append([ts_ns, name, mtype, unit, labels, 0.0, int(count), float(total),
+                        [float(b) for b in bounds], [int(c) for c in buckets]])
     return out
