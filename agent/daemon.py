@@ -119,7 +119,7 @@ class Daemon:
                     store=self.store, nvml=self.nvml, memory_peaks=lambda: self.memory_peaks)
 
     def _on_joined(self, resource_spans, blobs=None) -> None:
-        self.serving.observe(resource_spans, time.monotonic())
+        self.serving.observe(resource_spans, time.monotonic(), blobs)
         if self.store is not None:
             self.store.add_spans(resource_spans, blobs)
         self.admin.on_joined(resource_spans)

@@ -1,6 +1,10 @@
 /* spanlet._wire: the agent's reads of serialized OTLP spans (protobuf wire
  * format), where doing them from Python would cost a proto object per span.
  *
+ * serving_spans(blob) -> the (scope index, span index) of the spans of a
+ * serialized ResourceSpans of SERVER kind or with events: the only ones that
+ * can add to the serving metrics when no span carries a trigger attribute.
+ *
  * complex_spans(blobs) -> list of the indices of the serialized Spans whose
  * attribute text the embedded store's SQL would not write as the Python row
  * builder does (exporters/clickhouse/span_protos.py): an attribute list
@@ -969,6 +973,89 @@ out:
     return result;
 }
 
+/* serving_spans(blob) -> list of (scope index, span index) of the spans of a
+ * serialized ResourceSpans that may add to the serving metrics whatever their
+ * attributes: a SERVER kind (a request) or an event (a first token); None when
+ * the bytes are not well-formed. The others add to none unless they carry a
+ * trigger attribute, which the caller rules out on the resource's bytes first
+ * (agent/metrics/serving.py). */
+static int serving_span(span_t s)
+{
+    field_t f;
+    while (s.p < s.end) {
+        const uint8_t *at = s.p;
+        if (next_field(&s, &f) < 0)
+            return -1;
+        if (f.num == 11 && f.type == 2)
+            return 1;
+        if (f.num == 6 && f.type == 0) {
+            span_t v = {at, s.p};
+            uint64_t tag, kind;
+            if (varint(&v, &tag) < 0 || varint(&v, &kind) < 0)
+                return -1;
+            if (kind == 2)
+                return 1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *serving_spans(PyObject *self, PyObject *arg)
+{
+    Py_buffer buf;
+    if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    span_t rs = {buf.buf, (const uint8_t *)buf.buf + buf.len};
+    field_t f, g;
+    long scope = 0;
+    int bad = 0;
+    while (out && !bad && rs.p < rs.end) {
+        if (next_field(&rs, &f) < 0) {
+            bad = 1;
+            break;
+        }
+        if (f.num != 2)
+            continue;
+        if (f.type != 2) {
+            bad = 1;
+            break;
+        }
+        span_t ss = f.sub;
+        long n = 0;
+        while (ss.p < ss.end) {
+            if (next_field(&ss, &g) < 0) {
+                bad = 1;
+                break;
+            }
+            if (g.num != 2)
+                continue;
+            int hit = g.type == 2 ? serving_span(g.sub) : -1;
+            if (hit < 0) {
+                bad = 1;
+                break;
+            }
+            if (hit) {
+                PyObject *t = Py_BuildValue("(ll)", scope, n);
+                if (!t || PyList_Append(out, t) < 0) {
+                    Py_XDECREF(t);
+                    Py_CLEAR(out);
+                    break;
+                }
+                Py_DECREF(t);
+            }
+            n++;
+        }
+        scope++;
+    }
+    PyBuffer_Release(&buf);
+    if (out && bad) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"join_resource", join_resource, METH_VARARGS,
      "join_resource(blob, map_fd, index_fd, origin=None) -> None or (new_blob or None, keys, "
@@ -980,6 +1067,9 @@ static PyMethodDef methods[] = {
      "span_proto_rows(resource_spans_blob, resource_attributes, service) -> the serialized "
      "ResourceSpans' spans as rows.SPAN_PROTO_COLUMNS rows (each span's bytes, events or links, "
      "the resource's dict and service, its scope's name and version)"},
+    {"serving_spans", serving_spans, METH_O,
+     "serving_spans(blob) -> [(scope index, span index)] of the serialized ResourceSpans' spans "
+     "of SERVER kind or with events (None: not well-formed)"},
     {"envelope", envelope, METH_O,
      "envelope(rows) -> (data, groups, nested): span_protos.envelope of rows.SPAN_PROTO_COLUMNS rows"},
     {NULL, NULL, 0, NULL},

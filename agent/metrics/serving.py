@@ -88,6 +88,11 @@ from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from spanlet.metrics import Family, Labels, Sample, labels
+
+try:
+    from spanlet._wire import serving_spans as _serving_spans
+except ImportError:        # a source tree without its build: every span is looked at from Python
+    _serving_spans = None
 from spanlet.metrics.catalogue import family
 from spanlet.metrics.windows import (EMBEDDING_ZERO_NORM, _Histograms, _LabelLimiter, _Reject,
                                      _Reservoir, _WindowHistory, cosine_distance, percentile_linear)
@@ -576,17 +581,29 @@ class ServingMetrics:
         self.drift = EmbeddingDriftScore(s, rng)
 
     # -- input -------------------------------------------------------------------
-    def observe(self, resource_spans: Iterable[trace_pb2.ResourceSpans], now: float) -> None:
+    def observe(self, resource_spans: Iterable[trace_pb2.ResourceSpans], now: float,
+                blobs: list | None = None) -> None:
+        """`blobs`: per ResourceSpans, serialized bytes of its spans as they
+        are (SpanJoin.join's), or None; without them each is serialized."""
         with self._lock:
             if self._window_start is None:
                 self._window_start = now
-            for rs in resource_spans:
+            for i, rs in enumerate(resource_spans):
                 ns, pod = _resource_strings(rs)
                 w = _Workload(self._limiter.value("namespace", ns, now) if ns else "",
                               self._limiter.value("pod", pod, now) if pod else "")
+                blob = blobs[i] if blobs is not None and blobs[i] is not None else rs.SerializeToString()
                 # Reading attributes from Python costs ~1.5 µs each: a search
                 # of the bytes says which spans may carry a trigger at all.
-                hot = _any_trigger(rs.SerializeToString())
+                hot = _any_trigger(blob)
+                # Without one, only requests and spans with events can count:
+                # C names them (a span costs ~0.1 µs there, ~3 µs here).
+                picked = None if hot or _serving_spans is None else _serving_spans(blob)
+                if picked is not None:
+                    scopes = rs.scope_spans
+                    for s, j in picked:
+                        self._observe_span(scopes[s].spans[j], w, now, False)
+                    continue
                 for ss in rs.scope_spans:
                     for span in ss.spans:
                         self._observe_span(span, w, now, hot)
