@@ -110,7 +110,7 @@ def run(mode: str, facts_kind: str, seconds: float, batch: int) -> tuple[float, 
     reqs = requests(batch, REQUESTS)
     stop_facts = lambda: None  # noqa: E731
     if mode == "none":
-        path.join.join = lambda rs, held=None: [0] * len(rs)   # receiver + exporter alone
+        path.join.join = lambda rs, held=None, **kw: [0] * len(rs)   # receiver + exporter alone
     else:
         path.join.facts, stop_facts = (kernel_facts if facts_kind == "kernel" else fake_facts)(cfg, reqs)
     try:

@@ -40,12 +40,12 @@ def path():
     p.calls, p.calls_lock = [], threading.Lock()
     join = p.join.join
 
-    def recording_join(resource_spans, held=None, origin=None):
+    def recording_join(resource_spans, held=None, origin=None, **kw):
         names = {kv.value.string_value for rs in resource_spans for kv in rs.resource.attributes
                  if kv.key == "service.name"}
         with p.calls_lock:
             p.calls.append((names, origin))
-        return join(resource_spans, held, origin=origin)
+        return join(resource_spans, held, origin=origin, **kw)
 
     p.join.join = recording_join
     try:
