@@ -40,6 +40,14 @@ class AnyClock(events.MonotonicClock):
 
 
 @pytest.fixture
+def fake(tmp_path):
+    """A one-page ring laid out as the kernel lays it out, closed at teardown."""
+    ring = FakeRing(tmp_path / "ring", PAGE)
+    yield ring
+    ring.close()
+
+
+@pytest.fixture
 def synced(tmp_path):
     """filled(n, seed) -> (reader, raws): a one-page ring holding n sync
     records (ts 1 µs apart), read by the C walk; all closed at teardown."""
@@ -157,22 +165,18 @@ def test_c_walk_gives_what_the_python_walk_gives(cfg, tmp_path, seed, clock_kind
             f.close()
 
 
-def test_a_busy_record_holds_back_the_ones_after_it(cfg, tmp_path):
-    fake = FakeRing(tmp_path / "ring", PAGE)
-    try:
-        p, got = reader_probe(cfg, fake, True, events.MonotonicClock())
-        rng = random.Random(1)
-        recs = [random_record(rng, 1_000 * (i + 1), events.Kind.GPU_SYNC) for i in range(3)]
-        fake.put(recs[0])
-        busy = fake.put(recs[1], busy=True)
-        fake.put(recs[2])
-        assert p.drain() == 1 and [bytes(ev) for ev in got] == recs[:1]
-        assert p.drain() == 0 and p._ring.pending()
-        fake.commit(busy)
-        assert p.drain() == 2 and [bytes(ev) for ev in got] == recs
-        assert not p._ring.pending()
-    finally:
-        fake.close()
+def test_a_busy_record_holds_back_the_ones_after_it(cfg, fake):
+    p, got = reader_probe(cfg, fake, True, events.MonotonicClock())
+    rng = random.Random(1)
+    recs = [random_record(rng, 1_000 * (i + 1), events.Kind.GPU_SYNC) for i in range(3)]
+    fake.put(recs[0])
+    busy = fake.put(recs[1], busy=True)
+    fake.put(recs[2])
+    assert p.drain() == 1 and [bytes(ev) for ev in got] == recs[:1]
+    assert p.drain() == 0 and p._ring.pending()
+    fake.commit(busy)
+    assert p.drain() == 2 and [bytes(ev) for ev in got] == recs
+    assert not p._ring.pending()
 
 
 def test_limit_and_space_given_back_during_a_long_drain(tmp_path):
@@ -235,68 +239,56 @@ def test_closed_in_the_middle_of_a_read(synced):
 
 
 @pytest.mark.parametrize("kind", list(events.RECORDS))
-def test_a_record_reads_as_its_struct(tmp_path, kind):
-    fake = FakeRing(tmp_path / "ring", PAGE)
-    try:
-        reader = ringbuf.NativeRingBufferReader(fake.fd, fake.size, fake.wake_fd)
-        rng = random.Random(kind)
-        raw = random_record(rng, 123_456, kind)
-        fake.put(raw)
-        (ev,), errors = reader.read(events.RECORD_LAYOUT, det_clock())
-        want = events.from_record(raw, ev.epoch_ns)
-        assert errors == 0 and ev.epoch_ns == 1_700_000_000_000_000_000 + 1_000 + 123_456
-        assert bytes(ev) == raw and memoryview(ev).tobytes() == raw and ev.raw == raw
-        assert ev.as_dict() == want.as_dict() and ev.kind == want.kind == kind
-        assert isinstance(ev, type(want)) and isinstance(ev, events._Event)
-        assert not isinstance(ev, next(c for k, c in events.RECORDS.items() if k != kind))
-        for name, _ in type(want)._fields_:
-            a, b = getattr(ev, name), getattr(want, name)
-            assert bytes(a) == bytes(b) if not isinstance(b, int) else a == b, name
-        assert ev.hdr.span_id == want.hdr.span_id and bytes(ev.hdr.trace_id) == bytes(want.hdr.trace_id)
-        if kind == events.Kind.HTTP_BYTES:
-            assert ev.rx_tx() == want.rx_tx()
-        if kind == events.Kind.HTTP:
-            assert ev.has_traceparent == want.has_traceparent
-            assert bytes(events.FlowKey.from_buffer_copy(ev.flow)) == bytes(want.flow)
-        assert events.decode(bytes(ev), events.MonotonicClock()).as_dict()["pid"] == want.hdr.pid
-        with pytest.raises(AttributeError):
-            ev.epoch_ns = 5
-        with pytest.raises(AttributeError):
-            ev.no_such_field
+def test_a_record_reads_as_its_struct(fake, kind):
+    reader = ringbuf.NativeRingBufferReader(fake.fd, fake.size, fake.wake_fd)
+    rng = random.Random(kind)
+    raw = random_record(rng, 123_456, kind)
+    fake.put(raw)
+    (ev,), errors = reader.read(events.RECORD_LAYOUT, det_clock())
+    want = events.from_record(raw, ev.epoch_ns)
+    assert errors == 0 and ev.epoch_ns == 1_700_000_000_000_000_000 + 1_000 + 123_456
+    assert bytes(ev) == raw and memoryview(ev).tobytes() == raw and ev.raw == raw
+    assert ev.as_dict() == want.as_dict() and ev.kind == want.kind == kind
+    assert isinstance(ev, type(want)) and isinstance(ev, events._Event)
+    assert not isinstance(ev, next(c for k, c in events.RECORDS.items() if k != kind))
+    for name, _ in type(want)._fields_:
+        a, b = getattr(ev, name), getattr(want, name)
+        assert bytes(a) == bytes(b) if not isinstance(b, int) else a == b, name
+    assert ev.hdr.span_id == want.hdr.span_id and bytes(ev.hdr.trace_id) == bytes(want.hdr.trace_id)
+    if kind == events.Kind.HTTP_BYTES:
+        assert ev.rx_tx() == want.rx_tx()
+    if kind == events.Kind.HTTP:
+        assert ev.has_traceparent == want.has_traceparent
+        assert bytes(events.FlowKey.from_buffer_copy(ev.flow)) == bytes(want.flow)
+    assert events.decode(bytes(ev), events.MonotonicClock()).as_dict()["pid"] == want.hdr.pid
+    with pytest.raises(AttributeError):
+        ev.epoch_ns = 5
+    with pytest.raises(AttributeError):
+        ev.no_such_field
+    reader.close()
+
+
+def test_consume_hands_each_record_as_it_is(fake):
+    reader = ringbuf.NativeRingBufferReader(fake.fd, fake.size, fake.wake_fd)
+    rng = random.Random(5)
+    recs = [rng.randbytes(rng.randrange(1, 100)) for _ in range(30)]
+    for i, r in enumerate(recs):
+        fake.put(r, discard=i % 4 == 1)
+    got = []
+    assert reader.consume(lambda buf, off, size: got.append(bytes(buf[off:off + size]))) == \
+        len(recs) - len(recs[1::4])
+    assert got == [r for i, r in enumerate(recs) if i % 4 != 1]
+    reader.close()
+
+
+def test_the_probes_read_through_the_c_walk_where_it_is_built(fake):
+    assert Probe.native_ring is True
+    for native, cls in [(True, ringbuf.NativeRingBufferReader), (False, ringbuf.RingBufferReader)]:
+        reader = ringbuf.open_reader(fake.fd, fake.size, native=native, wake_fd=fake.wake_fd)
+        assert type(reader) is cls and reader.native is native
         reader.close()
-    finally:
-        fake.close()
-
-
-def test_consume_hands_each_record_as_it_is(tmp_path):
-    fake = FakeRing(tmp_path / "ring", PAGE)
-    try:
-        reader = ringbuf.NativeRingBufferReader(fake.fd, fake.size, fake.wake_fd)
-        rng = random.Random(5)
-        recs = [rng.randbytes(rng.randrange(1, 100)) for _ in range(30)]
-        for i, r in enumerate(recs):
-            fake.put(r, discard=i % 4 == 1)
-        got = []
-        assert reader.consume(lambda buf, off, size: got.append(bytes(buf[off:off + size]))) == \
-            len(recs) - len(recs[1::4])
-        assert got == [r for i, r in enumerate(recs) if i % 4 != 1]
-        reader.close()
-    finally:
-        fake.close()
-
-
-def test_the_probes_read_through_the_c_walk_where_it_is_built(tmp_path):
-    fake = FakeRing(tmp_path / "ring", PAGE)
-    try:
-        assert Probe.native_ring is True
-        for native, cls in [(True, ringbuf.NativeRingBufferReader), (False, ringbuf.RingBufferReader)]:
-            reader = ringbuf.open_reader(fake.fd, fake.size, native=native, wake_fd=fake.wake_fd)
-            assert type(reader) is cls and reader.native is native
-            reader.close()
-        with pytest.raises(ValueError):
-            ringbuf.open_reader(fake.fd, 3 * PAGE, wake_fd=fake.wake_fd)
-    finally:
-        fake.close()
+    with pytest.raises(ValueError):
+        ringbuf.open_reader(fake.fd, 3 * PAGE, wake_fd=fake.wake_fd)
 
 
 def test_the_header_reads_its_integers_without_a_decode(synced):
