@@ -81,12 +81,16 @@ class BatchWorker(Generic[B]):
     until it is settled: a retryable answer is retried as `backoff` says, bounded by the shutdown deadline.
 
     force_flush(timeout_s) exports what is queued now; shutdown(timeout_s) does the same against one
-    deadline, then stops and closes the queue (safe twice). Producers call put(), which never blocks."""
+    deadline, then stops and closes the queue (safe twice). Producers call put(), which never blocks.
+
+    While the queue is idle the thread sleeps until a put, a flush or shutdown (an idle agent's threads
+    do not wake each schedule delay), then keeps the schedule's grid; `ticks_when_idle` keeps it waking
+    at every tick, for a queue whose batches fall due by the schedule alone (the metric collections)."""
 
     def __init__(self, queue: BatchQueue[B], export: Callable[[B, float | None], ExportResult],
                  backoff: Backoff, *, schedule_delay_s: float, name: str,
                  cond: threading.Condition | None = None, join_grace_s: float = 2.0,
-                 logger: logging.Logger = log) -> None:
+                 logger: logging.Logger = log, ticks_when_idle: bool = False) -> None:
         self.cond = cond if cond is not None else threading.Condition()
         self._queue, self._export, self._backoff = queue, export, backoff
         self._delay_s, self.name, self._join_grace_s = schedule_delay_s, name, join_grace_s
@@ -94,6 +98,8 @@ class BatchWorker(Generic[B]):
         self._closing = False
         self._deadline: float | None = None          # shutdown deadline (monotonic)
         self._flush_wanted = self._flush_sealed = self._flush_done = 0
+        self._ticks_when_idle = ticks_when_idle
+        self._asleep = False                         # the thread waits, idle, for a put
         self._delivering = threading.Lock()          # one batch in export at a time
         self.retries = 0                             # re-sends planned (each followed by a wait)
         self.retry_delays: deque[float] = deque(maxlen=64)   # the last planned waits, oldest first
@@ -117,7 +123,8 @@ class BatchWorker(Generic[B]):
                 self._queue.refuse(item)
                 return False
             accepted = self._queue.put(item)
-            if self._queue.ready():
+            if self._queue.ready() or self._asleep:
+                self._asleep = False
                 self.cond.notify_all()
         return accepted
 
@@ -245,4 +252,12 @@ class BatchWorker(Generic[B]):
                 self.cond.notify_all()
             if self._closing:
                 return None, next_tick
-            self.cond.wait(next_tick - now)
+            if self._ticks_when_idle or not self._queue.idle():
+                self.cond.wait(next_tick - now)
+                continue
+            self._asleep = True
+            self.cond.wait()
+            self._asleep = False
+            now = time.monotonic()
+            if now >= next_tick:      # the ticks slept through had nothing to seal: on to the next
+                next_tick += self._delay_s * (math.floor((now - next_tick) / self._delay_s) + 1)

@@ -43,6 +43,31 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+# How often an idle server's loop would wake to look for a stop: it does not
+# need to, stop_serving() wakes it at once (each wake-up of an idle agent's
+# thread costs CPU on every node).
+IDLE_POLL_S = 5.0
+
+
+def serve_in_thread(server: ThreadingHTTPServer, name: str) -> threading.Thread:
+    """server.serve_forever() on a daemon thread, started; stop it with stop_serving()."""
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": IDLE_POLL_S},
+                              name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def stop_serving(server: ThreadingHTTPServer) -> None:
+    """End server.serve_forever() now: shutting the listening socket down makes
+    its select() return, and no new connection is taken (requests in flight
+    go on in their threads)."""
+    try:
+        server.socket.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    server.shutdown()
+
+
 class AgentHttpServer(ThreadingHTTPServer):
     """The agent's one HTTP port for people and scrapers."""
 
@@ -57,18 +82,10 @@ class AgentHttpServer(ThreadingHTTPServer):
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        # The loop wakes for requests only: stop() wakes it by shutting the
-        # listening socket down (an idle agent's thread stays asleep).
-        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 5.0},
-                                        name="http", daemon=True)
-        self._thread.start()
+        self._thread = serve_in_thread(self, "http")
 
     def stop(self) -> None:
         if self._thread is not None:
-            try:
-                self.socket.shutdown(socket.SHUT_RDWR)   # select() returns at once
-            except OSError:
-                pass
-            self.shutdown()
+            stop_serving(self)
             self.server_close()
             self._thread = None

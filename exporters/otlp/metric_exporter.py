@@ -236,7 +236,7 @@ class OtlpMetricsExporter:
                                   what="OTLP metrics export", logger=log)
         self._worker = BatchWorker(_Collections(self._sender), self._export,
                                    self._sender.backoff(min(cfg.max_retry_s, interval_s)),
-                                   schedule_delay_s=interval_s, name="otlp-metrics-export",
+                                   schedule_delay_s=interval_s, name="otlp-metrics-export", ticks_when_idle=True,
                                    cond=self._cond, logger=log)
         if source is not None:
             self._worker.start()

@@ -28,6 +28,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
 from spanlet.config import OtlpConfig
+from spanlet.exporters.http import serve_in_thread, stop_serving
 from spanlet.exporters.otlp.common import PROTOBUF, STATUS_DETAILS_KEY, TRACES_PATH
 from spanlet.exporters.otlp.trust import (BearerToken, Peer, SenderRateLimiter, grpc_peer,
                                           grpc_server_credentials, normal_sender, sender_of_peer,
@@ -307,7 +308,7 @@ class OtlpReceiver:
             self._running = False
             # No new calls or connections; the ones in flight get the grace period.
             stopped = self._grpc_server.stop(grace)
-            self._httpd.shutdown()
+            stop_serving(self._httpd)
             self._http_thread.join(timeout=5)
             stopped.wait(timeout=(grace or 0) + 5)
             # Requests still arriving on kept-alive HTTP connections are now
@@ -379,9 +380,7 @@ class OtlpReceiver:
                                    f"{e.strerror}") from None
         self.http_port = httpd.server_address[1]
         self._httpd = httpd
-        self._http_thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                             name="otlp-http", daemon=True)
-        self._http_thread.start()
+        self._http_thread = serve_in_thread(httpd, "otlp-http")
 
     # ---- counters ----
 

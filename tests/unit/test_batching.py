@@ -156,3 +156,55 @@ def test_shutdown_keeps_one_deadline_is_safe_twice_and_refuses_later_items():
     assert not w.thread.is_alive()
     assert w.shutdown(1.0) is False
     assert w.put(9) is False and q.refused == 1
+
+
+class CountingCondition(threading.Condition):
+    """A Condition that counts the worker's waits (each one a wake-up when it ends)."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        return super().wait(timeout)
+
+
+def test_an_idle_queue_sleeps_until_a_put_and_the_item_goes_at_the_next_tick():
+    sent: list[list[int]] = []
+    q, cond = ListQueue(batch=100), CountingCondition()
+    w = BatchWorker(q, lambda b, _t: sent.append(list(b)) or ExportResult(True),
+                    Backoff(0.01, 0.02, rng=random.Random(1)), schedule_delay_s=0.01,
+                    name="test-batching", cond=cond, join_grace_s=0.5)
+    w.start()
+    time.sleep(0.5)                     # 50 ticks of nothing to do
+    with cond:
+        idle_waits = cond.waits
+    assert idle_waits <= 2              # asleep, not once a tick
+    assert w.put(7)
+    deadline = time.monotonic() + 5
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sent == [[7]]                # woken by the put, sealed by the schedule (batch of 100 not full)
+    w.shutdown(1.0)
+
+
+def test_ticks_when_idle_keeps_the_schedule_for_a_queue_due_by_time_alone():
+    """The metric exporter's queue: nothing is put, a collection falls due at each tick."""
+
+    class Collections(ListQueue):
+        def seal(self):
+            self.items.append(len(self.settled))
+            super().seal()
+
+    sent: list[list[int]] = []
+    q = Collections(batch=100)
+    w = BatchWorker(q, lambda b, _t: sent.append(list(b)) or ExportResult(True),
+                    Backoff(0.01, 0.02, rng=random.Random(1)), schedule_delay_s=0.01,
+                    name="test-batching", join_grace_s=0.5, ticks_when_idle=True)
+    w.start()
+    deadline = time.monotonic() + 5
+    while len(sent) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    w.shutdown(1.0)
+    assert len(sent) >= 3

@@ -384,3 +384,42 @@ def test_removing_many_outdated_parts_starts_no_thread_pool(tmp_path):
         assert most - before < 20, (before, most)      # without the setting: ~+125 threads
     finally:
         b.close()
+
+
+_IDLE_WAKEUPS = r"""
+import os, sys, tempfile, time
+from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
+
+def wakeups():
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            if open(f"/proc/self/task/{t}/comm").read().strip() != "BgSchPool":
+                continue
+            for line in open(f"/proc/self/task/{t}/status"):
+                if line.startswith("voluntary_ctxt_switches"):
+                    n += int(line.split()[1])
+        except OSError:
+            pass
+    return n
+
+b = ChdbBackend(tempfile.mkdtemp(prefix="spanlet-idle-"))
+b.ensure_schema()
+time.sleep(2)                      # the tables' first background rounds
+w0 = wakeups()
+time.sleep(4)
+print(wakeups() - w0)
+b.close()
+"""
+
+
+def test_an_idle_store_s_table_tasks_sleep():
+    """The embedded engine (a fresh process: it reads its configuration once)
+    with every table made and nothing to do: the tables' background tasks wake
+    the schedule pool a few times in 4 s, not about 1.5 times a second a table
+    (the engine's defaults: ~50 for the schema's tables)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _IDLE_WAKEUPS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) <= 12, out.stdout
