@@ -285,8 +285,7 @@ class AdminServer:
             s.bind(str(tmp))
             os.chmod(tmp, 0o600)
             os.rename(tmp, self.path)
-            s.listen(16)
-            s.settimeout(1.0)  # the history's sample period; stop() wakes accept() itself
+            s.listen(16)       # accept() waits for a client: stop() wakes it itself
         except OSError:
             s.close()
             tmp.unlink(missing_ok=True)
@@ -329,11 +328,8 @@ class AdminServer:
     # -- serving ---------------------------------------------------------------
     def _serve(self) -> None:
         while not self._stop.is_set():
-            self._sample()
             try:
                 conn, _ = self._sock.accept()
-            except socket.timeout:
-                continue
             except OSError:
                 if self._stop.is_set():
                     return
@@ -381,7 +377,10 @@ class AdminServer:
             answer = _redacted(json.loads(json.dumps(answer, default=str)), self._secrets)
         conn.sendall(json.dumps(answer, default=str).encode() + b"\n")
 
-    def _sample(self) -> None:
+    def sample(self) -> None:
+        """One point of the read/drop history the rates come from: the agent's
+        refresh loop calls this each second (and every answer first), so
+        that the admin thread sleeps until a client comes."""
         now = time.monotonic()
         if self._history and now - self._history[-1][0] < 0.9:
             return
@@ -400,7 +399,7 @@ class AdminServer:
 
     # -- answers ---------------------------------------------------------------
     def summary(self, args: dict) -> dict:
-        self._sample()
+        self.sample()
         now = time.monotonic()
         t0, first = self._history[0] if self._history else (self._started, {})
         probes = []

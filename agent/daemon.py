@@ -216,6 +216,7 @@ class Daemon:
             for probe in self.probes:
                 if probe.status.attached:
                     _guarded(f"probe {probe.name}: refresh", probe.refresh)
+            _guarded("admin history", self.admin.sample)
             if time.monotonic() - last_stats >= 60:
                 last_stats = time.monotonic()
                 self.log_stats()

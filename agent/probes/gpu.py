@@ -479,6 +479,9 @@ class GpuProbe(Probe):
         gpu_captures_reaped, which only the agent writes: while the kernel's
         open-capture count equals it, launches skip the capture lookup."""
         table, reaped = self.bpf[b"gpu_captures"], self.bpf[b"gpu_captures_reaped"]
+        zero = reaped.Key(0)
+        if self.bpf[b"gpu_captures_active"][zero].value == reaped[zero].value:
+            return              # none open: nothing to walk (an empty map's walk reads every bucket)
         gone = 0
         for key in list(table.keys()):
             if not os.path.exists(f"{self.finder.proc}/{key.tgid}"):
@@ -488,7 +491,6 @@ class GpuProbe(Probe):
                 except KeyError:
                     pass   # ended (or evicted) meanwhile
         if gone:
-            zero = reaped.Key(0)
             reaped[zero] = reaped.Leaf(reaped[zero].value + gone)
 
     def _reap_calls(self) -> None:

@@ -150,6 +150,10 @@ class SpanFacts:
         # rows gone since (written when RELEASE_BATCH, and by every sweep)
         self._released: dict[int, int] = {}
         self._gone: dict[int, int] = {}
+        # the kernel's count of rows made when a scan last found the map and
+        # the per-cgroup tables empty: until it moves, a scan reads nothing
+        # (the kernel walks every bucket of an empty map, each second)
+        self._empty_at: int | None = None
 
     def close(self) -> None:
         """The map is about to go (probe stop): every later call finds nothing,
@@ -310,6 +314,7 @@ class SpanFacts:
         """Write a row as the kernel makes one (tools, tests, benches): the row
         for (span, cgroup) with `fields` (struct span_facts_val's), the cgroup
         appended to the span's index entry. Not counted as created."""
+        self._empty_at = None
         k, v = self.table.Key(), self.table.Leaf()
         k.trace_id[:] = list(trace_id.ljust(16, b"\0"))
         k.span_id, k.cgroup_id = span_id, cgroup_id
@@ -352,12 +357,12 @@ class SpanFacts:
             if err != errno.E2BIG:     # the table full: that cgroup is bounded by the total only
                 raise OSError(err, f"bpf(update) on span_facts_cg_released: {os.strerror(err)}")
 
-    def _reconcile(self, created: dict[int, int], keys: bytes) -> None:
+    def _reconcile(self, created: dict[int, int], keys: bytes) -> int:
         """After a scan: every cgroup's rows gone = rows made (read before the
         scan) - rows present (a row made in between only makes the live figure
         look bigger until the next scan). Also counts LRU evictions as gone.
         A cgroup with nothing live and nothing new since the last scan leaves
-        the kernel's tables (they are bounded)."""
+        the kernel's tables (they are bounded). Returns the cgroups left there."""
         live: dict[int, int] = {}
         for _, _, cg in _KEY.iter_unpack(keys):
             live[cg] = live.get(cg, 0) + 1
@@ -378,6 +383,7 @@ class SpanFacts:
             if cg not in created:
                 del self._released[cg]
         self._stats.live_by_cgroup = live
+        return len(self._released)
 
     def _read_created(self) -> dict[int, int]:
         if self._cg_created is None:
@@ -407,9 +413,12 @@ class SpanFacts:
             if self._closed:
                 return b"", b""
             created = self._created()
+            if created == self._empty_at:
+                return b"", b""
             by_cgroup = self._read_created()
             keys, vals = read_batches(self.table)
-            self._reconcile(by_cgroup, keys)
+            left = self._reconcile(by_cgroup, keys)
+            self._empty_at = created if not keys and not left and not self._gone else None
             st = self._stats
             st.created, st.present = created, len(keys) // _KEY.size
             # Rows made or taken while we read make this an underestimate,

@@ -129,3 +129,31 @@ def test_marks_for_spans_that_never_arrive_keep_the_map_at_its_bound(standin, sp
     assert all(r.launches == 1 for r in present if r.pid == w.pid)  # none got another's launch
     row = span.facts.take(*last)                       # the newest span is still there
     assert row is not None and row.launches == 1
+
+
+def test_an_empty_map_is_read_again_only_once_the_kernel_made_a_row(standin, spawn, kernel):
+    """Each sweep reads the map; the kernel walks all of an empty map's buckets for it. Once a scan
+    found nothing, scans read nothing until the kernel's count of rows made moves: a row written
+    past that count (as no program writes one) stays unseen, the next row a launch makes shows both."""
+    w = spawn(standin.workload)
+    w.load(standin.lib_dir)
+    span, _ = kernel()
+    facts = span.facts
+    for _ in range(3):                   # a quiet map (and its per-cgroup tables) after two scans
+        facts.ages()
+    hidden_trace, hidden_span = ids()
+    k, v = facts.table.Key(), facts.table.Leaf()
+    k.trace_id[:] = list(hidden_trace)
+    k.span_id, k.cgroup_id = hidden_span, 7
+    v.cgroup_id = 7
+    facts.table[k] = v                   # not counted as made
+    seen = [(t, s) for t, s, _, _ in facts.ages()]
+    assert (hidden_trace, hidden_span) not in seen
+    trace_id, span_id = ids()
+    span.set(w.tid, trace_id, span_id, Modality.text)
+    w.run(launches("cu", 2))
+    span.clear(w.tid)
+    seen = [(t, s) for t, s, _, _ in facts.ages()]
+    assert (hidden_trace, hidden_span) in seen and (trace_id, span_id) in seen
+    assert facts.take(trace_id, span_id).launches == 2
+    assert facts.delete(hidden_trace, hidden_span, 7)

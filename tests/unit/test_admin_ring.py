@@ -44,3 +44,34 @@ def test_one_request_larger_than_the_ring_keeps_its_newest():
     assert len(st.spans) == RING_SPANS
     st.on_joined(request(10_000, [1], "b"))
     assert len(st.spans) == RING_SPANS and st.spans[-1][1].name == "s10000"
+
+
+def _switches(tid: int) -> int:
+    for line in open(f"/proc/self/task/{tid}/status"):
+        if line.startswith("voluntary_ctxt_switches"):
+            return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches")
+
+
+def test_the_admin_thread_sleeps_until_a_client_comes(tmp_path):
+    """The rates' history is sampled by the agent's refresh loop (AdminServer.sample), so the
+    admin thread wakes for clients and stop() only."""
+    import time
+
+    from spanlet import config
+    from spanlet.admin import AdminServer
+    srv = AdminServer(config.load(env={}), probes=[], names=None, join=None, receiver=None,
+                      span_export=None, store=None, nvml=None, memory_peaks=dict, families=list,
+                      hints=dict, path=str(tmp_path / "admin.sock"))
+    srv.start()
+    try:
+        tid = srv._thread.native_id
+        time.sleep(0.2)
+        before = _switches(tid)
+        time.sleep(2.5)                     # a thread on a 1 s accept timeout wakes twice
+        assert _switches(tid) - before == 0
+        srv.sample()
+        assert len(srv._history) == 1
+    finally:
+        srv.stop()
+    assert srv._thread is None
