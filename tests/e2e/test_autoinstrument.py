@@ -84,9 +84,9 @@ def gpu_agent(nets):
         yield a
 
 
-def run_plain(port: int, libcuda: Path, **env: str) -> dict:
-    """The plain app once (3 threads x 4 spans): (trace, span) -> its launches."""
-    out = subprocess.run(instrumented("plain_otel_app.py", str(libcuda), "3", "4"),
+def run_plain(port: int, libcuda: Path, linger_s: float = 0.0, **env: str) -> dict:
+    """The plain app once (3 threads x 4 spans, after `linger_s`): (trace, span) -> its launches."""
+    out = subprocess.run(instrumented("plain_otel_app.py", str(libcuda), "3", "4", str(linger_s)),
                          env=otel_env(port, "plain-app", **env), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
@@ -104,9 +104,11 @@ def launches_upstream(up: Upstream, expected: dict) -> dict:
 
 def wait_traced(up: Upstream, port: int, libcuda: Path) -> None:
     """Until the agent has attached to this copy of libcuda and to the marker,
-    spans come without facts: plain runs until one has every span's facts."""
+    spans come without facts: plain runs until one has every span's facts.
+    Each run waits a discovery round (1 s) before its spans, libraries loaded:
+    a run of a fraction of a second can end before discovery reads its maps."""
     def traced() -> bool:
-        exp = run_plain(port, libcuda)
+        exp = run_plain(port, libcuda, linger_s=1.2)
         got = launches_upstream(up, exp)
         return all(got[k] == [n] for k, n in exp.items())
     wait_for(traced, 60, "a run with every span's facts")
