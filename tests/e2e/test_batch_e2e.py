@@ -70,13 +70,15 @@ def expected_shares(steps, step_launches: list[int]) -> dict[int, tuple[int, flo
     return {i: (n, v) for i, (n, v) in out.items()}
 
 
-def run_engine(engine: FactsChild, steps, tps: list[str]) -> list[tuple[str, str]]:
+def run_engine(engine: FactsChild, steps, tps: list[str], before_flush=None) -> list[tuple[str, str]]:
     ids = []
     for launches, members in steps:
         links = " ".join(f"{tps[i]}:{'-' if w is None else w}" for i, w in members)
         (line,) = engine.command(f"step {launches} 150 {links}")
         assert line[0] == "step" and int(line[3]) == launches
         ids.append((line[1], line[2]))
+    if before_flush is not None:
+        before_flush()
     engine.command("flush", "flushed")
     return ids
 
@@ -95,24 +97,47 @@ def late_of(agent, keys) -> list:
 
 
 class Unrelated:
-    """A third process making spans with launches of their own, the whole time."""
+    """A third process making spans with launches of their own, the whole time
+    but while paused: the admin ring keeps only the newest spans, so the ring
+    check pauses it before the request spans come out."""
 
     def __init__(self, agent):
+        self.agent = agent
         self.child = FactsChild(agent.endpoint, agent.libcuda, "batch")
         self.stop, self.error = threading.Event(), None
+        self._pause, self._paused, self._resume = threading.Event(), threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         try:
             while not self.stop.is_set():
+                if self._pause.is_set():
+                    self.child.command("flush", "flushed")
+                    self._paused.set()
+                    self._resume.wait()
+                    continue
                 self.child.command("threads 2 3")
             self.child.command("flush", "flushed")
         except Exception as e:       # said by close()
             self.error = e
+            self._paused.set()
+
+    def pause(self) -> None:
+        """Between two commands; returns once all its spans so far are upstream."""
+        self._resume.clear()
+        self._pause.set()
+        assert self._paused.wait(60) and self.error is None, self.error
+        upstream_spans(self.agent, dict(self.child.expected))
+
+    def resume(self) -> None:
+        self._pause.clear()
+        self._paused.clear()
+        self._resume.set()
 
     def close(self) -> dict:
         self.stop.set()
+        self.resume()
         self.thread.join(60)
         self.child.close()
         assert self.error is None, self.error
@@ -177,16 +202,24 @@ def test_every_request_gets_exactly_its_steps_and_shares(agent, unrelated, order
         req = [l for l in front.command(f"open {REQUESTS}")]
         req_ids = [(l[1], l[2]) for l in req]
         tps = [l[3] for l in req]
+        # the unrelated process launches during every step, and pauses before the
+        # request spans come out (the steps' flush, or the front's), until the
+        # ring of recent spans was read
         if order == "front_first":
             front.command("close")
             front.command("flush", "flushed")
-            step_ids = run_engine(engine, steps, tps)
+            def pause():           # the requests wait WAIT_S for their steps: still held
+                unrelated.pause()
+                assert agent.daemon.spans.held_requests(), "the requests came out before the pause"
+            step_ids = run_engine(engine, steps, tps, before_flush=pause)
         else:
             step_ids = run_engine(engine, steps, tps)
             upstream_spans(agent, step_ids)       # the steps went through the agent first
+            unrelated.pause()
             front.command("close")
             front.command("flush", "flushed")
         check(agent, steps, req_ids, step_ids)
+        unrelated.resume()
     # the unrelated process's spans: each exactly its own launches, no batch attributes
     expected = unrelated.close()
     assert expected
