@@ -5,8 +5,10 @@ in spans), store and span export on, side by side with the same agent idle; then
 upstream OTLP receiver in this process); an OTel SDK app (tests/support/span_facts_child.py,
 SpanletSpanProcessor + BatchSpanProcessor over OTLP/gRPC) makes the spans and launches through
 stand-in libraries that only this bench maps. CPU from /proc/<agent>/stat, RSS from
-/proc/<agent>/status once a second. Also prints how many spans arrived upstream with exactly
-their launches, and the agent's stop time on SIGTERM against its shutdown_timeout_s.
+/proc/<agent>/status once a second (its anonymous and file-backed parts apart; with
+--seconds 120 or more the RSS after the load's first minute is fitted for a trend, the soak's
+verdict). Also prints how many spans arrived upstream with exactly their launches, and the
+agent's stop time on SIGTERM against its shutdown_timeout_s.
 
     sudo .venv/bin/python bench/agent_cpu_bench.py [--seconds 10] [--set KEY=VALUE]
 """
@@ -30,7 +32,7 @@ from facts_child import FactsChild  # noqa: E402
 from otlp_upstream import Upstream, kernel_attrs  # noqa: E402
 from common import Agent, agent_bench_args, cpu_s  # noqa: E402
 from processes import free_port  # noqa: E402
-from soak import SOAK_DRIVER, SOAK_RUNTIME, rss_mb, scrape, soak_libraries  # noqa: E402
+from soak import SOAK_DRIVER, SOAK_RUNTIME, rss_mb, rss_trend, scrape, soak_libraries  # noqa: E402
 from spanlet import config  # noqa: E402
 
 
@@ -61,14 +63,43 @@ def wait_traced(child: FactsChild, http_port: int, limit_s: float = 30) -> None:
     raise SystemExit("the agent never counted the child's launches and marks: is it attached?")
 
 
+# RSS after the load's first WARMUP_S (the store's first inserts and merges,
+# the code pages they touch) is fitted for a trend when TREND_S or more of it
+# remain: several of the store's 10 s insert cycles, each a saw-tooth.
+WARMUP_S, TREND_S = 60.0, 60.0
+
+
 def measure(pid: int, seconds: float) -> dict:
-    """CPU share of one core over `seconds`, and RSS samples (MB) once a second."""
-    rss = [rss_mb(pid)["rss"]]
+    """CPU share of one core over `seconds`, and RSS samples (MB, with their
+    seconds into the window) once a second."""
     c0, t0 = cpu_s(pid), time.monotonic()
+    rss, at = [rss_mb(pid)], [0.0]
     while time.monotonic() - t0 < seconds:
         time.sleep(min(1.0, max(0.0, seconds - (time.monotonic() - t0))))
-        rss.append(rss_mb(pid)["rss"])
-    return {"cpu": (cpu_s(pid) - c0) / (time.monotonic() - t0), "rss": rss}
+        rss.append(rss_mb(pid))
+        at.append(time.monotonic() - t0)
+    return {"cpu": (cpu_s(pid) - c0) / (time.monotonic() - t0), "rss": [r["rss"] for r in rss],
+            "anon": [r["anon"] for r in rss], "file": [r["file"] for r in rss], "at": at}
+
+
+def rss_lines(idle: dict, loaded: dict, warmup_s: float) -> list[str]:
+    """RSS idle, the step the load makes (the store's batch, the engine's
+    working set, the code pages the load touches) and its trend after
+    `warmup_s` into the load (the soak's verdict), anonymous and file pages apart."""
+    after = [i for i, t in enumerate(loaded["at"]) if t >= warmup_s]
+    mean = lambda key, idx: sum(loaded[key][i] for i in idx) / len(idx)  # noqa: E731
+    out = [f"  {'RSS idle (MB): all / anon / file':34}{idle['rss'][-1]:>8.0f} /{idle['anon'][-1]:>4.0f} /"
+           f"{idle['file'][-1]:>4.0f}"]
+    if loaded["at"][-1] - warmup_s < TREND_S:
+        r = loaded["rss"]
+        out.append(f"  {'RSS at end of load (MB)':34}{r[-1]:>8.0f}   flat after its warm-up "
+                   f"(--seconds {warmup_s + TREND_S:.0f} or more prints its trend; max {max(r):.0f} MB)")
+        return out
+    out.append(f"  {'RSS loaded after ' + f'{warmup_s:.0f} s (MB): mean':34}{mean('rss', after):>8.0f} /"
+               f"{mean('anon', after):>4.0f} /{mean('file', after):>4.0f}   (max {max(loaded['rss']):.0f} MB)")
+    out.append(f"  {'RSS trend over the rest of the load':34}  "
+               + rss_trend([loaded["at"][i] / 60 for i in after], [loaded["rss"][i] for i in after]))
+    return out
 
 
 def stop_time(agent: subprocess.Popen, limit_s: float) -> float | None:
@@ -139,15 +170,13 @@ def main() -> int:
             stopped = stop_time(agent, shutdown_timeout_s + 10)
     upstream.rx.stop()
 
-    r = loaded["rss"]
     print(f"agent at {a.spans:,.0f} spans/s x {a.launches} launches in each "
           f"({a.spans * a.launches:,.0f} launches/s inside spans), store and export on, {a.seconds:.0f} s each"
           + (f"; settings {' '.join(a.agent_set)}" if a.agent_set else ""))
     print(f"  {'':34}{'figure':>16}   goal")
     print(f"  {'CPU idle (share of one core)':34}{idle['cpu']:>16.1%}")
     print(f"  {'CPU loaded':34}{loaded['cpu']:>16.1%}   <= 3%")
-    print(f"  {'RSS at start / end of load (MB)':34}{r[0]:>8.0f} /{r[-1]:>6.0f}   flat")
-    print(f"  {'RSS growth over the load (MB)':34}{r[-1] - r[0]:>+16.1f}   ~0 (max {max(r):.0f} MB)")
+    print("\n".join(rss_lines(idle, loaded, WARMUP_S)))
     print(f"  {'spans upstream / exact launches':34}{got:>8,} /{exact:>6,}   all of {sent:,} exact")
     print(f"  {'late records':34}{late:>16,}   0")
     print(f"  {'stop on SIGTERM (s)':34}"

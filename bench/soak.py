@@ -155,6 +155,20 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     return slope, math.sqrt(var / sxx), math.sqrt(var)
 
 
+def rss_trend(minutes: list[float], mb: list[float]) -> str:
+    """The verdict on RSS samples (MB at minutes): no growth trend when the
+    least-squares slope lies within two standard errors or the drift it makes
+    over the samples is under 2% of their mean."""
+    slope, se, sd = fit(minutes, mb)
+    mean = sum(mb) / len(mb)
+    drift = slope * (minutes[-1] - minutes[0])
+    within = abs(slope) <= 2 * se or abs(drift) < 0.02 * mean
+    trend = "no growth trend" if within else ("GROWTH TREND" if slope > 0 else "falling")
+    return (f"{trend} (slope {slope:+.3f} MB/min, noise ±{2 * se:.3f}; drift over the fitted "
+            f"{minutes[-1] - minutes[0]:.1f} min {drift:+.1f} MB = {drift / mean:+.1%} of the mean; "
+            f"residual sd {sd:.2f} MB)")
+
+
 def quarter_means(ys: list[float]) -> tuple[float, float]:
     q = max(1, len(ys) // 4)
     return sum(ys[:q]) / q, sum(ys[-q:]) / q
@@ -184,13 +198,7 @@ def summarize(samples: list[dict], warmup_s: float) -> None:
         print(f"{label:22s}{min(ys):9.1f}{sum(ys) / len(ys):9.1f}{max(ys):9.1f}{first:9.1f}{last:9.1f}"
               f"{last / first if first else float('nan'):11.3f}{slope:+11.3f}{2 * se:9.3f}")
         if key == "rss":
-            mean = sum(ys) / len(ys)
-            drift = slope * (xs[-1] - xs[0])
-            within = abs(slope) <= 2 * se or abs(drift) < 0.02 * mean
-            trend = "no growth trend" if within else ("GROWTH TREND" if slope > 0 else "falling")
-            verdicts.append(f"RSS: {trend} (slope {slope:+.3f} MB/min, "
-                            f"noise ±{2 * se:.3f}; drift over the fitted {xs[-1] - xs[0]:.1f} min {drift:+.1f} MB "
-                            f"= {drift / mean:+.1%} of the mean; residual sd {sd:.2f} MB)")
+            verdicts.append("RSS: " + rss_trend(xs, ys))
         elif key == "cpu":
             within = abs(slope) <= 2 * se
             trend = "no trend" if within else ("GROWTH TREND" if slope > 0 else "falling")
