@@ -120,6 +120,9 @@ def test_all_17_metrics_reach_prometheus(tmp_path, nets):
             agent.check_node()
             agent.start()
             prom = Prometheus(tmp_path, f"127.0.0.1:{port}")
+            # the window gauges (#11-#13, #16) show the last window only: every
+            # window must fall after Prometheus began to scrape
+            prom.wait_scraped()
             gpu = next(p for p in agent.probes if p.name == "gpu_launch")
             # the driver only: the runtime is looked for only with gpu.runtime_hooks
             wait_for(lambda: sum(l.pid == w.pid for l in gpu.libraries()) == 1, 5, "GPU probe")

@@ -16,14 +16,11 @@ import importlib.util
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import types
 import typing
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -40,6 +37,7 @@ import grafana_queries as gq
 from spanlet import admin, events
 from spanlet.join import SpanJoin
 from facts_fakes import FakeFacts
+from prometheus_server import Prometheus
 from spanlet.metrics import catalogue
 from spanlet.exporters.clickhouse import rows, schema
 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
@@ -415,55 +413,14 @@ def test_legends_name_only_labels_of_their_series(exported_labels):
                     assert used <= have, f"{p['title']}: legend {used - have}"
 
 
-class Prometheus:
-    """A real Prometheus (Debian package) scraping one target every second."""
-
-    def __init__(self, tmp: Path, target: str):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        cfg = tmp / "prometheus.yml"
-        cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-                       "scrape_configs:\n  - job_name: spanlet\n    honor_labels: true\n"
-                       f"    static_configs:\n      - targets: ['{target}']\n")
-        self.proc = subprocess.Popen(
-            [shutil.which("prometheus") or "/usr/bin/prometheus", f"--config.file={cfg}",
-             f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}",
-             "--log.level=warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def query(self, expr: str) -> list[dict]:
-        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-        with urllib.request.urlopen(url, timeout=10) as r:
-            body = json.load(r)
-        assert body["status"] == "success", body
-        return body["data"]["result"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-
-
 def test_every_promql_returns_series_from_a_real_prometheus(tmp_path, agent_registry):
     # Prometheus scrapes the agent's HTTP port (exporters/http.py); every
     # query of every dashboard, variables included, must have a result.
     server = AgentHttpServer("127.0.0.1", 0, agent_registry, ready=lambda: True)
     server.start()
-    prom = Prometheus(tmp_path, f"127.0.0.1:{server.server_address[1]}")
+    prom = Prometheus(tmp_path, f"127.0.0.1:{server.server_address[1]}", honor_labels=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                up = prom.query("count_over_time(up{job=\"spanlet\"}[10s]) >= 4")
-            except OSError:
-                up = []
-            if up or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert up, "Prometheus did not scrape the agent 4 times within 60 s"
+        prom.wait_scraped(4)
         queries = gq.prometheus_queries(rate_interval="10s", interval="1s", range_="10s")
         empty = [(d, p, e) for d, p, e in queries if not prom.query(e)]
         assert empty == []
