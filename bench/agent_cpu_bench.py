@@ -83,11 +83,9 @@ def measure(pid: int, seconds: float) -> dict:
 
 
 def rss_lines(idle: dict, loaded: dict, warmup_s: float) -> list[str]:
-    """RSS idle, the step the load makes (the store's batch, the engine's
-    working set, the code pages the load touches) and its trend after
-    `warmup_s` into the load (the soak's verdict), anonymous and file pages apart."""
-    after = [i for i, t in enumerate(loaded["at"]) if t >= warmup_s]
-    mean = lambda key, idx: sum(loaded[key][i] for i in idx) / len(idx)  # noqa: E731
+    """RSS idle, loaded after `warmup_s` (the store's batch, the engine's
+    working set, the code pages the load touches) and its trend from there
+    (the soak's verdict), anonymous and file pages apart."""
     out = [f"  {'RSS idle (MB): all / anon / file':34}{idle['rss'][-1]:>8.0f} /{idle['anon'][-1]:>4.0f} /"
            f"{idle['file'][-1]:>4.0f}"]
     if loaded["at"][-1] - warmup_s < TREND_S:
@@ -95,8 +93,10 @@ def rss_lines(idle: dict, loaded: dict, warmup_s: float) -> list[str]:
         out.append(f"  {'RSS at end of load (MB)':34}{r[-1]:>8.0f}   flat after its warm-up "
                    f"(--seconds {warmup_s + TREND_S:.0f} or more prints its trend; max {max(r):.0f} MB)")
         return out
-    out.append(f"  {'RSS loaded after ' + f'{warmup_s:.0f} s (MB): mean':34}{mean('rss', after):>8.0f} /"
-               f"{mean('anon', after):>4.0f} /{mean('file', after):>4.0f}   (max {max(loaded['rss']):.0f} MB)")
+    after = [i for i, t in enumerate(loaded["at"]) if t >= warmup_s]
+    mean = lambda key: sum(loaded[key][i] for i in after) / len(after)  # noqa: E731
+    out.append(f"  {'RSS loaded after ' + f'{warmup_s:.0f} s (MB): mean':34}{mean('rss'):>8.0f} /"
+               f"{mean('anon'):>4.0f} /{mean('file'):>4.0f}   (max {max(loaded['rss']):.0f} MB)")
     out.append(f"  {'RSS trend over the rest of the load':34}  "
                + rss_trend([loaded["at"][i] / 60 for i in after], [loaded["rss"][i] for i in after]))
     return out
