@@ -115,13 +115,15 @@ static __always_inline int gpu_is_nested(struct gpu_call *outer, __u64 pid_tgid,
     return outer && outer->pid_tgid == pid_tgid && sp <= outer->entry_sp;
 }
 
-/* Start a new outermost call in *c: ids, time, span modality. */
+/* Start a new outermost call in *c: ids, span modality; its time where
+ * `timed` (a launch that is neither timed nor sent reads no clock). */
 static __always_inline void gpu_call_init(struct gpu_call *c, struct pt_regs *ctx, __u64 pid_tgid,
-                                          struct span_ctx_val *span, __u8 api, __u8 entry)
+                                          struct span_ctx_val *span, __u8 api, __u8 entry, int timed)
 {
     c->pid_tgid = pid_tgid;
     c->entry_sp = PT_REGS_SP(ctx);
-    c->start_ns = bpf_ktime_get_ns();
+    if (timed)
+        c->start_ns = bpf_ktime_get_ns();
     c->api = api;
     c->entry = entry;
     c->modality = span ? span->modality : SPANLET_MOD_OTHER;
@@ -168,7 +170,11 @@ static __always_inline int gpu_launch_begin(struct pt_regs *ctx, struct gpu_call
         return 0;
 #endif
     struct span_ctx_val *span = span_ctx.lookup(&tid);
-    gpu_call_init(c, ctx, pid_tgid, span, api, entry);
+#ifdef SPANLET_GPU_LAUNCH_TIMING
+    gpu_call_init(c, ctx, pid_tgid, span, api, entry, 1);
+#else
+    gpu_call_init(c, ctx, pid_tgid, span, api, entry, 0);
+#endif
     struct gpu_count_key k;
     gpu_count_key_of(&k, c);
     /* Atomic even per CPU: a uprobe program can be preempted by another
@@ -179,7 +185,7 @@ static __always_inline int gpu_launch_begin(struct pt_regs *ctx, struct gpu_call
         __sync_fetch_and_add(n, 1);
     else
         spanlet_gpu_kernel_launches_total.update(&k, &one);
-    struct span_facts_val *row = span ? spanlet_span_row(span) : 0;
+    struct span_facts_val *row = span ? spanlet_span_row_of(span, k.cgroup_id) : 0;
     if (row) {
         if (api == SPANLET_API_DRIVER)
             __sync_fetch_and_add(&row->launches_driver, 1);
@@ -190,7 +196,11 @@ static __always_inline int gpu_launch_begin(struct pt_regs *ctx, struct gpu_call
 #ifdef SPANLET_GPU_LAUNCH_TIMING
     return 1;
 #else
-    return api != SPANLET_API_DRIVER || c->emit;
+    if (api != SPANLET_API_DRIVER || c->emit) {
+        c->start_ns = bpf_ktime_get_ns();   /* the record's time stamp */
+        return 1;
+    }
+    return 0;
 #endif
 }
 
@@ -850,7 +860,7 @@ static __always_inline int gpu_sync_begin(struct pt_regs *ctx, __u8 api, __u8 en
     if (gpu_is_nested(gpu_sync_calls.lookup(&tid), pid_tgid, PT_REGS_SP(ctx)))
         return 0;
     struct gpu_call c = {};
-    gpu_call_init(&c, ctx, pid_tgid, span_ctx.lookup(&tid), api, entry);
+    gpu_call_init(&c, ctx, pid_tgid, span_ctx.lookup(&tid), api, entry, 1);
     c.stream = stream;
     gpu_sync_calls.update(&tid, &c);
     return 0;

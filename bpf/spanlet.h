@@ -361,19 +361,19 @@ static __always_inline void spanlet_facts_made(struct span_facts_key *k)
         v->cgroups[idx & (SPANLET_FACTS_INDEX_CGROUPS - 1)] = cg;
 }
 
-/* The facts row of span `c` for the calling task's cgroup, created (cgroup,
+/* The facts row of span `c` for the calling task's cgroup (`cgroup_id`), created (cgroup,
  * pid and time of this first event) when absent and the cgroup is under its
  * bound. Another CPU may create it between our lookup and our insert:
  * BPF_NOEXIST then fails and the row it made is looked up again. Rows
  * created are counted so that the agent can tell LRU evictions (created -
  * taken - swept - present). NULL when the row is refused (the cgroup's bound)
  * or the map refuses it. */
-static __always_inline struct span_facts_val *spanlet_span_row(struct span_ctx_val *c)
+static __always_inline struct span_facts_val *spanlet_span_row_of(struct span_ctx_val *c, __u64 cgroup_id)
 {
     struct span_facts_key k = {};
     __builtin_memcpy(k.trace_id, c->trace_id, 16);
     k.span_id = c->span_id;
-    k.cgroup_id = bpf_get_current_cgroup_id();
+    k.cgroup_id = cgroup_id;
     struct span_facts_val *row = span_facts.lookup(&k);
     if (row)
         return row;
@@ -387,6 +387,12 @@ static __always_inline struct span_facts_val *spanlet_span_row(struct span_ctx_v
     if (span_facts.insert(&k, &init) == 0)
         spanlet_facts_made(&k);
     return span_facts.lookup(&k);
+}
+
+/* The same for the calling task's cgroup, where the caller has not read it. */
+static __always_inline struct span_facts_val *spanlet_span_row(struct span_ctx_val *c)
+{
+    return spanlet_span_row_of(c, bpf_get_current_cgroup_id());
 }
 
 /* Each program has its own ring buffer and a count of records it could not
