@@ -366,12 +366,14 @@ class StoreConfig(_Section):
     # A cluster name: ON CLUSTER DDL, Replicated local tables, Distributed tables.
     cluster: str = ""
     ttl_days: int = Field(default=7, ge=1, le=3650)
-    batch_rows: int = Field(default=10_000, ge=1, le=1_000_000)
+    batch_rows: int = Field(default=30_000, ge=1, le=1_000_000)
     # Each insert costs the embedded engine ~20-50 ms of CPU however few its
-    # rows (the statement's analysis, a part written, then merged; ~5 µs a
-    # span, ~3 µs a kernel event on top): 10 s between inserts keeps that
-    # cost under 0.5% of a core, and the store's rows at most that much behind.
-    batch_interval_s: float = Field(default=10.0, gt=0, le=60)
+    # rows (the statement's analysis, a part written, then merged again as
+    # parts grow; ~5 µs a span, ~3 µs a kernel event on top): 30 s between
+    # inserts (30,000 rows at 1,000 spans/s) took the agent at that load from
+    # 3.4-4.1% to 2.4-2.8% of a core against 10 s (bench/agent_cpu_bench.py),
+    # for ~10 MB more held rows; the store's rows are at most that much behind.
+    batch_interval_s: float = Field(default=30.0, gt=0, le=60)
     queue_rows: int = Field(default=200_000, ge=1, le=100_000_000)
     # On-disk spool (data_dir/spool) for what the store cannot take now.
     spool_max_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
