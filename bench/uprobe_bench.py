@@ -2,7 +2,10 @@
 calls per second of the stand-in cuLaunchKernel (and cudaLaunchKernel, which
 reaches it) in a tight C loop, with no agent and with the span_ctx and GPU
 programs in several settings (default: one entry-only driver uprobe), side by
-side; then, with no agent, with the defaults (uprobe_multi links) and with a
+side, and with an empty uprobe program on the driver's cuLaunchKernel (the trap
+alone, which no program goes below); the default entry program's own time a run
+by BPF statistics (kernel.bpf_stats_enabled, on only for that pass: it adds its
+own clock reads); then, with no agent, with the defaults (uprobe_multi links) and with a
 perf-event uprobe per hook (gpu.uprobe_multi=false), every launch entry point and
 a graph replay (cuGraphLaunch of a 7-kernel graph captured after the agent
 attached).
@@ -28,13 +31,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
 
 import cuda_standin  # noqa: E402
 from spanlet import config, events  # noqa: E402
-from spanlet.probes.gpu import GpuProbe  # noqa: E402
+from spanlet.demo.standin import DRIVER  # noqa: E402
+from spanlet.probes.gpu import ENTRY as ENTRY_PROGRAM, GpuProbe  # noqa: E402
 from spanlet.probes.span_ctx import SpanCtxProbe  # noqa: E402
 
 LOOPS = {"cuLaunchKernel": "bench", "cudaLaunchKernel": "benchrt"}
 # label → config overrides (None: no agent at all)
+TRAP_ONLY = "trap only"   # an empty program on the driver's entry: the trap's own cost
 MODES = {
     "no agent": None,
+    TRAP_ONLY: None,
     "default": [],
     "sampled": ["gpu.launch_events=sampled"],
     "timed+runtime": ["gpu.launch_timing=true", "gpu.runtime_hooks=true"],
@@ -95,9 +101,54 @@ def loops_of(entries: bool) -> dict[str, str]:
     return {name: f"benchx {name}" for name in ENTRIES} | {GRAPH: "benchgraph cuGraphLaunch {exec}"}
 
 
+def trap_only(w, standin, calls: dict[str, int], repeat: int) -> dict[str, float]:
+    """ns per call of each loop with an empty program on the driver's
+    cuLaunchKernel (which the runtime's cudaLaunchKernel reaches): one trap."""
+    from bcc import BPF
+
+    b = BPF(text="int spanlet_bench_empty(struct pt_regs *ctx) { return 0; }")
+    try:
+        b.attach_uprobe(name=str(standin.lib_dir / DRIVER), sym="cuLaunchKernel", fn_name="spanlet_bench_empty")
+        return {label: ns_per_call(w, loop, calls[label], repeat) for label, loop in LOOPS.items()}
+    finally:
+        b.cleanup()
+
+
+def bpf_prog_stats() -> dict[int, tuple[str, int, int]]:
+    """id → (name, run_time_ns, run_cnt) of every loaded BPF program."""
+    out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True, timeout=30).stdout
+    return {p["id"]: (p.get("name", ""), p.get("run_time_ns", 0), p.get("run_cnt", 0))
+            for p in json.loads(out or "[]")}
+
+
+def program_time(w, standin, calls: dict[str, int], repeat: int) -> dict[str, float]:
+    """The default entry program's ns a run (gpu_entry, BPF statistics), by loop."""
+    stats = Path("/proc/sys/kernel/bpf_stats_enabled")
+    was = stats.read_text().strip()
+    out: dict[str, float] = {}
+
+    def run_loops() -> None:
+        for label, loop in LOOPS.items():
+            before = bpf_prog_stats()
+            ns_per_call(w, loop, calls[label], repeat)
+            after = bpf_prog_stats()
+            runs = [(t - before[i][1], n - before[i][2]) for i, (name, t, n) in after.items()
+                    if name == ENTRY_PROGRAM and i in before and n > before[i][2]]
+            if runs:
+                out[label] = sum(t for t, _ in runs) / sum(n for _, n in runs)
+
+    stats.write_text("1")
+    try:
+        measure(w, standin, [], calls, 1, during=run_loops)
+    finally:
+        stats.write_text(was)
+    return out
+
+
 def measure(w, standin, overrides: list[str] | None, calls: dict[str, int],
-            repeat: int, entries: bool = False) -> dict[str, float]:
-    """ns per call of each loop, the workload's thread inside one span."""
+            repeat: int, entries: bool = False, during=None) -> dict[str, float]:
+    """ns per call of each loop, the workload's thread inside one span
+    (`during`, if given, runs instead of the loops, the probes on)."""
     span = probe = reader = None
     if overrides is not None:
         cfg = config.load(env={}, overrides=overrides)
@@ -111,6 +162,9 @@ def measure(w, standin, overrides: list[str] | None, calls: dict[str, int],
         span.set(w.tid, TRACE_ID, SPAN_ID, events.Modality.text)
         reader = Reader(probe)
     try:
+        if during is not None:
+            during()
+            return {}
         loops = loops_of(entries)
         if entries:
             loops[GRAPH] = loops[GRAPH].format(exec=f"{graph_exec(w):#x}")
@@ -158,7 +212,7 @@ def print_main(results: dict, args: argparse.Namespace, expected: int) -> None:
           f"({args.calls} driver / {args.runtime_calls} runtime calls each)")
     print("every call inside one span; ratio: calls/s with the agent over calls/s without")
     table(results, LOOPS, MODES, 18)
-    for mode in list(MODES)[1:]:
+    for mode in list(MODES)[2:]:
         r = results[mode]
         print(f"{mode}: span row {r['row_launches']} launches of {expected} made; "
               f"{r['read']} records decoded, {r['dropped']} dropped")
@@ -183,8 +237,10 @@ def main() -> int:
             w.load(standin.lib_dir)
             ns_per_call(w, "bench", 10_000, 1)  # warm up (page faults, PLT binding)
             results = {} if args.only_entries else {
-                mode: measure(w, standin, overrides, calls, args.repeat)
+                mode: trap_only(w, standin, calls, args.repeat) if mode == TRAP_ONLY
+                else measure(w, standin, overrides, calls, args.repeat)
                 for mode, overrides in MODES.items()}
+            prog_ns = {} if args.only_entries else program_time(w, standin, calls, args.repeat)
             per_entry = {} if args.no_entries else {
                 mode: measure(w, standin, MODES_ALL[mode], entry_calls, args.repeat, entries=True)
                 for mode in ENTRY_MODES}
@@ -195,6 +251,8 @@ def main() -> int:
               "the end (another agent on this machine): every figure includes their cost")
     if results:
         print_main(results, args, expected)
+        print("the default entry program's own time a run (BPF statistics, which add their own "
+              "clock reads): " + ", ".join(f"{label} {ns:.0f} ns" for label, ns in prog_ns.items()))
     if per_entry:
         print(f"\nevery entry point, {args.entry_calls} calls each, defaults (uprobe_multi links) and "
               "perf-event uprobes against no agent")
