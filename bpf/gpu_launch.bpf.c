@@ -170,11 +170,16 @@ static __always_inline int gpu_launch_begin(struct pt_regs *ctx, struct gpu_call
         return 0;
 #endif
     struct span_ctx_val *span = span_ctx.lookup(&tid);
-#ifdef SPANLET_GPU_LAUNCH_TIMING
-    gpu_call_init(c, ctx, pid_tgid, span, api, entry, 1);
+    /* The clock at entry for a call whose return probe times it; a record
+     * sent from here reads it below, and a launch only counted never. */
+#if defined(SPANLET_GPU_LAUNCH_TIMING)
+    int timed = 1;
+#elif defined(SPANLET_GPU_TRACK_LAUNCHES)
+    int timed = api != SPANLET_API_DRIVER;
 #else
-    gpu_call_init(c, ctx, pid_tgid, span, api, entry, 0);
+    int timed = 0;
 #endif
+    gpu_call_init(c, ctx, pid_tgid, span, api, entry, timed);
     struct gpu_count_key k;
     gpu_count_key_of(&k, c);
     /* Atomic even per CPU: a uprobe program can be preempted by another
@@ -197,7 +202,8 @@ static __always_inline int gpu_launch_begin(struct pt_regs *ctx, struct gpu_call
     return 1;
 #else
     if (api != SPANLET_API_DRIVER || c->emit) {
-        c->start_ns = bpf_ktime_get_ns();   /* the record's time stamp */
+        if (!timed)
+            c->start_ns = bpf_ktime_get_ns();   /* the record's time stamp */
         return 1;
     }
     return 0;
