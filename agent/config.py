@@ -580,6 +580,10 @@ class Config(_Section):
     # host's are not mounted or incomplete; the image sets it to the headers it
     # carries (SPANLET_IMAGE_KERNEL_HEADERS=/opt/spanlet/kernel-headers).
     image_kernel_headers: str = ""
+    # Keep each probe's compiled instructions in data_dir/bpf-cache and load
+    # them at a later start with the same program, flags, kernel, headers and
+    # BCC instead of compiling again (probes/compile_cache.py).
+    compile_cache: bool = True
     ringbuf_pages: int = Field(default=256, ge=1, le=65536)
     # Records a cgroup may send a second through the sampled GPU stream and the
     # sandbox's records (one pod cannot fill the ring the others' go through);

@@ -143,7 +143,7 @@ class Daemon:
         statuses = starter.statuses()
         t1 = time.monotonic()
         log.info("probes compiled and attached %.2f s after the daemon's start (%s)", t1 - t0, "; ".join(
-            f"{st.name} compile {st.compile_s:.2f} s, attach {st.attach_s:.2f} s" for st in statuses))
+            f"{st.name} compile {st.compile_s:.2f} s{' (cached)' if st.cached else ''}, attach {st.attach_s:.2f} s" for st in statuses))
         if self.store is not None:
             self.store.start()
         self.spans.start()

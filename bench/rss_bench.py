@@ -1,6 +1,7 @@
 """The agent's resident memory idle with its defaults, store off and store on,
-side by side in one run: VmRSS, its anonymous and file-backed parts, and the
-mappings that hold most of it. After its start the agent gives back what
+side by side in one run, each on an empty data_dir (its first start on a node)
+and with the compile cache that start left: VmRSS, its anonymous and
+file-backed parts, and the mappings that hold most of it. After its start the agent gives back what
 compiling left resident (probes.base.release_compiler_memory): the kernel
 pages out LLVM's and clang's file pages only where no other process maps
 them, so the bench says how many other processes map them now.
@@ -15,6 +16,7 @@ import collections
 import glob
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -55,8 +57,15 @@ def others_mapping_llvm() -> int:
     return n
 
 
-def measure(store: bool, settle_s: float, extra: list[str]) -> tuple[dict, list]:
+def measure(store: bool, settle_s: float, extra: list[str], cache: Path,
+            cached: bool) -> tuple[dict, list]:
+    """RSS and the biggest mappings of an agent started on an empty data_dir,
+    or (cached) with the compile cache (data_dir/bpf-cache) kept in `cache`
+    by an earlier start."""
     with tempfile.TemporaryDirectory(prefix="spanlet-rss-bench-") as tmp:
+        kept = Path(tmp) / "data" / "bpf-cache"
+        if cached:
+            shutil.copytree(cache, kept)
         agent = Agent(["tc.enabled=false", f"store.enabled={str(store).lower()}", f"data_dir={tmp}/data",
                        f"admin_socket={tmp}/admin.sock", f"otlp.grpc_port={free_port()}",
                        f"otlp.http_port={free_port()}", f"http_port={free_port()}",
@@ -69,6 +78,8 @@ def measure(store: bool, settle_s: float, extra: list[str]) -> tuple[dict, list]
         finally:
             agent.proc.terminate()
             agent.proc.wait(30)
+            if not cache.exists() and kept.exists():
+                shutil.copytree(kept, cache)
 
 
 def main() -> int:
@@ -77,11 +88,16 @@ def main() -> int:
     a = agent_bench_args(ap, "the bench")
     print(f"agent RSS idle, defaults (TC off), {a.settle:g} s after it runs; "
           f"other processes mapping LLVM now: {others_mapping_llvm()}")
-    print(f"  {'':12}{'RSS MB':>8}{'anon':>8}{'file':>8}   goal    biggest mappings (MB)")
-    for label, store in (("store off", False), ("store on", True)):
-        m, top = measure(store, a.settle, a.agent_set)
-        print(f"  {label:12}{m['rss']:>8.0f}{m['anon']:>8.0f}{m['file']:>8.0f}   <= {GOALS[label]:<4} "
-              + ", ".join(f"{n} {v:.0f}" for n, v in top))
+    print("  first start: an empty data_dir (every probe compiled); cached: the compile cache a "
+          "first start left (data_dir/bpf-cache), nothing else of it")
+    print(f"  {'':22}{'RSS MB':>8}{'anon':>8}{'file':>8}   goal    biggest mappings (MB)")
+    with tempfile.TemporaryDirectory(prefix="spanlet-rss-bench-cache-") as keep:
+        cache = Path(keep) / "bpf-cache"
+        for label, store in (("store off", False), ("store on", True)):
+            for start in ("first start", "cached"):
+                m, top = measure(store, a.settle, a.agent_set, cache, start == "cached")
+                print(f"  {label + ', ' + start:22}{m['rss']:>8.0f}{m['anon']:>8.0f}{m['file']:>8.0f}   "
+                      f"<= {GOALS[label]:<4} " + ", ".join(f"{n} {v:.0f}" for n, v in top))
     return 0
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 from spanlet import events
 from spanlet.config import Config
 from spanlet.probes.maps import Totals, percpu_sum, read_batches
-from spanlet.probes import ringbuf
+from spanlet.probes import compile_cache, ringbuf
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class ProbeStatus:
     attachments: list[str] = field(default_factory=list)
     failed_attachments: list[str] = field(default_factory=list)
     compile_s: float = 0.0     # wall seconds of the last compile (BCC, maps created)
+    cached: bool = False       # the last compile was the compile cache's (compile_cache)
     attach_s: float = 0.0      # of what followed it: programs loaded, attached, ring opened
 
 _U64 = struct.Struct("<Q")
@@ -153,7 +154,11 @@ class Probe:
         text = self.source_text()
         try:
             with BCC_LOCK:
-                self.bpf = BPF(text=text, cflags=flags)
+                if self.cfg.compile_cache:
+                    self.bpf, self.status.cached = compile_cache.cache_of(self.cfg).compile(
+                        text, flags, compile_cache.pin_templates(flags))
+                else:
+                    self.bpf = BPF(text=text, cflags=flags)
         except Exception as e:  # BCC raises bare Exception with the reason
             raise ProbeError(f"compile/load of {self.source_path.name} failed: {e}") from None
 

@@ -1,0 +1,569 @@
+"""Compiled probes kept between starts (data_dir/bpf-cache): a start whose
+program text, flags, kernel, headers and BCC are those of an earlier start
+loads that start's instructions into a module of its own maps instead of
+compiling them again (BCC 0.26 compiles each time and cannot load an object).
+
+What a compile leaves is read from BCC's module right after it: each map's
+kernel attributes (type, sizes, entries, flags, name, from the kernel's own
+map info), the key and value type descriptions BCC's Python tables are built
+from, whether the map is a pin (BPF_TABLE_PINNED, its path checked against
+the kernel's map id), and each function's instructions with the map fds in
+them turned back into map indexes. A cached start makes the maps (a pin is
+opened, or made and pinned where absent, as BCC does), writes their fds into
+the instructions and hands the module to bcc.BPF in place of a compile:
+tables, program loads, attaching and cleanup are BCC's own code, through a
+stand-in of libbcc's module calls (`_Lib`) that answers them for a cached
+module and passes every other call on. Programs are loaded into the verifier
+as ever.
+
+Anything unexpected (a file that does not parse, a map that cannot be made,
+an instruction kind this does not know) is logged and the probe compiled as
+without a cache; an unexpected compile result is not cached."""
+
+from __future__ import annotations
+
+import base64
+import ctypes as C
+import errno
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import stat
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1                 # of the files; part of the key
+CACHE_DIR = "bpf-cache"    # under data_dir
+MAX_FILES = 64             # kept, the least recently used removed past it
+
+_SYS_BPF = {"x86_64": 321, "aarch64": 280}
+_MAP_CREATE, _PROG_LOAD, _OBJ_PIN, _OBJ_GET, _OBJ_GET_INFO_BY_FD = 0, 5, 6, 7, 15
+_LD_IMM64 = 0x18
+_PSEUDO_MAP_FD = 1
+_OBJ_NAME_LEN = 16
+# prefixes bcc's program load leaves out of a program's kernel name (libbpf.c)
+_NAME_PREFIXES = ("kprobe__", "kretprobe__", "tracepoint__", "raw_tracepoint__", "kfunc__",
+                  "kretfunc__", "lsm__")
+
+_libc = C.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = C.c_long
+_syscall.argtypes = [C.c_long, C.c_int, C.c_void_p, C.c_uint]
+
+
+class CacheError(Exception):
+    """A cached module could not be used or a compile could not be cached."""
+
+
+class _MapInfo(C.Structure):
+    _fields_ = [("type", C.c_uint32), ("id", C.c_uint32), ("key_size", C.c_uint32),
+                ("value_size", C.c_uint32), ("max_entries", C.c_uint32), ("map_flags", C.c_uint32),
+                ("name", C.c_char * _OBJ_NAME_LEN), ("ifindex", C.c_uint32),
+                ("_rest", C.c_uint8 * 64)]
+
+
+class _InfoAttr(C.Structure):
+    _fields_ = [("bpf_fd", C.c_uint32), ("info_len", C.c_uint32), ("info", C.c_uint64)]
+
+
+class _ObjAttr(C.Structure):
+    _fields_ = [("pathname", C.c_uint64), ("bpf_fd", C.c_uint32), ("file_flags", C.c_uint32),
+                ("_pad", C.c_uint8 * 48)]
+
+
+class _MapCreateAttr(C.Structure):
+    _fields_ = [("map_type", C.c_uint32), ("key_size", C.c_uint32), ("value_size", C.c_uint32),
+                ("max_entries", C.c_uint32), ("map_flags", C.c_uint32), ("inner_map_fd", C.c_uint32),
+                ("numa_node", C.c_uint32), ("map_name", C.c_char * _OBJ_NAME_LEN),
+                ("_pad", C.c_uint8 * 72)]
+
+
+class _ProgLoadAttr(C.Structure):
+    _fields_ = [("prog_type", C.c_uint32), ("insn_cnt", C.c_uint32), ("insns", C.c_uint64),
+                ("license", C.c_uint64), ("log_level", C.c_uint32), ("log_size", C.c_uint32),
+                ("log_buf", C.c_uint64), ("kern_version", C.c_uint32), ("prog_flags", C.c_uint32),
+                ("prog_name", C.c_char * _OBJ_NAME_LEN), ("prog_ifindex", C.c_uint32),
+                ("expected_attach_type", C.c_uint32), ("_pad", C.c_uint8 * 64)]
+
+
+def _bpf(cmd: int, attr: C.Structure) -> int:
+    """bpf(cmd, attr); its result, or -1 with ctypes' errno set."""
+    return _syscall(_SYS_BPF[platform.machine()], cmd, C.addressof(attr), C.sizeof(attr))
+
+
+def _fail(what: str) -> CacheError:
+    err = C.get_errno()
+    return CacheError(f"{what}: {os.strerror(err)}")
+
+
+def map_info(fd: int) -> _MapInfo:
+    info = _MapInfo()
+    attr = _InfoAttr(bpf_fd=fd, info_len=C.sizeof(info), info=C.addressof(info))
+    if _bpf(_OBJ_GET_INFO_BY_FD, attr) < 0:
+        raise _fail(f"map info of fd {fd}")
+    return info
+
+
+def _obj_get(path: str) -> int:
+    p = C.create_string_buffer(os.fsencode(path))
+    return _bpf(_OBJ_GET, _ObjAttr(pathname=C.addressof(p)))
+
+
+def _obj_pin(fd: int, path: str) -> int:
+    p = C.create_string_buffer(os.fsencode(path))
+    return _bpf(_OBJ_PIN, _ObjAttr(pathname=C.addressof(p), bpf_fd=fd))
+
+
+# -- what a compile left, read from BCC's module --------------------------------
+_PINNED = re.compile(r"\bBPF_TABLE_PINNED\s*\(([^;]*?)\)\s*;", re.S)
+_STRING_DEFINE = re.compile(r'^-D(\w+)="(.*)"$')
+_TOKEN = re.compile(r'"((?:[^"\\]|\\.)*)"|(\w+)')
+
+
+def pinned_candidates(text: str, flags: list[str]) -> dict[str, str]:
+    """Table name → pin path of each BPF_TABLE_PINNED whose path is made of
+    string literals and -D string macros of `flags` (a declaration naming a
+    macro that is not defined is in a branch not compiled)."""
+    defines = {m.group(1): m.group(2) for f in flags if (m := _STRING_DEFINE.match(f))}
+    out = {}
+    found = list(_PINNED.finditer(text))
+    if len(found) != len(re.findall(r"\bBPF_TABLE_PINNED\b", text)):
+        raise CacheError("a BPF_TABLE_PINNED this cannot read")
+    for m in found:
+        args = [a.strip() for a in m.group(1).split(",")]
+        if len(args) < 6:
+            raise CacheError(f"a BPF_TABLE_PINNED this cannot read: {m.group(0)[:80]}")
+        path, ok = "", True
+        for lit, ident in _TOKEN.findall(args[5]):     # (type, key, leaf, name, max, path[, flags])
+            if ident:
+                if ident not in defines:
+                    ok = False
+                    break
+                path += defines[ident]
+            else:
+                path += lit
+        if ok:
+            out[args[3]] = path
+    return out
+
+
+def _module_calls():
+    """libbcc's module calls this reads, their types declared (bcc's Python
+    binds only some)."""
+    from bcc.libbcc import lib
+    sz, vp = C.c_size_t, C.c_void_p
+    for name, res, args in (("bpf_num_tables", sz, [vp]), ("bpf_table_name", C.c_char_p, [vp, sz]),
+                            ("bpf_table_fd_id", C.c_int, [vp, sz])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+def capture(module, text: str, flags: list[str], templates: dict[str, str]) -> dict:
+    """The image of a module BCC just compiled (and made the maps of): see
+    the module's doc. `templates` (real string → placeholder) are taken out
+    of the pin paths. Raises CacheError where the module holds what this
+    does not know how to make again."""
+    lib = _module_calls()
+    pins = pinned_candidates(text, flags)
+    tables, by_fd = [], {}
+    for i in range(lib.bpf_num_tables(module)):
+        name = lib.bpf_table_name(module, i)
+        fd = lib.bpf_table_fd_id(module, i)
+        if fd < 0:
+            raise CacheError(f"table {name!r} has no fd")
+        info = map_info(fd)
+        key_desc = lib.bpf_table_key_desc(module, name)
+        leaf_desc = lib.bpf_table_leaf_desc(module, name)
+        pin = pins.get(name.decode())
+        if pin is not None:
+            pfd = _obj_get(pin)
+            if pfd < 0:
+                raise _fail(f"pin {pin} of table {name.decode()}")
+            try:
+                if map_info(pfd).id != info.id:
+                    raise CacheError(f"pin {pin} is not table {name.decode()}")
+            finally:
+                os.close(pfd)
+            for real, placeholder in templates.items():
+                pin = pin.replace(real, placeholder)
+        tables.append({
+            "name": name.decode(), "type": info.type, "key_size": info.key_size,
+            "value_size": info.value_size, "max_entries": info.max_entries,
+            "map_flags": info.map_flags, "kname": info.name.decode(),
+            "bcc_type": lib.bpf_table_type_id(module, i), "bcc_flags": lib.bpf_table_flags_id(module, i),
+            "bcc_max_entries": lib.bpf_table_max_entries_id(module, i),
+            "key_desc": (key_desc or b"").decode(), "leaf_desc": (leaf_desc or b"").decode(),
+            "pin": pin})
+        by_fd[fd] = i
+    funcs = []
+    for i in range(lib.bpf_num_functions(module)):
+        name = lib.bpf_function_name(module, i)
+        start, size = lib.bpf_function_start(module, name), lib.bpf_function_size(module, name)
+        if not start or size % 8:
+            raise CacheError(f"function {name!r}: no instructions")
+        insns = bytearray(C.string_at(start, size))
+        relocs = []
+        for at in range(0, size, 8):
+            if insns[at] != _LD_IMM64:
+                continue
+            src = insns[at + 1] >> 4
+            if src == 0:
+                continue
+            imm = int.from_bytes(insns[at + 4:at + 8], "little", signed=True)
+            if src != _PSEUDO_MAP_FD or imm not in by_fd:
+                raise CacheError(f"function {name.decode()}: a 64-bit load of kind {src} "
+                                 f"(imm {imm}) is not a map of the module")
+            relocs.append([at // 8, by_fd[imm]])
+            insns[at + 4:at + 8] = b"\0\0\0\0"
+        funcs.append({"name": name.decode(), "insns": base64.b64encode(bytes(insns)).decode(),
+                      "maps": relocs})
+    return {"format": FORMAT, "license": lib.bpf_module_license(module).decode(),
+            "kern_version": lib.bpf_module_kern_version(module), "tables": tables,
+            "functions": funcs}
+
+
+# -- a module made from an image --------------------------------------------------
+class CachedModule:
+    """Stands for a libbcc module in bcc's calls (see _Lib): the maps of an
+    image made (or pins opened) and its functions' instructions with their fds."""
+
+    def __init__(self, image: dict, templates: dict[str, str]):
+        if image.get("format") != FORMAT:
+            raise CacheError("another format")
+        self.license = image["license"].encode()
+        self.kern_version = int(image["kern_version"])
+        self.tables = image["tables"]
+        self.fds: list[int] = []
+        self._names = {t["name"].encode(): i for i, t in enumerate(self.tables)}
+        try:
+            for t in self.tables:
+                self.fds.append(self._open_map(t, templates))
+            self.funcs: dict[bytes, C.Array] = {}
+            self.func_names: list[bytes] = []
+            for f in image["functions"]:
+                insns = bytearray(base64.b64decode(f["insns"]))
+                for at, table in f["maps"]:
+                    insns[at * 8 + 4:at * 8 + 8] = self.fds[table].to_bytes(4, "little", signed=True)
+                name = f["name"].encode()
+                self.funcs[name] = (C.c_char * len(insns)).from_buffer_copy(insns)
+                self.func_names.append(name)
+        except Exception:
+            self.destroy()
+            raise
+
+    @staticmethod
+    def _open_map(t: dict, templates: dict[str, str]) -> int:
+        pin = t["pin"]
+        if pin is not None:
+            for real, placeholder in templates.items():
+                pin = pin.replace(placeholder, real)
+            fd = _obj_get(pin)
+            if fd >= 0:
+                info = map_info(fd)
+                if (info.type, info.key_size, info.value_size) != (t["type"], t["key_size"], t["value_size"]):
+                    os.close(fd)
+                    raise CacheError(f"pin {pin} is another map")
+                return fd
+            if C.get_errno() != errno.ENOENT:
+                raise _fail(f"pin {pin}")
+        attr = _MapCreateAttr(map_type=t["type"], key_size=t["key_size"], value_size=t["value_size"],
+                              max_entries=t["max_entries"], map_flags=t["map_flags"],
+                              map_name=t["kname"].encode())
+        fd = _bpf(_MAP_CREATE, attr)
+        if fd < 0:
+            raise _fail(f"map {t['name']}")
+        if pin is not None and _obj_pin(fd, pin) < 0:
+            err = _fail(f"pin {pin}")
+            os.close(fd)
+            raise err
+        return fd
+
+    def destroy(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+
+    # the module calls bcc makes, answered
+    def table_id(self, name: bytes) -> int:
+        return self._names.get(name, 2**64 - 1)
+
+    def table_fd(self, name: bytes) -> int:
+        i = self._names.get(name)
+        return -1 if i is None or i >= len(self.fds) else self.fds[i]
+
+    def table(self, i: int) -> dict:
+        return self.tables[i]
+
+    def load(self, prog_type: int, name: bytes, start, size: int, license_: bytes,
+             kern_version: int, log_level: int, log_buf, log_size: int, device, attach_type: int) -> int:
+        """bcc_func_load for a cached module: the program into the verifier,
+        its fd or -1 with errno set (the verifier's log then logged)."""
+        kname = name
+        for prefix in _NAME_PREFIXES:
+            if kname.startswith(prefix.encode()):
+                kname = kname[len(prefix):]
+                break
+        lic = C.create_string_buffer(license_)
+        attr = _ProgLoadAttr(prog_type=prog_type, insn_cnt=size // 8, insns=start, license=C.addressof(lic),
+                             kern_version=kern_version, prog_name=kname[:_OBJ_NAME_LEN - 1],
+                             prog_ifindex=device or 0,
+                             expected_attach_type=attach_type if attach_type >= 0 else 0)
+        fd = _bpf(_PROG_LOAD, attr)
+        if fd < 0:
+            err = C.get_errno()
+            buf = C.create_string_buffer(1 << 20)
+            attr.log_level, attr.log_size, attr.log_buf = 1, len(buf), C.addressof(buf)
+            again = _bpf(_PROG_LOAD, attr)
+            if again >= 0:                  # passed the second time
+                return again
+            log.error("cached program %s refused: %s\n%s", name.decode(), os.strerror(err),
+                      buf.value.decode(errors="replace")[-4000:])
+            C.set_errno(err)
+        return fd
+
+
+_HANDLERS = {
+    "bpf_module_destroy": lambda m: m.destroy(),
+    "bpf_module_license": lambda m: m.license,
+    "bpf_module_kern_version": lambda m: m.kern_version,
+    "bpf_num_functions": lambda m: len(m.func_names),
+    "bpf_function_name": lambda m, i: m.func_names[i] if i < len(m.func_names) else None,
+    "bpf_function_start": lambda m, n: C.addressof(m.funcs[n]) if n in m.funcs else None,
+    "bpf_function_size": lambda m, n: len(m.funcs[n]) if n in m.funcs else 0,
+    "bcc_func_load": lambda m, *a: m.load(*a),
+    "bpf_num_tables": lambda m: len(m.tables),
+    "bpf_table_name": lambda m, i: m.tables[i]["name"].encode() if i < len(m.tables) else None,
+    "bpf_table_fd_id": lambda m, i: m.fds[i] if i < len(m.fds) else -1,
+    "bpf_table_id": lambda m, n: m.table_id(n),
+    "bpf_table_fd": lambda m, n: m.table_fd(n),
+    "bpf_table_type_id": lambda m, i: m.table(i)["bcc_type"],
+    "bpf_table_flags_id": lambda m, i: m.table(i)["bcc_flags"],
+    "bpf_table_max_entries_id": lambda m, i: m.table(i)["bcc_max_entries"],
+    "bpf_table_key_desc": lambda m, n: (m.table(m._names[n])["key_desc"].encode()
+                                        if n in m._names else None),
+    "bpf_table_leaf_desc": lambda m, n: (m.table(m._names[n])["leaf_desc"].encode()
+                                         if n in m._names else None),
+}
+
+
+class _Lib:
+    """libbcc as bcc's Python modules call it: a module call whose module is
+    a CachedModule is answered by it, and a compile call answered with the
+    module handed in by `pending` (see cached_bpf); anything else is libbcc's
+    own function (looked up once, then an attribute of this object)."""
+
+    def __init__(self, real):
+        self._real = real
+        self.pending = threading.local()
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._real, name)
+        handler = _HANDLERS.get(name)
+        if name == "bpf_module_create_c_from_string":
+            def create(*args, _fn=fn):
+                module = getattr(self.pending, "module", None)
+                return module if module is not None else _fn(*args)
+            value = create
+        elif handler is not None:
+            def call(*args, _fn=fn, _h=handler):
+                return _h(*args) if args and isinstance(args[0], CachedModule) else _fn(*args)
+            value = call
+        else:
+            value = fn
+        setattr(self, name, value)
+        return value
+
+
+_installed: _Lib | None = None
+_install_lock = threading.Lock()
+
+
+def _install() -> _Lib:
+    """Put _Lib in place of libbcc in the bcc modules that call it with a module."""
+    global _installed
+    with _install_lock:
+        if _installed is None:
+            import bcc
+            import bcc.table
+            _module_calls()
+            proxy = _Lib(bcc.libbcc.lib)
+            bcc.lib = proxy
+            bcc.table.lib = proxy
+            _installed = proxy
+        return _installed
+
+
+def cached_bpf(image: dict, text: str, flags: list[str], templates: dict[str, str]):
+    """A bcc.BPF over the image's maps and instructions, made as BCC makes one
+    (its tracepoint autoload included) but for the compile. Raises
+    CacheError (or OSError) where the maps cannot be made."""
+    from bcc import BPF
+    proxy = _install()
+    module = CachedModule(image, templates)
+    proxy.pending.module = module
+    try:
+        return BPF(text=text, cflags=flags)
+    except Exception:
+        module.destroy()
+        raise
+    finally:
+        proxy.pending.module = None
+
+
+# -- the key and the files ---------------------------------------------------------
+def _file_id(path: str) -> str:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return f"{path}:-"
+    return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _libbcc_path() -> str:
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "libbcc.so" in line:
+                    return line.split()[-1]
+    except OSError:
+        pass
+    return "libbcc"
+
+
+def cache_key(text: str, flags: list[str], templates: dict[str, str]) -> str:
+    """What a compile's result depends on: the text and flags (placeholders
+    for the strings of `templates`), the kernel (release and build), its
+    headers (BCC_KERNEL_SOURCE or /lib/modules/<release>/build), BCC (its
+    version and library file) and this format."""
+    import bcc
+    norm = []
+    for f in flags:
+        for real, placeholder in templates.items():
+            f = f.replace(real, placeholder)
+        norm.append(f)
+    uname = os.uname()
+    try:
+        kernel = Path("/proc/version").read_text()
+    except OSError:
+        kernel = ""
+    headers = os.environ.get("BCC_KERNEL_SOURCE") or f"/lib/modules/{uname.release}/build"
+    parts = [str(FORMAT), bcc.__version__, _file_id(_libbcc_path()), uname.release, uname.machine,
+             kernel, headers, *(_file_id(os.path.join(headers, p)) for p in
+                                ("include/generated/autoconf.h", "include/generated/utsrelease.h",
+                                 "include/linux/kconfig.h")),
+             json.dumps(norm), text]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+class CompileCache:
+    """data_dir/bpf-cache: one file per key, written whole (a temporary file
+    renamed), read only from a folder and files of this user that nobody else
+    can write (the agent loads what it reads into the kernel); at most
+    MAX_FILES, the least recently used removed past it."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.hits = 0
+        self.misses = 0
+
+    def _safe(self, path: Path) -> bool:
+        st = os.lstat(path)
+        return (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)) and \
+            st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+    def read(self, key: str) -> dict | None:
+        path = self.folder / f"{key}.json"
+        try:
+            if not (self._safe(self.folder) and self._safe(path)):
+                log.warning("compile cache %s: not this user's alone; not used", path)
+                return None
+            with open(path) as f:
+                image = json.load(f)
+            os.utime(path)                 # used: the last to be removed
+            return image
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("compile cache %s: %s; compiling", path, e)
+            return None
+
+    def write(self, key: str, image: dict) -> None:
+        try:
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not self._safe(self.folder):
+                log.warning("compile cache %s: not this user's alone; not written", self.folder)
+                return
+            tmp = self.folder / f".{key}.{os.getpid()}.{threading.get_ident()}"
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                json.dump(image, f, separators=(",", ":"))
+            os.replace(tmp, self.folder / f"{key}.json")
+            self._prune()
+        except OSError as e:
+            log.warning("compile cache %s: not written: %s", self.folder, e)
+
+    def _prune(self) -> None:
+        """Past MAX_FILES, the least recently used files go (each
+        configuration, kernel or BCC makes its own)."""
+        files = []
+        for p in self.folder.glob("*.json"):
+            try:
+                files.append((p.stat().st_mtime_ns, p))
+            except OSError:
+                continue
+        for _, p in sorted(files)[:max(0, len(files) - MAX_FILES)]:
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+    def compile(self, text: str, flags: list[str], templates: dict[str, str] | None = None):
+        """A bcc.BPF of the text and flags: from the cache where it holds this
+        key (`hit` True), else compiled by BCC and its image written. Raises
+        what BCC raises for a compile that fails."""
+        from bcc import BPF
+        templates = templates or {}
+        key = cache_key(text, flags, templates)
+        image = self.read(key)
+        if image is not None:
+            try:
+                bpf = cached_bpf(image, text, flags, templates)
+                self.hits += 1
+                return bpf, True
+            except (CacheError, OSError, KeyError, ValueError, TypeError) as e:
+                log.warning("compile cache %s: %s; compiling", key[:12], e)
+        _install()
+        bpf = BPF(text=text, cflags=flags)
+        self.misses += 1
+        try:
+            image = capture(bpf.module, text, flags, templates)
+        except CacheError as e:
+            log.info("compile cache: not kept: %s", e)
+            return bpf, False
+        self.write(key, image)
+        return bpf, False
+
+
+_PIN_DIR_FLAG = re.compile(r'^-DSPANLET_PIN_DIR="(.+)"$')
+_caches: dict[str, CompileCache] = {}
+
+
+def pin_templates(flags: list[str]) -> dict[str, str]:
+    """The agent's own pin folder (SPANLET_PIN_DIR, another at each start)
+    as a placeholder: the instructions do not depend on it."""
+    return {m.group(1): "{pin_dir}" for f in flags if (m := _PIN_DIR_FLAG.match(f))}
+
+
+def cache_of(cfg) -> CompileCache:
+    """The process's cache of cfg's data_dir (its hit and miss counts shared)."""
+    folder = os.path.join(cfg.data_dir, CACHE_DIR)
+    with _install_lock:
+        return _caches.setdefault(folder, CompileCache(folder))

@@ -1,0 +1,154 @@
+"""The compile cache against the real kernel: a start from the cache loads the
+same instructions into maps of the same kinds as the compile it was kept
+from, its pins made in the new agent's folder, and counts exactly; a file
+that cannot be used is compiled past."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import secrets
+
+import pytest
+
+from spanlet import config
+from spanlet.events import Api, Modality
+from spanlet.probes import compile_cache
+from spanlet.probes.gpu import GpuProbe
+from spanlet.probes.sandbox.probe import SandboxProbe
+from spanlet.probes.span_ctx import SpanCtxProbe
+from spanlet.probes.tc.probe import TcProbe
+
+from gpu_harness import cgroup_id, counts
+
+pytestmark = pytest.mark.kernel
+
+
+def masked(bpf, name: bytes) -> bytes:
+    """A function's instructions with the map fds in them zeroed."""
+    insns = bytearray(bpf.dump_func(name))
+    for at in range(0, len(insns), 8):
+        if insns[at] == 0x18 and insns[at + 1] >> 4 == 1:
+            insns[at + 4:at + 8] = b"\0\0\0\0"
+    return bytes(insns)
+
+
+def ctype(t):
+    """A ctypes type as data: its name, size and fields, nested."""
+    if t is None:
+        return None
+    fields = [(f[0], ctype(f[1]), *f[2:]) for f in getattr(t, "_fields_", [])]
+    elem = getattr(t, "_type_", None)
+    return (t.__name__, ctypes.sizeof(t), fields,
+            (ctype(elem), t._length_) if hasattr(t, "_length_") else None)
+
+
+def shape(bpf) -> dict:
+    """What bcc's Python sees of a module: each function's instructions (fds
+    masked), each table's class, kind, flags, bound and key and value types."""
+    proxy = compile_cache._install()
+    m = bpf.module
+    funcs = [proxy.bpf_function_name(m, i) for i in range(proxy.bpf_num_functions(m))]
+    tables = {}
+    for i in range(proxy.bpf_num_tables(m)):
+        name = proxy.bpf_table_name(m, i)
+        try:
+            t = bpf[name]
+        except IndexError as e:    # bcc's Python has no class for it (an unaligned per-CPU leaf)
+            tables[name] = repr(e)
+            continue
+        tables[name] = (type(t).__name__, t.ttype, t.flags, t.max_entries, ctype(t.Key), ctype(t.Leaf))
+    assert funcs and tables
+    return {"funcs": {f: masked(bpf, f) for f in funcs}, "tables": tables}
+
+
+def start_all(cfg):
+    span = SpanCtxProbe(cfg)
+    assert span.start().attached, span.status.reason
+    others = [GpuProbe(cfg), SandboxProbe(cfg), TcProbe(cfg)]
+    probes = [span]
+    try:
+        for p in others:
+            p.compile(pin_dir=str(span.pin_dir))
+            probes.append(p)
+    except Exception:
+        for p in probes:
+            p.stop()
+        raise
+    return probes
+
+
+def test_a_cached_module_is_the_compiled_one(tmp_path):
+    cfg = config.load(env={}, overrides=[f"data_dir={tmp_path}"])
+    cold = start_all(cfg)
+    try:
+        warm = start_all(cfg)
+        try:
+            assert [p.status.cached for p in cold] == [False] * 4
+            assert [p.status.cached for p in warm] == [True] * 4
+            assert len(list((tmp_path / "bpf-cache").glob("*.json"))) == 4
+            for c, w in zip(cold, warm):
+                assert shape(w.bpf) == shape(c.bpf), c.name
+            assert warm[0].pin_dir != cold[0].pin_dir
+        finally:
+            for p in reversed(warm):
+                p.stop()
+    finally:
+        for p in reversed(cold):
+            p.stop()
+
+
+def launches(api: str, n: int) -> str:
+    return f"{api} {n} 1 1 1 1 1 1 0 0"
+
+
+def test_a_cached_start_counts_exactly_and_pins_in_its_own_folder(standin, spawn, kernel, tmp_path):
+    w = spawn(standin.workload)
+    w.load(standin.lib_dir)
+    cg = cgroup_id(w.pid)
+    folders = []
+    for round_ in ("compiled", "cached"):
+        span, gpu = kernel(f"data_dir={tmp_path}")
+        assert (span.status.cached, gpu.status.cached) == ((round_ == "cached"),) * 2
+        assert sorted(p.name for p in span.pin_dir.iterdir()) >= ["span_ctx", "span_facts"]
+        folders.append(span.pin_dir)
+        for rep in range(20):
+            trace_id = secrets.token_bytes(16)
+            span_id = int.from_bytes(secrets.token_bytes(8), "big") | 1
+            span.set(w.tid, trace_id, span_id, Modality.text)
+            w.run(launches("cu", rep + 1), launches("cuda", 2), "cusync 50")
+            span.clear(w.tid)
+            w.run(launches("cu", 3))                  # outside the span
+            row = span.facts.take(trace_id, span_id)
+            assert row is not None, (round_, rep)
+            assert (row.launches, row.syncs, row.pid) == (rep + 3, 1, w.pid), (round_, rep)
+        # metric #1's counts too: in the spans by their modality, after them as "other"
+        assert counts(gpu.launches(), cg) == {(cg, Modality.text, Api.driver): 210 + 2 * 20,
+                                              (cg, Modality.other, Api.driver): 3 * 20}
+        gpu.stop()
+        span.stop()
+        assert not span.pin_dir.exists()           # the pins go with the agent, cached or not
+    assert folders[0] != folders[1]
+
+
+def test_a_file_that_cannot_be_used_is_compiled_past_and_written_again(tmp_path, caplog):
+    cfg = config.load(env={}, overrides=[f"data_dir={tmp_path}"])
+    span = SpanCtxProbe(cfg)
+    assert span.start().attached
+    span.stop()
+    (path,) = (tmp_path / "bpf-cache").glob("*.json")
+    image = json.loads(path.read_text())
+    image["tables"][0]["type"] = 9999                     # no such map type
+    path.write_text(json.dumps(image))
+    span = SpanCtxProbe(cfg)
+    try:
+        assert span.start().attached and not span.status.cached
+    finally:
+        span.stop()
+    assert "compiling" in caplog.text
+    assert json.loads(path.read_text())["tables"][0]["type"] != 9999
+    span = SpanCtxProbe(cfg)
+    try:
+        assert span.start().attached and span.status.cached
+    finally:
+        span.stop()
