@@ -10,7 +10,7 @@ stand-in libraries that only this bench maps. CPU from /proc/<agent>/stat, RSS f
 verdict). Also prints how many spans arrived upstream with exactly their launches, and the
 agent's stop time on SIGTERM against its shutdown_timeout_s.
 
-    sudo .venv/bin/python bench/agent_cpu_bench.py [--seconds 10] [--set KEY=VALUE]
+    sudo .venv/bin/python bench/agent_cpu_bench.py [--seconds 10] [--idle-seconds S] [--set KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def wait_traced(child: FactsChild, http_port: int, limit_s: float = 30) -> None:
 
 # RSS after the load's first WARMUP_S (the store's first inserts and merges,
 # the code pages they touch) is fitted for a trend when TREND_S or more of it
-# remain: several of the store's 10 s insert cycles, each a saw-tooth.
+# remain: several of the store's insert cycles (store.batch_interval_s), each a saw-tooth.
 WARMUP_S, TREND_S = 60.0, 60.0
 
 
@@ -97,8 +97,13 @@ def rss_lines(idle: dict, loaded: dict, warmup_s: float) -> list[str]:
     mean = lambda key: sum(loaded[key][i] for i in after) / len(after)  # noqa: E731
     out.append(f"  {'RSS loaded after ' + f'{warmup_s:.0f} s (MB): mean':34}{mean('rss'):>8.0f} /"
                f"{mean('anon'):>4.0f} /{mean('file'):>4.0f}   (max {max(loaded['rss']):.0f} MB)")
-    out.append(f"  {'RSS trend over the rest of the load':34}  "
-               + rss_trend([loaded["at"][i] / 60 for i in after], [loaded["rss"][i] for i in after]))
+    minutes = [loaded["at"][i] / 60 for i in after]
+    for key, label in (("rss", "RSS trend over the rest of the load"), ("anon", "  anonymous"),
+                       ("file", "  file pages")):
+        out.append(f"  {label:34}  " + rss_trend(minutes, [loaded[key][i] for i in after]))
+    q = max(1, len(after) // 4)
+    quarters = [sum(loaded["rss"][i] for i in after[k * q:(k + 1) * q]) / q for k in range(4)]
+    out.append(f"  {'RSS by quarter of the rest (MB)':34}" + " /".join(f"{m:>5.0f}" for m in quarters))
     return out
 
 
@@ -132,7 +137,9 @@ def exact_spans(upstream: Upstream, expected_launches: int, sent: int, limit_s: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--seconds", type=float, default=10, help="seconds of load")
+    ap.add_argument("--idle-seconds", type=float, default=None,
+                    help="seconds of the idle window before the load (default: --seconds)")
     ap.add_argument("--spans", type=float, default=1000, help="spans per second")
     ap.add_argument("--launches", type=int, default=50, help="GPU launches inside each span")
     ap.add_argument("--processor", choices=("batch-sdk", "batch", "simple"), default="batch-sdk",
@@ -156,7 +163,7 @@ def main() -> int:
                 # the warm-up's spans exported now and stored at the next insert: idle starts after it
                 child.command("flush", "flushed")
                 time.sleep(1 + cfg.store.batch_interval_s)
-                idle = measure(agent.pid, a.seconds)
+                idle = measure(agent.pid, a.seconds if a.idle_seconds is None else a.idle_seconds)
                 load = threading.Thread(target=child.command,
                                         args=(f"paced {a.spans} {a.launches} {a.seconds + 1}",))
                 load.start()
@@ -171,7 +178,8 @@ def main() -> int:
     upstream.rx.stop()
 
     print(f"agent at {a.spans:,.0f} spans/s x {a.launches} launches in each "
-          f"({a.spans * a.launches:,.0f} launches/s inside spans), store and export on, {a.seconds:.0f} s each"
+          f"({a.spans * a.launches:,.0f} launches/s inside spans), store and export on, {a.seconds:.0f} s loaded"
+          + (f", {a.idle_seconds:.0f} s idle" if a.idle_seconds is not None else " and idle")
           + (f"; settings {' '.join(a.agent_set)}" if a.agent_set else ""))
     print(f"  {'':34}{'figure':>16}   goal")
     print(f"  {'CPU idle (share of one core)':34}{idle['cpu']:>16.1%}")
