@@ -31,6 +31,8 @@ import logging
 import os
 import platform
 import re
+import resource
+import socket
 import stat
 import threading
 from pathlib import Path
@@ -64,7 +66,10 @@ class _MapInfo(C.Structure):
     _fields_ = [("type", C.c_uint32), ("id", C.c_uint32), ("key_size", C.c_uint32),
                 ("value_size", C.c_uint32), ("max_entries", C.c_uint32), ("map_flags", C.c_uint32),
                 ("name", C.c_char * _OBJ_NAME_LEN), ("ifindex", C.c_uint32),
-                ("_rest", C.c_uint8 * 64)]
+                ("btf_vmlinux_value_type_id", C.c_uint32), ("netns_dev", C.c_uint64),
+                ("netns_ino", C.c_uint64), ("btf_id", C.c_uint32), ("btf_key_type_id", C.c_uint32),
+                ("btf_value_type_id", C.c_uint32), ("_pad", C.c_uint32), ("map_extra", C.c_uint64),
+                ("_rest", C.c_uint8 * 32)]
 
 
 class _InfoAttr(C.Structure):
@@ -92,8 +97,30 @@ class _ProgLoadAttr(C.Structure):
 
 
 def _bpf(cmd: int, attr: C.Structure) -> int:
-    """bpf(cmd, attr); its result, or -1 with ctypes' errno set."""
-    return _syscall(_SYS_BPF[platform.machine()], cmd, C.addressof(attr), C.sizeof(attr))
+    """bpf(cmd, attr); its result, or -1 with ctypes' errno set. Where the
+    kernel charges BPF memory to RLIMIT_MEMLOCK (before Linux 5.11) a refusal
+    for it (EPERM) raises the limit, as BCC does, and tries once more; a
+    program load the verifier broke off for a signal (EAGAIN) is tried again
+    (libbpf tries 5 times)."""
+    nr = _SYS_BPF.get(platform.machine())
+    if nr is None:
+        raise CacheError(f"no bpf syscall number known for {platform.machine()}")
+    raised = False
+    for _ in range(5):
+        fd = _syscall(nr, cmd, C.addressof(attr), C.sizeof(attr))
+        if fd >= 0:
+            return fd
+        err = C.get_errno()
+        if err == errno.EPERM and not raised and cmd in (_MAP_CREATE, _PROG_LOAD):
+            raised = True
+            try:
+                resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY,) * 2)
+            except (OSError, ValueError):
+                break
+        elif not (err == errno.EAGAIN and cmd == _PROG_LOAD):
+            break
+        C.set_errno(err)
+    return fd
 
 
 def _fail(what: str) -> CacheError:
@@ -178,6 +205,8 @@ def capture(module, text: str, flags: list[str], templates: dict[str, str]) -> d
         if fd < 0:
             raise CacheError(f"table {name!r} has no fd")
         info = map_info(fd)
+        if info.btf_id:
+            raise CacheError(f"table {name.decode()} has BTF, which this does not make again")
         key_desc = lib.bpf_table_key_desc(module, name)
         leaf_desc = lib.bpf_table_leaf_desc(module, name)
         pin = pins.get(name.decode())
@@ -265,16 +294,22 @@ class CachedModule:
                 pin = pin.replace(placeholder, real)
             fd = _obj_get(pin)
             if fd >= 0:
-                info = map_info(fd)
-                if (info.type, info.key_size, info.value_size) != (t["type"], t["key_size"], t["value_size"]):
+                try:
+                    info = map_info(fd)
+                    if (info.type, info.key_size, info.value_size) != (t["type"], t["key_size"],
+                                                                       t["value_size"]):
+                        raise CacheError(f"pin {pin} is another map")
+                except BaseException:
                     os.close(fd)
-                    raise CacheError(f"pin {pin} is another map")
+                    raise
                 return fd
             if C.get_errno() != errno.ENOENT:
                 raise _fail(f"pin {pin}")
+        # made as BCC makes it: the declared bound, flags and name (a pin
+        # another tool made first reports that tool's)
         attr = _MapCreateAttr(map_type=t["type"], key_size=t["key_size"], value_size=t["value_size"],
-                              max_entries=t["max_entries"], map_flags=t["map_flags"],
-                              map_name=t["kname"].encode())
+                              max_entries=t["bcc_max_entries"], map_flags=t["bcc_flags"],
+                              map_name=t["name"].encode()[:_OBJ_NAME_LEN - 1])
         fd = _bpf(_MAP_CREATE, attr)
         if fd < 0:
             raise _fail(f"map {t['name']}")
@@ -301,7 +336,7 @@ class CachedModule:
         return -1 if i is None or i >= len(self.fds) else self.fds[i]
 
     def table(self, i: int) -> dict:
-        return self.tables[i]
+        return self.tables[i] if 0 <= i < len(self.tables) else _NO_TABLE
 
     def load(self, prog_type: int, name: bytes, start, size: int, license_: bytes,
              kern_version: int, log_level: int, log_buf, log_size: int, device, attach_type: int) -> int:
@@ -315,7 +350,8 @@ class CachedModule:
         lic = C.create_string_buffer(license_)
         attr = _ProgLoadAttr(prog_type=prog_type, insn_cnt=size // 8, insns=start, license=C.addressof(lic),
                              kern_version=kern_version, prog_name=kname[:_OBJ_NAME_LEN - 1],
-                             prog_ifindex=device or 0,
+                             prog_ifindex=0 if device is None else socket.if_nametoindex(device.decode()
+                                                                                   if isinstance(device, bytes) else device),
                              expected_attach_type=attach_type if attach_type >= 0 else 0)
         fd = _bpf(_PROG_LOAD, attr)
         if fd < 0:
@@ -325,11 +361,13 @@ class CachedModule:
             again = _bpf(_PROG_LOAD, attr)
             if again >= 0:                  # passed the second time
                 return again
-            log.error("cached program %s refused: %s\n%s", name.decode(), os.strerror(err),
+            log.warning("cached program %s refused: %s\n%s", name.decode(), os.strerror(err),
                       buf.value.decode(errors="replace")[-4000:])
             C.set_errno(err)
         return fd
 
+
+_NO_TABLE = {"bcc_type": -1, "bcc_flags": -1, "bcc_max_entries": 0}   # libbcc's answers for no table
 
 _HANDLERS = {
     "bpf_module_destroy": lambda m: m.destroy(),
@@ -410,9 +448,15 @@ def cached_bpf(image: dict, text: str, flags: list[str], templates: dict[str, st
     proxy = _install()
     module = CachedModule(image, templates)
     proxy.pending.module = module
+    bpf = BPF.__new__(BPF)
     try:
-        return BPF(text=text, cflags=flags)
+        bpf.__init__(text=text, cflags=flags)
+        return bpf
     except Exception:
+        try:
+            bpf.cleanup()       # what its tracepoint autoload attached, its fds
+        except Exception:
+            pass
         module.destroy()
         raise
     finally:
@@ -421,29 +465,46 @@ def cached_bpf(image: dict, text: str, flags: list[str], templates: dict[str, st
 
 # -- the key and the files ---------------------------------------------------------
 def _file_id(path: str) -> str:
+    """A file by its contents (small files: headers)."""
     try:
-        st = os.stat(path)
+        with open(path, "rb") as f:
+            return f"{os.path.realpath(path)}:{hashlib.sha256(f.read()).hexdigest()}"
     except OSError:
         return f"{path}:-"
-    return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def _libbcc_path() -> str:
+def _libbcc_id() -> str:
+    """The libbcc this process mapped: its path, device and inode (a library
+    replaced under a running agent is another inode), size and time."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 if "libbcc.so" in line:
-                    return line.split()[-1]
+                    fields = line.split(maxsplit=5)
+                    path = fields[5].strip()
+                    try:
+                        st = os.stat(path)
+                        return f"{path}:{fields[3]}:{fields[4]}:{st.st_size}:{st.st_mtime_ns}"
+                    except OSError:
+                        return f"{path}:{fields[3]}:{fields[4]}"
     except OSError:
         pass
     return "libbcc"
 
 
+# what BCC reads from the environment that changes a compile (loader.cc, kbuild_helper.cc)
+_BCC_ENV = ("BCC_KERNEL_SOURCE", "BCC_LINUX_VERSION_CODE", "BCC_KERNEL_MODULES_SUFFIX", "ARCH")
+_HEADER_FILES = ("include/generated/autoconf.h", "include/generated/utsrelease.h",
+                 "include/generated/uapi/linux/version.h", "include/linux/kconfig.h")
+
+
 def cache_key(text: str, flags: list[str], templates: dict[str, str]) -> str:
     """What a compile's result depends on: the text and flags (placeholders
     for the strings of `templates`), the kernel (release and build), its
-    headers (BCC_KERNEL_SOURCE or /lib/modules/<release>/build), BCC (its
-    version and library file) and this format."""
+    headers (the contents of their generated configuration and version files,
+    in BCC_KERNEL_SOURCE or /lib/modules/<release>/build and source), what
+    else of the environment BCC reads, BCC (its version and library file)
+    and this format."""
     import bcc
     norm = []
     for f in flags:
@@ -455,11 +516,11 @@ def cache_key(text: str, flags: list[str], templates: dict[str, str]) -> str:
         kernel = Path("/proc/version").read_text()
     except OSError:
         kernel = ""
-    headers = os.environ.get("BCC_KERNEL_SOURCE") or f"/lib/modules/{uname.release}/build"
-    parts = [str(FORMAT), bcc.__version__, _file_id(_libbcc_path()), uname.release, uname.machine,
-             kernel, headers, *(_file_id(os.path.join(headers, p)) for p in
-                                ("include/generated/autoconf.h", "include/generated/utsrelease.h",
-                                 "include/linux/kconfig.h")),
+    given = os.environ.get("BCC_KERNEL_SOURCE")
+    trees = [given] if given else [f"/lib/modules/{uname.release}/{d}" for d in ("build", "source")]
+    parts = [str(FORMAT), bcc.__version__, _libbcc_id(), uname.release, uname.machine, kernel,
+             json.dumps({k: os.environ.get(k) for k in _BCC_ENV}),
+             *(_file_id(os.path.join(tree, p)) for tree in trees for p in _HEADER_FILES),
              json.dumps(norm), text]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
@@ -475,40 +536,81 @@ class CompileCache:
         self.hits = 0
         self.misses = 0
 
-    def _safe(self, path: Path) -> bool:
-        st = os.lstat(path)
-        return (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)) and \
-            st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    @staticmethod
+    def _alone(fd: int) -> bool:
+        st = os.fstat(fd)
+        return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+    def _open_folder(self, create: bool) -> int | None:
+        """The folder's fd (never through a symbolic link), or None where it
+        is missing or not this user's alone (logged)."""
+        if create:
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        if not self._alone(fd):
+            os.close(fd)
+            log.warning("compile cache %s: not this user's alone; not used", self.folder)
+            return None
+        return fd
 
     def read(self, key: str) -> dict | None:
-        path = self.folder / f"{key}.json"
+        name = f"{key}.json"
         try:
-            if not (self._safe(self.folder) and self._safe(path)):
-                log.warning("compile cache %s: not this user's alone; not used", path)
+            folder = self._open_folder(create=False)
+            if folder is None:
                 return None
-            with open(path) as f:
-                image = json.load(f)
-            os.utime(path)                 # used: the last to be removed
-            return image
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder)
+                with open(fd, "rb") as f:
+                    if not (stat.S_ISREG(os.fstat(fd).st_mode) and self._alone(fd)):
+                        log.warning("compile cache %s/%s: not this user's alone; not used",
+                                    self.folder, name)
+                        return None
+                    image = json.load(f)
+                os.utime(name, dir_fd=folder)      # used: the last to be removed
+                return image
+            finally:
+                os.close(folder)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
-            log.warning("compile cache %s: %s; compiling", path, e)
+            log.warning("compile cache %s/%s: %s; compiling", self.folder, name, e)
             return None
 
     def write(self, key: str, image: dict) -> None:
+        tmp = f".{key}.{os.getpid()}.{threading.get_ident()}"
+        folder = None
         try:
-            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not self._safe(self.folder):
-                log.warning("compile cache %s: not this user's alone; not written", self.folder)
+            folder = self._open_folder(create=True)
+            if folder is None:
                 return
-            tmp = self.folder / f".{key}.{os.getpid()}.{threading.get_ident()}"
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-                json.dump(image, f, separators=(",", ":"))
-            os.replace(tmp, self.folder / f"{key}.json")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=folder)
+            try:
+                with open(fd, "w") as f:
+                    json.dump(image, f, separators=(",", ":"))
+                os.replace(tmp, f"{key}.json", src_dir_fd=folder, dst_dir_fd=folder)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=folder)
+                except OSError:
+                    pass
+                raise
             self._prune()
         except OSError as e:
             log.warning("compile cache %s: not written: %s", self.folder, e)
+        finally:
+            if folder is not None:
+                os.close(folder)
+
+    def remove(self, key: str) -> None:
+        """A file that could not be used: the next start compiles and writes it again."""
+        try:
+            (self.folder / f"{key}.json").unlink()
+        except OSError:
+            pass
 
     def _prune(self) -> None:
         """Past MAX_FILES, the least recently used files go (each
@@ -538,14 +640,15 @@ class CompileCache:
                 bpf = cached_bpf(image, text, flags, templates)
                 self.hits += 1
                 return bpf, True
-            except (CacheError, OSError, KeyError, ValueError, TypeError) as e:
+            except Exception as e:    # bcc raises bare Exception; a file may hold anything
                 log.warning("compile cache %s: %s; compiling", key[:12], e)
+                self.remove(key)
         _install()
         bpf = BPF(text=text, cflags=flags)
         self.misses += 1
         try:
             image = capture(bpf.module, text, flags, templates)
-        except CacheError as e:
+        except Exception as e:        # the compile stands; only the cache goes without
             log.info("compile cache: not kept: %s", e)
             return bpf, False
         self.write(key, image)

@@ -5,6 +5,7 @@ that cannot be used is compiled past."""
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import json
 import secrets
@@ -131,14 +132,25 @@ def test_a_cached_start_counts_exactly_and_pins_in_its_own_folder(standin, spawn
     assert folders[0] != folders[1]
 
 
-def test_a_file_that_cannot_be_used_is_compiled_past_and_written_again(tmp_path, caplog):
+def _no_map_type(image):
+    image["tables"][0]["type"] = 9999                     # no map can be made
+
+
+def _refused_program(image):
+    fn = next(f for f in image["functions"] if f["name"].startswith("tracepoint__"))
+    fn["insns"], fn["maps"] = base64.b64encode(bytes([0x95] + [0] * 7)).decode(), []  # exit, r0 unset
+
+
+@pytest.mark.parametrize("spoil", [_no_map_type, _refused_program])
+def test_a_file_that_cannot_be_used_is_compiled_past_and_written_again(tmp_path, caplog, spoil):
     cfg = config.load(env={}, overrides=[f"data_dir={tmp_path}"])
     span = SpanCtxProbe(cfg)
     assert span.start().attached
     span.stop()
     (path,) = (tmp_path / "bpf-cache").glob("*.json")
-    image = json.loads(path.read_text())
-    image["tables"][0]["type"] = 9999                     # no such map type
+    good = path.read_text()
+    image = json.loads(good)
+    spoil(image)                 # a map refused, or a program the verifier refuses (its autoload)
     path.write_text(json.dumps(image))
     span = SpanCtxProbe(cfg)
     try:
@@ -146,7 +158,8 @@ def test_a_file_that_cannot_be_used_is_compiled_past_and_written_again(tmp_path,
     finally:
         span.stop()
     assert "compiling" in caplog.text
-    assert json.loads(path.read_text())["tables"][0]["type"] != 9999
+    assert json.loads(path.read_text()) == json.loads(good)     # the compile's, written again
+    assert not any(p.is_dir() for p in span.pin_dir.parent.glob(span.pin_dir.name))
     span = SpanCtxProbe(cfg)
     try:
         assert span.start().attached and span.status.cached

@@ -110,6 +110,11 @@ class FakeLib:
     def __init__(self):
         self.calls = []
 
+    def __getattr__(self, name):          # any other libbcc call: must not be reached here
+        def reached(*args):
+            raise AssertionError(f"{name} reached libbcc")
+        return reached
+
     def bpf_table_fd(self, module, name):
         self.calls.append(("bpf_table_fd", module, name))
         return 7
@@ -162,3 +167,21 @@ def test_past_its_bound_the_least_recently_used_files_go(tmp_path, monkeypatch):
     assert cache.read("a") == {"n": 0}        # used now: the newest
     cache.write("d", {"n": 3})
     assert sorted(p.stem for p in tmp_path.glob("*.json")) == ["a", "c", "d"]
+
+
+def test_a_folder_or_file_reached_through_a_link_is_not_used(tmp_path, caplog):
+    real = cc.CompileCache(tmp_path / "real")
+    real.write("k", {"format": cc.FORMAT})
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert cc.CompileCache(tmp_path / "link").read("k") is None
+    (tmp_path / "real" / "j.json").symlink_to(tmp_path / "real" / "k.json")
+    assert real.read("j") is None and "compiling" in caplog.text
+    assert real.read("k") == {"format": cc.FORMAT}
+
+
+def test_a_name_the_module_does_not_have_is_answered_as_libbcc_does():
+    lib = cc._Lib(FakeLib())
+    module = cc.CachedModule(image(), {})
+    missing = lib.bpf_table_id(module, b"nothing")
+    assert lib.bpf_table_fd(module, b"nothing") == -1
+    assert (lib.bpf_table_type_id(module, missing), lib.bpf_table_max_entries_id(module, missing)) == (-1, 0)
