@@ -30,7 +30,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 import cuda_standin  # noqa: E402
 from facts_child import FactsChild  # noqa: E402
 from otlp_upstream import Upstream, kernel_attrs  # noqa: E402
-from common import Agent, agent_bench_args, cpu_s  # noqa: E402
+from common import TICK, Agent, agent_bench_args, cpu_s  # noqa: E402
 from processes import free_port  # noqa: E402
 from soak import SOAK_DRIVER, SOAK_RUNTIME, rss_mb, rss_trend, scrape, soak_libraries  # noqa: E402
 from spanlet import config  # noqa: E402
@@ -69,17 +69,54 @@ def wait_traced(child: FactsChild, http_port: int, limit_s: float = 30) -> None:
 WARMUP_S, TREND_S = 60.0, 60.0
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of the process's live threads, summed by thread name."""
+    out: dict[str, float] = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
 def measure(pid: int, seconds: float) -> dict:
     """CPU share of one core over `seconds`, and RSS samples (MB, with their
-    seconds into the window) once a second."""
+    seconds into the window) and CPU seconds so far once a second; the
+    threads' CPU by name at each quarter of the window."""
     c0, t0 = cpu_s(pid), time.monotonic()
-    rss, at = [rss_mb(pid)], [0.0]
+    rss, at, cpu = [rss_mb(pid)], [0.0], [0.0]
+    threads = [thread_cpu(pid)]
     while time.monotonic() - t0 < seconds:
         time.sleep(min(1.0, max(0.0, seconds - (time.monotonic() - t0))))
         rss.append(rss_mb(pid))
         at.append(time.monotonic() - t0)
+        cpu.append(cpu_s(pid) - c0)
+        if at[-1] >= len(threads) * seconds / 4 - 0.5:
+            threads.append(thread_cpu(pid))
     return {"cpu": (cpu_s(pid) - c0) / (time.monotonic() - t0), "rss": [r["rss"] for r in rss],
-            "anon": [r["anon"] for r in rss], "file": [r["file"] for r in rss], "at": at}
+            "anon": [r["anon"] for r in rss], "file": [r["file"] for r in rss], "at": at,
+            "cpu_s": cpu, "threads": threads}
+
+
+def cpu_lines(loaded: dict) -> list[str]:
+    """The load's CPU by quarter, and the threads (by name) that took most of it, by quarter."""
+    at, cpu = loaded["at"], loaded["cpu_s"]
+    span = at[-1] / 4
+    if span < 30 or len(loaded["threads"]) < 5:
+        return []
+    marks = [min(range(len(at)), key=lambda i: abs(at[i] - k * span)) for k in range(5)]
+    shares = [(cpu[marks[k + 1]] - cpu[marks[k]]) / (at[marks[k + 1]] - at[marks[k]]) for k in range(4)]
+    out = [f"  {'CPU by quarter of the load':34}" + " /".join(f"{x:>6.1%}" for x in shares)]
+    snaps = loaded["threads"][:5]
+    totals = {n: snaps[4].get(n, 0.0) - snaps[0].get(n, 0.0) for n in snaps[4]}
+    for name in sorted(totals, key=totals.get, reverse=True)[:6]:
+        per = [(snaps[k + 1].get(name, 0.0) - snaps[k].get(name, 0.0)) / span for k in range(4)]
+        out.append(f"    {'thread ' + name:32}" + " /".join(f"{x:>6.2%}" for x in per))
+    return out
 
 
 def rss_lines(idle: dict, loaded: dict, warmup_s: float) -> list[str]:
@@ -184,6 +221,8 @@ def main() -> int:
     print(f"  {'':34}{'figure':>16}   goal")
     print(f"  {'CPU idle (share of one core)':34}{idle['cpu']:>16.1%}")
     print(f"  {'CPU loaded':34}{loaded['cpu']:>16.1%}   <= 3%")
+    for line in cpu_lines(loaded):
+        print(line)
     print("\n".join(rss_lines(idle, loaded, WARMUP_S)))
     print(f"  {'spans upstream / exact launches':34}{got:>8,} /{exact:>6,}   all of {sent:,} exact")
     print(f"  {'late records':34}{late:>16,}   0")
