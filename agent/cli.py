@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 
@@ -60,6 +61,18 @@ class _RedactingFormatter(logging.Formatter):
         return config_mod.redact(super().format(record), self._secrets)
 
 
+def stop_on_signals(stopping: threading.Event) -> None:
+    """SIGTERM and SIGINT set `stopping` from now on, instead of ending the
+    process at once, which would leave its TC filters, pins and store behind
+    (a signal while the probes compile or attach: the agent stops after)."""
+    def on_signal(signum, _frame):
+        logging.getLogger("spanlet").info("received %s, shutting down", signal.Signals(signum).name)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
 def _setup_logging(cfg: config_mod.Config) -> None:
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr)
     formatter = _RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -97,6 +110,10 @@ def _run(args: argparse.Namespace) -> int:
     except node_check.EnvironmentProblem as e:
         print(f"spanlet: cannot start: {e}", file=sys.stderr)
         return EXIT_START_REFUSED
+    # From here a SIGTERM or SIGINT asks for a stop (after the start), never
+    # ends the process with the probes half attached.
+    stopping = threading.Event()
+    stop_on_signals(stopping)
     # The probes compile in a thread while the rest of the agent is imported and built.
     starter = ProbeStarter(cfg)
     starter.begin()
@@ -107,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.print_events:
             def sink(ev):
                 print(json.dumps(ev.as_dict()), flush=True)
-        daemon = Daemon(cfg, sink=sink, starter=starter)
+        daemon = Daemon(cfg, sink=sink, starter=starter, stopping=stopping)
     except BaseException:
         starter.abandon()
         raise

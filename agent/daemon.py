@@ -5,7 +5,6 @@ discovery, and on SIGTERM/SIGINT detaches everything within the deadline."""
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from typing import Callable
@@ -73,9 +72,10 @@ class Daemon:
     them in order and stops them against one deadline."""
 
     def __init__(self, cfg: Config, sink: Callable[[events._Event], None] | None = None,
-                 starter: ProbeStarter | None = None):
+                 starter: ProbeStarter | None = None, stopping: threading.Event | None = None):
         """starter: the probes' start begun before the daemon was built (the
-        node checked first); by default start() begins it."""
+        node checked first); by default start() begins it. stopping: the
+        event SIGTERM and SIGINT set (cli.stop_on_signals)."""
         self.cfg = cfg
         self._starter = starter
         self.clock = starter.clock if starter is not None else events.MonotonicClock()
@@ -108,7 +108,7 @@ class Daemon:
         self.registry.register(SpanletCollector(self.metrics, cfg.node_name))
         self.http: AgentHttpServer | None = None
         self.metrics_exporter: OtlpMetricsExporter | None = None
-        self.stopping = threading.Event()
+        self.stopping = stopping if stopping is not None else threading.Event()
         self._threads: list[threading.Thread] = []
         self._stopped = False
 
@@ -292,13 +292,11 @@ class Daemon:
                                       if t is not threading.current_thread()])
 
     def run_until_signal(self) -> None:
-        def on_signal(signum, _frame):
-            log.info("received %s, shutting down", signal.Signals(signum).name)
-            self.stopping.set()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        """Until `stopping` is set, then stop(). `spanlet run` has SIGTERM and
+        SIGINT set it from before the start (cli.stop_on_signals): a signal
+        during the start ends the agent right after it."""
         # The handler's set() ends the wait at once; the timeout only bounds it.
         while not self.stopping.wait(5.0):
             pass
         self.stop()
+

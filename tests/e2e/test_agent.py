@@ -233,3 +233,41 @@ def test_restart_after_sigkill_leaves_nothing_of_the_dead_agent(tmp_path, node, 
         finally:
             second.kill()
     print(f"second agent up in {started_s:.1f} s (compile included)")
+
+
+def test_sigterm_during_the_start_stops_the_agent_after_it_leaving_nothing(tmp_path):
+    """A SIGTERM while the probes compile (a pod deleted as it starts) is taken
+    once the start is done: the agent then stops as ever, its pin folder and
+    programs gone, exit status 0; the signal's default action would end it at
+    once and leave them behind."""
+    from processes import free_port
+
+    config = tmp_path / "spanlet.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'data'}\nadmin_socket: {tmp_path / 'admin.sock'}\n"
+                      "compile_cache: false\ntc:\n  enabled: false\nstore:\n  enabled: false\n"
+                      f"http_address: 127.0.0.1\nhttp_port: {free_port()}\n"
+                      f"otlp:\n  grpc_port: {free_port()}\n  http_port: {free_port()}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPANLET_")}
+    proc = subprocess.Popen([sys.executable, "-m", "spanlet.cli", "run", "--config", str(config)],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lines_of, args=(proc.stderr, lines), daemon=True).start()
+    log = []
+    try:
+        while (line := lines.get(timeout=60)) is not None:
+            log.append(line)
+            if "kernel headers: compiling against" in line:
+                break
+        time.sleep(0.3)                      # the first probe compiling
+        assert not any("spanlet: running" in line for line in log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, "\n".join(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    while (line := lines.get(timeout=10)) is not None:
+        log.append(line)
+    text = "\n".join(log)
+    assert "received SIGTERM" in text and "stopped: all probes detached" in text, text
+    assert not list(Path("/sys/fs/bpf/spanlet").glob(f"{proc.pid}-*"))
