@@ -387,7 +387,7 @@ def test_removing_many_outdated_parts_starts_no_thread_pool(tmp_path):
 
 
 _IDLE_WAKEUPS = r"""
-import os, sys, tempfile, time
+import os, shutil, sys, tempfile, time
 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
 
 def wakeups():
@@ -403,13 +403,15 @@ def wakeups():
             pass
     return n
 
-b = ChdbBackend(tempfile.mkdtemp(prefix="spanlet-idle-"))
+path = tempfile.mkdtemp(prefix="spanlet-idle-")
+b = ChdbBackend(path)
 b.ensure_schema()
 time.sleep(2)                      # the tables' first background rounds
 w0 = wakeups()
 time.sleep(4)
 print(wakeups() - w0)
 b.close()
+shutil.rmtree(path)
 """
 
 
