@@ -139,16 +139,24 @@ def ways(db, node_ts: int):
     ]
 
 
+def other_database(db, database: str, upto: int | None = None):
+    """A backend over `db`'s engine session (chdb has one a process) for another
+    database, made with the migrations up to `upto` (default: all)."""
+    import copy
+
+    from spanlet.exporters.clickhouse import schema
+    other = copy.copy(db)
+    other.target, other._types = schema.Target(database=database, embedded=True), {}
+    schema.migrate(other._query_locked, other.target, schema.SCHEMA_VERSION if upto is None else upto)
+    return other
+
+
 def spans_with_merges(db, inputs: Inputs, a) -> list[tuple[str, float, float, float]]:
     """(label, spans per CPU second, insert calls' CPU per span, later CPU per span) of each way,
     its rounds summed."""
-    import copy
+    from spanlet.exporters.clickhouse import rows, span_protos
 
-    from spanlet.exporters.clickhouse import rows, schema, span_protos
-
-    before = copy.copy(db)                     # the same engine session, another database
-    before.target, before._types = schema.Target(database="spanlet_before", embedded=True), {}
-    schema.migrate(before._query_locked, before.target, upto=5)
+    before = other_database(db, "spanlet_before", upto=5)
     c_envelope = span_protos._wire_envelope
 
     def old_way(given):

@@ -28,7 +28,6 @@ Not one of `make bench`'s (*_bench.py): it takes its window, 20 minutes by defau
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import tempfile
 import time
@@ -95,19 +94,17 @@ def main() -> int:
     if a.minutes <= 0 or a.interval <= 0 or a.batch <= 0 or a.zstd_above <= 0:
         ap.error("--minutes, --interval, --batch and --zstd-above must be positive")
 
-    from spanlet.exporters.clickhouse import chdb_backend, rows, schema
+    from spanlet.exporters.clickhouse import chdb_backend, rows
     chdb_backend._ENGINE_CONFIG = chdb_backend._ENGINE_CONFIG.replace(
         "</clickhouse>", _part_log_and_compression(a.zstd_above))
-    from store_bench import Inputs
+    from store_bench import Inputs, other_database
 
     with tempfile.TemporaryDirectory(prefix="spanlet-merge-bench-") as tmp:
         engine = chdb_backend.ChdbBackend(tmp)
         engine.ensure_schema()
         dbs = {}
         for name, alters in ways().items():
-            db = copy.copy(engine)          # the same engine session, another database
-            db.target, db._types = schema.Target(database="merge_" + name.replace("-", "_"), embedded=True), {}
-            schema.migrate(db._query_locked, db.target)
+            db = other_database(engine, "merge_" + name.replace("-", "_"))
             for sql in alters(db):
                 db.query(sql)
             dbs[name] = db
