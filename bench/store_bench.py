@@ -10,11 +10,12 @@ otel_traces is measured with what its inserts cost later as well: a run of
 `--inserts` batches, then `--quiet` seconds for the background merges they
 cause, all of the process's CPU (every thread, less its idle rate measured
 before and the input's making), in rounds that alternate the way before
-(schema v5 in its own database: the merge selector's default base; rows
-made span by span in Python, SerializeToString each) and the way now
-(schema v6; rows and their framing made in C from the bytes the join
-serialized each resource to, as the agent's store gets them). The spans are
-an SDK's: traces of 8 spans, 6 attributes each, kernel facts among them.
+(schema v5 in its own database: the merge selector's default base; Python
+rows as JSON text, the way the store still takes for spans the C block
+leaves out) and the way now (schema v6; the rows cut in C from the bytes
+the join serialized each resource to, as the agent's store gets them, laid
+out as a Native block in C). The spans are an SDK's: traces of 8 spans, 6
+attributes each, kernel facts among them.
 
     .venv/bin/python bench/store_bench.py [--batch 10000] [--seconds 4] [--inserts 30] [--quiet 10] [--rounds 2]
 """
@@ -154,22 +155,18 @@ def other_database(db, database: str, upto: int | None = None):
 def spans_with_merges(db, inputs: Inputs, a) -> list[tuple[str, float, float, float]]:
     """(label, spans per CPU second, insert calls' CPU per span, later CPU per span) of each way,
     its rounds summed."""
-    from spanlet.exporters.clickhouse import rows, span_protos
+    from spanlet.exporters.clickhouse import rows
 
     before = other_database(db, "spanlet_before", upto=5)
-    c_envelope = span_protos._wire_envelope
 
     def old_way(given):
-        span_protos._wire_envelope = None      # the envelope framed in Python, as before
-        try:
-            before.insert("otel_traces", rows.SPAN_PROTO_COLUMNS, rows.python_span_proto_rows(given[0]))
-        finally:
-            span_protos._wire_envelope = c_envelope
+        before.insert("otel_traces", rows.TRACE_COLUMNS, rows.span_rows(given[0]))
 
     def new_way(given):
         db.insert("otel_traces", rows.SPAN_PROTO_COLUMNS, rows.span_proto_rows(*given))
 
-    ways = [("before: Python rows, merge base 5", old_way), ("now: C rows from the join's bytes, base 20", new_way)]
+    ways = [("before: Python rows as JSON, merge base 5", old_way),
+            ("now: Native block in C from the join's bytes, base 20", new_way)]
     for _, store in ways:
         store(inputs.sdk_spans())             # each way loads what it needs once
     time.sleep(a.quiet)

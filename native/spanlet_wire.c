@@ -5,13 +5,14 @@
  * serialized ResourceSpans of SERVER kind or with events: the only ones that
  * can add to the serving metrics when no span carries a trigger attribute.
  *
- * complex_spans(blobs) -> list of the indices of the serialized Spans whose
- * attribute text the embedded store's SQL would not write as the Python row
- * builder does (exporters/clickhouse/span_protos.py): an attribute list
- * (the span's, an event's, a link's) with an array or map value, a double
- * whose shortest text ClickHouse may print with an exponent (or inf/nan), or
- * a key twice. The test is a superset: a span it names is only stored the
- * slower, exact way. A blob that is not well-formed is named too.
+ * span_proto_rows(blob, resource attributes, service) -> the serialized
+ * ResourceSpans' spans as the store's rows (rows.SPAN_PROTO_COLUMNS).
+ *
+ * trace_native(rows) -> (block or None, skip): those rows as one block of
+ * ClickHouse's Native format of otel_traces columns, the values of
+ * rows.span_rows (exporters/clickhouse/span_protos.py); skip names the rows
+ * left to the Python way (an attribute pcommon writes as JSON or with an
+ * exponent, a key twice, bytes not well-formed or not of the OTLP shape).
  *
  * join_resource(blob, map_fd, index_fd, origin) -> None or
  * (new_blob or None, keys, rows, cgroup, taken): the span join's common case
@@ -93,6 +94,7 @@ typedef struct {
     uint32_t num;
     uint32_t type;
     span_t sub;       /* type 2: the payload; type 1: the 8 bytes */
+    uint64_t v;       /* type 0: the value */
 } field_t;
 
 static int next_field(span_t *s, field_t *f)
@@ -104,7 +106,7 @@ static int next_field(span_t *s, field_t *f)
     f->type = (uint32_t)(tag & 7);
     switch (f->type) {
     case 0:
-        return varint(s, &v);
+        return varint(s, &f->v);
     case 1:
         if (s->end - s->p < 8)
             return -1;
@@ -139,105 +141,6 @@ static int plain_double(const uint8_t *b)
         return 0;
     double a = fabs(d);
     return a == 0.0 || (a >= 1e-4 && a < 1e15);
-}
-
-/* AnyValue: 1 if its text could differ (array 5, kvlist 6, a double not plain). */
-static int complex_value(span_t v)
-{
-    field_t f;
-    while (v.p < v.end) {
-        if (next_field(&v, &f) < 0)
-            return 1;
-        if (f.num == 5 || f.num == 6)
-            return 1;
-        if (f.num == 4 && (f.type != 1 || !plain_double(f.sub.p)))
-            return 1;
-    }
-    return 0;
-}
-
-#define MAX_KEYS 64     /* past this many attributes in one list: named (keys not compared) */
-
-/* The attribute list of field `attr_num` in message `m`: 1 if complex. */
-static int complex_attributes(span_t m, uint32_t attr_num)
-{
-    span_t keys[MAX_KEYS];
-    int n = 0;
-    field_t f, g;
-    while (m.p < m.end) {
-        if (next_field(&m, &f) < 0)
-            return 1;
-        if (f.num != attr_num)
-            continue;
-        if (f.type != 2 || n == MAX_KEYS)
-            return 1;
-        span_t kv = f.sub, key = {0, 0};
-        while (kv.p < kv.end) {
-            if (next_field(&kv, &g) < 0)
-                return 1;
-            if (g.num == 1 && g.type == 2)
-                key = g.sub;
-            else if (g.num == 2 && g.type == 2 && complex_value(g.sub))
-                return 1;
-        }
-        size_t len = key.p ? (size_t)(key.end - key.p) : 0;
-        for (int i = 0; i < n; i++) {
-            size_t l = keys[i].p ? (size_t)(keys[i].end - keys[i].p) : 0;
-            if (l == len && (len == 0 || memcmp(keys[i].p, key.p, len) == 0))
-                return 1;
-        }
-        keys[n++] = key;
-    }
-    return 0;
-}
-
-/* Span: attributes 9; events 11 (their attributes 3); links 13 (theirs 4). */
-static int complex_span(span_t s)
-{
-    if (complex_attributes(s, 9))
-        return 1;
-    field_t f;
-    while (s.p < s.end) {
-        if (next_field(&s, &f) < 0)
-            return 1;
-        if ((f.num == 11 || f.num == 13) && f.type == 2 &&
-            complex_attributes(f.sub, f.num == 11 ? 3 : 4))
-            return 1;
-    }
-    return 0;
-}
-
-static PyObject *complex_spans(PyObject *self, PyObject *arg)
-{
-    PyObject *seq = PySequence_Fast(arg, "complex_spans() takes a sequence of bytes");
-    if (!seq)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = PyList_New(0);
-    if (!out)
-        goto fail;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        char *buf;
-        Py_ssize_t len;
-        if (PyBytes_AsStringAndSize(items[i], &buf, &len) < 0)
-            goto fail;
-        span_t s = {(const uint8_t *)buf, (const uint8_t *)buf + len};
-        if (complex_span(s)) {
-            PyObject *idx = PyLong_FromSsize_t(i);
-            if (!idx || PyList_Append(out, idx) < 0) {
-                Py_XDECREF(idx);
-                goto fail;
-            }
-            Py_DECREF(idx);
-        }
-    }
-    Py_DECREF(seq);
-    return out;
-fail:
-    Py_XDECREF(out);
-    Py_DECREF(seq);
-    return NULL;
 }
 
 /* -- the store's rows ------------------------------------------------------ */
@@ -368,9 +271,19 @@ fail:
     return NULL;
 }
 
-/* The ProtobufList data of span_protos.envelope: each row's span framed as
- * one message of the list, tagged with its group (field GROUP_FIELD). */
-#define GROUP_FIELD 1000
+/* -- the store's Native block ---------------------------------------------- */
+
+/* trace_native(rows) -> (block or None, skip): rows.SPAN_PROTO_COLUMNS rows
+ * as one block of ClickHouse's Native format, the otel_traces columns
+ * (rows.TRACE_COLUMNS, in order) of every row but those in skip, whose
+ * values are exactly rows.span_rows' (pcommon's text of each attribute
+ * value; ids in lower hex, '' when all zero; the collector's names of span
+ * kinds and status codes). skip: the indices of the rows whose span is
+ * complex (complex_span) or not of the shape this reads (a field of another
+ * wire type than the OTLP proto declares, a singular message twice), or
+ * whose resource or scope is not str texts: the caller stores those the
+ * Python way. Plain types (String where the table has LowCardinality): the
+ * INSERT converts them. */
 
 typedef struct {
     uint8_t *buf;
@@ -394,21 +307,509 @@ static int reserve(out_t *o, size_t more)
     return 0;
 }
 
-static PyObject *envelope(PyObject *self, PyObject *arg)
+static int put(out_t *o, const void *p, size_t len)
 {
-    PyObject *seq = PySequence_Fast(arg, "envelope() takes a sequence of rows");
+    if (reserve(o, len) < 0)
+        return -1;
+    if (len)
+        memcpy(o->buf + o->n, p, len);
+    o->n += len;
+    return 0;
+}
+
+static int put_u64(out_t *o, uint64_t v)
+{
+    v = htole64(v);
+    return put(o, &v, 8);
+}
+
+/* A String value: its length as a varint, then its bytes. */
+static int put_str(out_t *o, const void *p, size_t len)
+{
+    if (reserve(o, 10 + len) < 0)
+        return -1;
+    o->n += put_varint(o->buf + o->n, len);
+    if (len)
+        memcpy(o->buf + o->n, p, len);
+    o->n += len;
+    return 0;
+}
+
+static int put_span(out_t *o, span_t t)
+{
+    return put_str(o, t.p, t.p ? (size_t)(t.end - t.p) : 0);
+}
+
+static int put_cstr(out_t *o, const char *s)
+{
+    return put_str(o, s, strlen(s));
+}
+
+/* rows._hex_or_empty */
+static int put_hex(out_t *o, span_t id)
+{
+    static const char digits[] = "0123456789abcdef";
+    size_t len = id.p ? (size_t)(id.end - id.p) : 0, i;
+    for (i = 0; i < len && !id.p[i]; i++)
+        ;
+    if (i == len)
+        return put_str(o, "", 0);
+    if (reserve(o, 10 + 2 * len) < 0)
+        return -1;
+    o->n += put_varint(o->buf + o->n, 2 * len);
+    for (i = 0; i < len; i++) {
+        o->buf[o->n++] = (uint8_t)digits[id.p[i] >> 4];
+        o->buf[o->n++] = (uint8_t)digits[id.p[i] & 15];
+    }
+    return 0;
+}
+
+static int put_base64(out_t *o, span_t b)
+{
+    static const char abc[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    size_t len = (size_t)(b.end - b.p), out = (len + 2) / 3 * 4;
+    if (reserve(o, 10 + out) < 0)
+        return -1;
+    o->n += put_varint(o->buf + o->n, out);
+    uint8_t *w = o->buf + o->n;
+    for (size_t i = 0; i < len; i += 3) {
+        uint32_t v = (uint32_t)b.p[i] << 16;
+        if (i + 1 < len)
+            v |= (uint32_t)b.p[i + 1] << 8;
+        if (i + 2 < len)
+            v |= b.p[i + 2];
+        *w++ = (uint8_t)abc[v >> 18];
+        *w++ = (uint8_t)abc[(v >> 12) & 63];
+        *w++ = i + 1 < len ? (uint8_t)abc[(v >> 6) & 63] : '=';
+        *w++ = i + 2 < len ? (uint8_t)abc[v & 63] : '=';
+    }
+    o->n += out;
+    return 0;
+}
+
+/* str() of an int64. */
+static int put_int_text(out_t *o, int64_t v)
+{
+    char text[24], *p = text + sizeof text;
+    uint64_t u = v < 0 ? 0 - (uint64_t)v : (uint64_t)v;
+    do {
+        *--p = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0)
+        *--p = '-';
+    return put_str(o, p, (size_t)(text + sizeof text - p));
+}
+
+/* rows._go_float of a plain double (plain_double): Python's shortest repr,
+ * which has no exponent there, without its trailing zeros and point. */
+static int put_plain_double(out_t *o, const uint8_t *b)
+{
+    double d;
+    memcpy(&d, b, 8);
+    char *r = PyOS_double_to_string(d, 'r', 0, 0, NULL);
+    if (!r)
+        return -1;
+    size_t len = strlen(r);
+    if (strchr(r, '.')) {
+        while (r[len - 1] == '0')
+            len--;
+        if (r[len - 1] == '.')
+            len--;
+    }
+    int rc = put_str(o, r, len);
+    PyMem_Free(r);
+    return rc;
+}
+
+/* rows.attribute_string of an AnyValue that is not complex (the last member
+ * set wins; string_value_strindex, 8, a dictionary index of profiles, is ''). */
+static int put_value_text(out_t *o, span_t v)
+{
+    field_t f, last = {0};
+    while (v.p < v.end) {
+        next_field(&v, &f);                   /* well-formed: readable walked it */
+        if (f.num >= 1 && f.num <= 8)
+            last = f;
+    }
+    switch (last.num) {
+    case 1:
+        return put_span(o, last.sub);
+    case 2:
+        return put_cstr(o, last.v ? "true" : "false");
+    case 3:
+        return put_int_text(o, (int64_t)last.v);
+    case 4:
+        return put_plain_double(o, last.sub.p);
+    case 7:
+        return put_base64(o, last.sub);
+    default:
+        return put_str(o, "", 0);
+    }
+}
+
+/* One attribute (a KeyValue) as a Map's entry. */
+static int put_kv(span_t kv, out_t *keys, out_t *values)
+{
+    span_t key = {0, 0}, value = {0, 0};
+    field_t f;
+    while (kv.p < kv.end) {
+        next_field(&kv, &f);
+        if (f.num == 1)
+            key = f.sub;
+        else if (f.num == 2)
+            value = f.sub;
+    }
+    return put_span(keys, key) < 0 || put_value_text(values, value) < 0 ? -1 : 0;
+}
+
+/* The OTLP proto's wire type of each field the store reads, by message
+ * (ANY: a field it does not read); and the message a field holds. */
+enum { M_SPAN, M_EVENT, M_LINK, M_STATUS, M_KV, M_VALUE };
+#define ANY 9
+#define TYPED_FIELDS 17
+static const uint8_t WIRE_TYPES[][TYPED_FIELDS] = {
+    [M_SPAN] = {ANY, 2, 2, 2, 2, 2, 0, 1, 1, 2, 0, 2, 0, 2, 0, 2, 5},
+    [M_EVENT] = {ANY, 1, 2, 2, 0, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY},
+    [M_LINK] = {ANY, 2, 2, 2, 2, 0, 5, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY},
+    [M_STATUS] = {ANY, ANY, 2, 0, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY},
+    [M_KV] = {ANY, 2, 2, 0, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY},
+    [M_VALUE] = {ANY, 2, 0, 0, 1, 2, 2, 2, 0, ANY, ANY, ANY, ANY, ANY, ANY, ANY, ANY},
+};
+
+static int sub_message(int kind, uint32_t num)
+{
+    switch (kind) {
+    case M_SPAN:
+        return num == 9 ? M_KV : num == 11 ? M_EVENT : num == 13 ? M_LINK : num == 15 ? M_STATUS : -1;
+    case M_EVENT:
+        return num == 3 ? M_KV : -1;
+    case M_LINK:
+        return num == 4 ? M_KV : -1;
+    case M_KV:
+        return num == 2 ? M_VALUE : -1;
+    default:
+        return -1;                            /* an AnyValue's array or kvlist: never read here */
+    }
+}
+
+#define MAX_KEYS 64     /* past this many attributes in one list: left out (keys not compared) */
+
+/* A KeyValue's key (the last field 1, as a parse keeps). */
+static span_t kv_key(span_t kv)
+{
+    span_t key = {0, 0};
+    field_t f;
+    while (kv.p < kv.end && next_field(&kv, &f) == 0)
+        if (f.num == 1)
+            key = f.sub;
+    return key;
+}
+
+/* 1 if the C block writes the message as rows.span_rows stores it: every
+ * field (and every field of the messages in it) of its declared wire type,
+ * none numbered 0, its one singular message (a span's status, a KeyValue's
+ * value) at most once; and no attribute that pcommon writes in a way not done
+ * here: an array or map value (JSON), a double that is not plain_double, a
+ * key twice in one attribute list (a dict keeps its first place and last
+ * value), a list of more than MAX_KEYS. */
+static int readable(span_t m, int kind)
+{
+    span_t keys[MAX_KEYS];
+    int n_keys = 0, singular = 0;
+    field_t f;
+    while (m.p < m.end) {
+        if (next_field(&m, &f) < 0 || f.num == 0)
+            return 0;
+        if (f.num < TYPED_FIELDS && WIRE_TYPES[kind][f.num] != ANY && WIRE_TYPES[kind][f.num] != f.type)
+            return 0;
+        if (kind == M_VALUE) {
+            if (f.num == 5 || f.num == 6 || (f.num == 4 && !plain_double(f.sub.p)))
+                return 0;
+            continue;
+        }
+        int sub = sub_message(kind, f.num);
+        if (sub < 0)
+            continue;
+        if ((sub == M_STATUS || sub == M_VALUE) && singular++)
+            return 0;
+        if (!readable(f.sub, sub))
+            return 0;
+        if (sub != M_KV)
+            continue;
+        if (n_keys == MAX_KEYS)
+            return 0;
+        span_t key = kv_key(f.sub);
+        size_t len = (size_t)(key.end - key.p);
+        for (int i = 0; i < n_keys; i++)
+            if ((size_t)(keys[i].end - keys[i].p) == len && (len == 0 || memcmp(keys[i].p, key.p, len) == 0))
+                return 0;
+        keys[n_keys++] = key;
+    }
+    return 1;
+}
+
+/* The buffers of the block's columns (a Map: its offsets, keys and values;
+ * an Array: its offsets, shared by the columns of one Nested). */
+enum {
+    B_TS, B_TRACE, B_SPAN, B_PARENT, B_STATE, B_NAME, B_KIND, B_SERVICE, B_RES_AT, B_RES_K, B_RES_V,
+    B_SCOPE, B_SCOPE_V, B_ATTR_AT, B_ATTR_K, B_ATTR_V, B_DURATION, B_STATUS, B_STATUS_MSG,
+    B_EV_AT, B_EV_TS, B_EV_NAME, B_EV_ATTR_AT, B_EV_ATTR_K, B_EV_ATTR_V,
+    B_LK_AT, B_LK_TRACE, B_LK_SPAN, B_LK_STATE, B_LK_ATTR_AT, B_LK_ATTR_K, B_LK_ATTR_V,
+    N_BUFFERS
+};
+
+static const struct {
+    const char *name, *type;
+    int8_t buffers[4];                        /* -1 past the last */
+} TRACE_COLUMNS[] = {
+    {"Timestamp", "DateTime64(9)", {B_TS, -1}},
+    {"TraceId", "String", {B_TRACE, -1}},
+    {"SpanId", "String", {B_SPAN, -1}},
+    {"ParentSpanId", "String", {B_PARENT, -1}},
+    {"TraceState", "String", {B_STATE, -1}},
+    {"SpanName", "String", {B_NAME, -1}},
+    {"SpanKind", "String", {B_KIND, -1}},
+    {"ServiceName", "String", {B_SERVICE, -1}},
+    {"ResourceAttributes", "Map(String, String)", {B_RES_AT, B_RES_K, B_RES_V, -1}},
+    {"ScopeName", "String", {B_SCOPE, -1}},
+    {"ScopeVersion", "String", {B_SCOPE_V, -1}},
+    {"SpanAttributes", "Map(String, String)", {B_ATTR_AT, B_ATTR_K, B_ATTR_V, -1}},
+    {"Duration", "UInt64", {B_DURATION, -1}},
+    {"StatusCode", "String", {B_STATUS, -1}},
+    {"StatusMessage", "String", {B_STATUS_MSG, -1}},
+    {"Events.Timestamp", "Array(DateTime64(9))", {B_EV_AT, B_EV_TS, -1}},
+    {"Events.Name", "Array(String)", {B_EV_AT, B_EV_NAME, -1}},
+    {"Events.Attributes", "Array(Map(String, String))", {B_EV_AT, B_EV_ATTR_AT, B_EV_ATTR_K, B_EV_ATTR_V}},
+    {"Links.TraceId", "Array(String)", {B_LK_AT, B_LK_TRACE, -1}},
+    {"Links.SpanId", "Array(String)", {B_LK_AT, B_LK_SPAN, -1}},
+    {"Links.TraceState", "Array(String)", {B_LK_AT, B_LK_STATE, -1}},
+    {"Links.Attributes", "Array(Map(String, String))", {B_LK_AT, B_LK_ATTR_AT, B_LK_ATTR_K, B_LK_ATTR_V}},
+};
+#define N_TRACE_COLUMNS (sizeof TRACE_COLUMNS / sizeof TRACE_COLUMNS[0])
+
+/* rows.SPAN_KINDS, rows.STATUS_CODES */
+static const char *const SPAN_KIND_NAMES[] = {"Unspecified", "Internal", "Server", "Client", "Producer", "Consumer"};
+static const char *const STATUS_NAMES[] = {"Unset", "Ok", "Error"};
+
+typedef struct {
+    out_t b[N_BUFFERS];
+    uint64_t res, attrs, events, event_attrs, links, link_attrs;   /* the arrays' running offsets */
+} block_t;
+
+/* A row's resource and scope, encoded once for the run of rows that share them. */
+typedef struct {
+    PyObject *key[4];                         /* borrowed: the row's resource dict, service, scope name, version */
+    out_t keys, values, service, scope, version;
+    uint64_t count;
+    int usable;                               /* 0: str texts it is not; its rows go the Python way */
+} group_t;
+
+static int put_pystr(out_t *o, PyObject *s)
+{
+    Py_ssize_t len;
+    const char *u = PyUnicode_Check(s) ? PyUnicode_AsUTF8AndSize(s, &len) : NULL;
+    if (!u) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "not a str");
+        return -1;
+    }
+    return put_str(o, u, (size_t)len);
+}
+
+/* The group of row values v[2..5]; -1 on a memory error only. */
+static int set_group(group_t *g, PyObject **v)
+{
+    if (g->key[0] == v[2] && g->key[1] == v[3] && g->key[2] == v[4] && g->key[3] == v[5])
+        return 0;
+    for (int i = 0; i < 4; i++)
+        g->key[i] = v[i + 2];
+    g->keys.n = g->values.n = g->service.n = g->scope.n = g->version.n = 0;
+    g->count = 0;
+    g->usable = 0;
+    int bad = !PyDict_Check(v[2]);
+    PyObject *k, *val;
+    Py_ssize_t pos = 0;
+    while (!bad && PyDict_Next(v[2], &pos, &k, &val)) {
+        bad = put_pystr(&g->keys, k) < 0 || put_pystr(&g->values, val) < 0;
+        g->count++;
+    }
+    bad = bad || put_pystr(&g->service, v[3]) < 0 || put_pystr(&g->scope, v[4]) < 0 ||
+          put_pystr(&g->version, v[5]) < 0;
+    if (bad && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_MemoryError))
+            return -1;
+        PyErr_Clear();                        /* not str, or not UTF-8: the Python way */
+    }
+    g->usable = !bad;
+    return 0;
+}
+
+/* An event (11) or a link (13) of the span, its attributes written as met. */
+static int put_event(block_t *k, span_t e)
+{
+    uint64_t ts = 0, n = 0;
+    span_t name = {0, 0};
+    field_t f;
+    while (e.p < e.end) {
+        next_field(&e, &f);
+        if (f.num == 1)
+            memcpy(&ts, f.sub.p, 8);
+        else if (f.num == 2)
+            name = f.sub;
+        else if (f.num == 3 && (++n, put_kv(f.sub, &k->b[B_EV_ATTR_K], &k->b[B_EV_ATTR_V]) < 0))
+            return -1;
+    }
+    k->events++;
+    k->event_attrs += n;
+    return put_u64(&k->b[B_EV_TS], le64toh(ts)) < 0 || put_span(&k->b[B_EV_NAME], name) < 0 ||
+           put_u64(&k->b[B_EV_ATTR_AT], k->event_attrs) < 0 ? -1 : 0;
+}
+
+static int put_link(block_t *k, span_t l)
+{
+    span_t trace = {0, 0}, span = {0, 0}, state = {0, 0};
+    uint64_t n = 0;
+    field_t f;
+    while (l.p < l.end) {
+        next_field(&l, &f);
+        if (f.num == 1)
+            trace = f.sub;
+        else if (f.num == 2)
+            span = f.sub;
+        else if (f.num == 3)
+            state = f.sub;
+        else if (f.num == 4 && (++n, put_kv(f.sub, &k->b[B_LK_ATTR_K], &k->b[B_LK_ATTR_V]) < 0))
+            return -1;
+    }
+    k->links++;
+    k->link_attrs += n;
+    return put_hex(&k->b[B_LK_TRACE], trace) < 0 || put_hex(&k->b[B_LK_SPAN], span) < 0 ||
+           put_span(&k->b[B_LK_STATE], state) < 0 || put_u64(&k->b[B_LK_ATTR_AT], k->link_attrs) < 0 ? -1 : 0;
+}
+
+/* One span's row (readable) in the group g: one walk of its fields, the
+ * attributes, events and links written as met (each to its own buffers). */
+static int put_row(block_t *k, span_t s, group_t *g)
+{
+    span_t trace = {0, 0}, span = {0, 0}, parent = {0, 0}, state = {0, 0}, name = {0, 0}, message = {0, 0};
+    uint64_t start = 0, end = 0, kind = 0, code = 0, attrs = 0;
+    out_t *b = k->b;
+    field_t f, h;
+    while (s.p < s.end) {
+        next_field(&s, &f);
+        switch (f.num) {
+        case 1: trace = f.sub; break;
+        case 2: span = f.sub; break;
+        case 3: state = f.sub; break;
+        case 4: parent = f.sub; break;
+        case 5: name = f.sub; break;
+        case 6: kind = f.v; break;
+        case 7: memcpy(&start, f.sub.p, 8); break;
+        case 8: memcpy(&end, f.sub.p, 8); break;
+        case 9:
+            attrs++;
+            if (put_kv(f.sub, &b[B_ATTR_K], &b[B_ATTR_V]) < 0)
+                return -1;
+            break;
+        case 11:
+            if (put_event(k, f.sub) < 0)
+                return -1;
+            break;
+        case 13:
+            if (put_link(k, f.sub) < 0)
+                return -1;
+            break;
+        case 15:
+            for (span_t st = f.sub; st.p < st.end;) {
+                next_field(&st, &h);
+                if (h.num == 2)
+                    message = h.sub;
+                else if (h.num == 3)
+                    code = h.v;
+            }
+            break;
+        }
+    }
+    start = le64toh(start);
+    end = le64toh(end);
+    k->attrs += attrs;
+    k->res += g->count;
+    int32_t kind32 = (int32_t)kind, code32 = (int32_t)code;    /* enums: int32 on the wire */
+    return put_u64(&b[B_TS], start) < 0 || put_hex(&b[B_TRACE], trace) < 0 || put_hex(&b[B_SPAN], span) < 0 ||
+        put_hex(&b[B_PARENT], parent) < 0 || put_span(&b[B_STATE], state) < 0 ||
+        put_span(&b[B_NAME], name) < 0 ||
+        put_cstr(&b[B_KIND], kind32 >= 0 && kind32 < 6 ? SPAN_KIND_NAMES[kind32] : "") < 0 ||
+        put(&b[B_SERVICE], g->service.buf, g->service.n) < 0 || put_u64(&b[B_RES_AT], k->res) < 0 ||
+        put(&b[B_RES_K], g->keys.buf, g->keys.n) < 0 || put(&b[B_RES_V], g->values.buf, g->values.n) < 0 ||
+        put(&b[B_SCOPE], g->scope.buf, g->scope.n) < 0 || put(&b[B_SCOPE_V], g->version.buf, g->version.n) < 0 ||
+        put_u64(&b[B_ATTR_AT], k->attrs) < 0 || put_u64(&b[B_DURATION], end > start ? end - start : 0) < 0 ||
+        put_cstr(&b[B_STATUS], code32 >= 0 && code32 < 3 ? STATUS_NAMES[code32] : "") < 0 ||
+        put_span(&b[B_STATUS_MSG], message) < 0 ||
+        put_u64(&b[B_EV_AT], k->events) < 0 || put_u64(&b[B_LK_AT], k->links) < 0 ? -1 : 0;
+}
+
+/* A String written at w (room made); returns the end. */
+static uint8_t *write_text(uint8_t *w, const char *text)
+{
+    size_t len = strlen(text);
+    w += put_varint(w, len);
+    memcpy(w, text, len);
+    return w + len;
+}
+
+/* The block: column and row counts, then each column's name, type and
+ * buffers, written once into the bytes object. */
+static PyObject *block_bytes(block_t *k, uint64_t rows)
+{
+    size_t size = varint_len(N_TRACE_COLUMNS) + varint_len(rows);
+    for (size_t c = 0; c < N_TRACE_COLUMNS; c++) {
+        size += varint_len(strlen(TRACE_COLUMNS[c].name)) + strlen(TRACE_COLUMNS[c].name) +
+                varint_len(strlen(TRACE_COLUMNS[c].type)) + strlen(TRACE_COLUMNS[c].type);
+        for (int i = 0; i < 4 && TRACE_COLUMNS[c].buffers[i] >= 0; i++)
+            size += k->b[TRACE_COLUMNS[c].buffers[i]].n;
+    }
+    PyObject *data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+    if (!data)
+        return NULL;
+    uint8_t *w = (uint8_t *)PyBytes_AS_STRING(data);
+    w += put_varint(w, N_TRACE_COLUMNS);
+    w += put_varint(w, rows);
+    for (size_t c = 0; c < N_TRACE_COLUMNS; c++) {
+        w = write_text(write_text(w, TRACE_COLUMNS[c].name), TRACE_COLUMNS[c].type);
+        for (int i = 0; i < 4 && TRACE_COLUMNS[c].buffers[i] >= 0; i++) {
+            out_t *b = &k->b[TRACE_COLUMNS[c].buffers[i]];
+            if (b->n)
+                memcpy(w, b->buf, b->n);
+            w += b->n;
+        }
+    }
+    return data;
+}
+
+static int skip_row(PyObject *skip, Py_ssize_t i)
+{
+    PyObject *idx = PyLong_FromSsize_t(i);
+    int rc = idx ? PyList_Append(skip, idx) : -1;
+    Py_XDECREF(idx);
+    return rc;
+}
+
+static PyObject *trace_native(PyObject *self, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "trace_native() takes a sequence of rows");
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *groups = PyDict_New(), *order = PyList_New(0), *result = NULL;
-    PyObject *prev[4] = {NULL, NULL, NULL, NULL};
-    uint64_t g = 0;
-    int nested = 0;
-    out_t o = {NULL, 0, 0};
-    if (!groups || !order || reserve(&o, 10) < 0)
+    PyObject *skip = PyList_New(0), *result = NULL;
+    block_t k;
+    group_t g;
+    memset(&k, 0, sizeof k);
+    memset(&g, 0, sizeof g);
+    uint64_t rows = 0;
+    if (!skip)
         goto out;
-    o.n = 10;                                 /* room for the list's length, moved down at the end */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *row = PySequence_Fast(items[i], "a row must be a sequence");
         if (!row)
@@ -421,78 +822,36 @@ static PyObject *envelope(PyObject *self, PyObject *arg)
         PyObject **v = PySequence_Fast_ITEMS(row);
         char *buf;
         Py_ssize_t len;
-        if (PyBytes_AsStringAndSize(v[0], &buf, &len) < 0) {
-            Py_DECREF(row);
-            goto out;
-        }
-        int t = PyObject_IsTrue(v[1]);
-        if (t < 0) {
-            Py_DECREF(row);
-            goto out;
-        }
-        nested |= t;
-        /* the group: the identity of the resource's dict and the scope's strings */
-        if (!(prev[0] == v[2] && prev[1] == v[3] && prev[2] == v[4] && prev[3] == v[5])) {
-            PyObject *id = PyLong_FromVoidPtr(v[2]);
-            PyObject *key = id ? PyTuple_Pack(4, id, v[3], v[4], v[5]) : NULL;
-            Py_XDECREF(id);
-            if (!key) {
-                Py_DECREF(row);
-                goto out;
-            }
-            PyObject *found = PyDict_GetItemWithError(groups, key);
-            if (found) {
-                g = PyLong_AsUnsignedLongLong(found);
-            } else if (PyErr_Occurred()) {
-                g = (uint64_t)-1;
+        int rc = PyBytes_AsStringAndSize(v[0], &buf, &len);
+        if (rc == 0)
+            rc = set_group(&g, v);
+        if (rc == 0) {
+            span_t s = {(const uint8_t *)buf, (const uint8_t *)buf + len};
+            if (g.usable && readable(s, M_SPAN)) {
+                rc = put_row(&k, s, &g);
+                rows++;
             } else {
-                g = (uint64_t)PyList_GET_SIZE(order);
-                PyObject *gi = PyLong_FromUnsignedLongLong(g);
-                PyObject *entry = PyTuple_Pack(4, v[2], v[3], v[4], v[5]);
-                int bad = !gi || !entry || PyDict_SetItem(groups, key, gi) < 0 ||
-                          PyList_Append(order, entry) < 0;
-                Py_XDECREF(gi);
-                Py_XDECREF(entry);
-                if (bad)
-                    g = (uint64_t)-1;
+                rc = skip_row(skip, i);
             }
-            Py_DECREF(key);
-            if (g == (uint64_t)-1 && PyErr_Occurred()) {
-                Py_DECREF(row);
-                goto out;
-            }
-            /* rows hold their values, and seq holds the rows (lists, tuples): borrowed is enough */
-            prev[0] = v[2], prev[1] = v[3], prev[2] = v[4], prev[3] = v[5];
         }
-        uint8_t tag[20];
-        size_t tl = put_varint(tag, (uint64_t)GROUP_FIELD << 3);
-        tl += put_varint(tag + tl, g);
-        size_t inner = (size_t)len + tl;
-        if (reserve(&o, 11 + inner) < 0) {
-            Py_DECREF(row);
-            goto out;
-        }
-        o.buf[o.n++] = 0x0a;
-        o.n += put_varint(o.buf + o.n, inner);
-        memcpy(o.buf + o.n, buf, (size_t)len);
-        o.n += (size_t)len;
-        memcpy(o.buf + o.n, tag, tl);
-        o.n += tl;
-        if (row != items[i])                  /* a copy made here: its values go with it */
-            prev[0] = NULL;
+        if (row != items[i])                  /* a copy made here: the group's keys went with it */
+            memset(g.key, 0, sizeof g.key);
         Py_DECREF(row);
+        if (rc < 0)
+            goto out;
     }
-    uint8_t head[10];
-    size_t body = o.n - 10, hl = put_varint(head, body);
-    memcpy(o.buf + 10 - hl, head, hl);
-    PyObject *data = PyBytes_FromStringAndSize((const char *)o.buf + 10 - hl, (Py_ssize_t)(hl + body));
-    if (data) {
-        result = Py_BuildValue("(NOO)", data, order, nested ? Py_True : Py_False);
-    }
+    PyObject *data = rows ? block_bytes(&k, rows) : Py_NewRef(Py_None);
+    if (data)
+        result = Py_BuildValue("(NO)", data, skip);
 out:
-    PyMem_Free(o.buf);
-    Py_XDECREF(groups);
-    Py_XDECREF(order);
+    for (int i = 0; i < N_BUFFERS; i++)
+        PyMem_Free(k.b[i].buf);
+    PyMem_Free(g.keys.buf);
+    PyMem_Free(g.values.buf);
+    PyMem_Free(g.service.buf);
+    PyMem_Free(g.scope.buf);
+    PyMem_Free(g.version.buf);
+    Py_XDECREF(skip);
     Py_DECREF(seq);
     return result;
 }
@@ -1058,9 +1417,6 @@ static PyMethodDef methods[] = {
     {"join_resource", join_resource, METH_VARARGS,
      "join_resource(blob, map_fd, index_fd, origin=None) -> None or (new_blob or None, keys, "
      "rows, cgroup, taken): the span join's common case for one serialized ResourceSpans"},
-    {"complex_spans", complex_spans, METH_O,
-     "complex_spans(blobs) -> indices of the serialized Spans whose attribute text the "
-     "store's SQL may write differently (arrays, maps, exponent doubles, a key twice)"},
     {"span_proto_rows", span_proto_rows, METH_VARARGS,
      "span_proto_rows(resource_spans_blob, resource_attributes, service) -> the serialized "
      "ResourceSpans' spans as rows.SPAN_PROTO_COLUMNS rows (each span's bytes, events or links, "
@@ -1068,8 +1424,9 @@ static PyMethodDef methods[] = {
     {"serving_spans", serving_spans, METH_O,
      "serving_spans(blob) -> [(scope index, span index)] of the serialized ResourceSpans' spans "
      "of SERVER kind or with events (None: not well-formed)"},
-    {"envelope", envelope, METH_O,
-     "envelope(rows) -> (data, groups, nested): span_protos.envelope of rows.SPAN_PROTO_COLUMNS rows"},
+    {"trace_native", trace_native, METH_O,
+     "trace_native(rows) -> (block or None, skip): rows.SPAN_PROTO_COLUMNS rows as one Native block "
+     "of otel_traces columns, but the rows at the indices in skip (the Python way's)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -44,11 +44,10 @@ _SESSION_SETTINGS = ("session_timezone = 'UTC'",
 # threads and ~20 MB of RSS in the agent the first time it happens, under a
 # steady insert load within minutes). One by one they take well under a second.
 ENGINE_CONFIG_FILE = "spanlet-engine.xml"
-# Serialized spans and ring-buffer records wait in INCOMING_FILE for the one
-# INSERT that reads them (under the lock), spans with SCHEMA_FILE
-# (span_protos.SCHEMA) written at open.
+# Spans, ring-buffer records and metric series wait in INCOMING_FILE for the
+# one INSERT that reads them (under the lock).
 INCOMING_FILE = "spanlet-incoming.data"
-SCHEMA_FILE = "spanlet-spans.proto"
+OLD_SCHEMA_FILE = "spanlet-spans.proto"
 # The engine's memory worker reads the process's memory figures every 100 ms
 # by default (a steady ~0.3% of a core in an idle agent): once every 5 s is
 # enough for an embedded store whose memory the agent bounds itself.
@@ -119,8 +118,10 @@ class ChdbBackend:
             config = os.path.join(self.path, ENGINE_CONFIG_FILE)
             with open(config, "w") as f:
                 f.write(_ENGINE_CONFIG)
-            with open(os.path.join(self.path, SCHEMA_FILE), "w") as f:
-                f.write(span_protos.SCHEMA)
+            try:                 # the spans' ProtobufList schema of agents before the Native block
+                os.unlink(os.path.join(self.path, OLD_SCHEMA_FILE))
+            except FileNotFoundError:
+                pass
             self._session = chdb_session.Session(f"{self.path}?config-file={config}")
             for setting in _SESSION_SETTINGS:
                 self._session.query(f"SET {setting}")
@@ -143,9 +144,10 @@ class ChdbBackend:
     def insert(self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         """INSERT rows (values as schema.py's conventions say) as
         JSONCompactEachRow data: every value is encoded, never spliced into
-        SQL text. Rows of rows.SPAN_PROTO_COLUMNS are serialized spans and
-        rows of rows.KERNEL_RECORD_COLUMNS ring-buffer records: the engine
-        builds their columns (span_protos.py, kernel_records.py); rows of
+        SQL text. Rows of rows.SPAN_PROTO_COLUMNS are serialized spans, laid
+        out as a Native block in C (span_protos.py); rows of
+        rows.KERNEL_RECORD_COLUMNS ring-buffer records: the engine builds
+        their columns (kernel_records.py); rows of
         rows.METRIC_SERIES_COLUMNS are metric series, laid out as a Native
         block (metric_native.py). (Arrow columns were tried for metrics:
         pyarrow brings pandas, ~90 MB more resident in the agent.)"""
@@ -253,17 +255,14 @@ class ChdbBackend:
             os.unlink(path)
 
     def _insert_span_protos(self, table: str, proto_rows: Sequence[Sequence[Any]]) -> None:
-        """One INSERT ... SELECT of the spans the engine writes as the Python
-        rows would be (span_protos.complex_spans names the others, which go
-        through rows.span_rows)."""
-        skip = span_protos.complex_spans([r[0] for r in proto_rows])
-        if len(skip) < len(proto_rows):
-            env = span_protos.envelope(proto_rows)
-            proto = os.path.join(self.path, SCHEMA_FILE)
+        """One INSERT of the spans as a Native block made in C; the rows it
+        leaves out (span_protos.native's skip) go through rows.span_rows."""
+        data, skip = span_protos.native(proto_rows)
+        if data is not None:
             with self._lock:
                 self._check_open()
-                self._insert_from_file_locked(env.data, lambda path: span_protos.insert_sql(
-                    self.target.database, table, path, proto, env, skip))
+                self._insert_from_file_locked(data, lambda path: span_protos.insert_sql(
+                    self.target.database, table, path))
         if skip:
             self.insert(table, rows_mod.TRACE_COLUMNS, rows_mod.rows_from_span_protos(proto_rows[i] for i in skip))
 

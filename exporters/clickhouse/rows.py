@@ -122,9 +122,8 @@ def span_rows(resource_spans: Iterable[trace_pb2.ResourceSpans]) -> list[list]:
 # The store's own form of otel_traces rows: each span as its serialized
 # proto, whether it has events or links, and its resource and scope beside it
 # (the dict is shared by the spans of one resource). Making one costs a
-# SerializeToString; the embedded store turns these rows into TRACE_COLUMNS
-# in the engine (span_protos.py), any other backend through
-# rows_from_span_protos.
+# SerializeToString; the embedded store lays these rows out as TRACE_COLUMNS
+# in C (span_protos.py), any other backend through rows_from_span_protos.
 SPAN_PROTO_COLUMNS = ("SpanProto", "SpanNested", "ResourceAttributes", "ServiceName", "ScopeName",
                       "ScopeVersion")
 

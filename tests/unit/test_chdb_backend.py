@@ -17,7 +17,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from spanlet import events, join
 from spanlet.metrics import Family, HistogramSample, Sample, labels
 from spanlet.exporters.clickhouse import BackendError, queries, rows, schema
-from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
+from spanlet.exporters.clickhouse.chdb_backend import OLD_SCHEMA_FILE, ChdbBackend
 
 DB = "spanlet"
 NOW = time.time_ns() - 600 * 1_000_000_000   # recent (inside the TTL), fixed for the run
@@ -255,10 +255,12 @@ def test_data_survive_restart(tmp_path):
         b.close()
     with pytest.raises(BackendError):
         b.query("SELECT 1")                       # closed
+    (tmp_path / "store" / OLD_SCHEMA_FILE).write_text("syntax = ...")    # an older agent's file
     b = ChdbBackend(path)
     try:
         assert b.ensure_schema() == schema.SCHEMA_VERSION
         assert b.query("SELECT count() FROM spanlet.otel_traces") == [(3,)]
+        assert not (tmp_path / "store" / OLD_SCHEMA_FILE).exists()      # removed, not read
     finally:
         b.close()
 

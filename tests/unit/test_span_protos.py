@@ -1,9 +1,10 @@
 """The embedded store's insert of serialized spans (rows.SPAN_PROTO_COLUMNS,
-span_protos.py), for real in chdb: every stored value is the one the Python
-row builder (rows.span_rows) stores for the same spans, for random spans with
-every kind of attribute value, with and without events and links, one
-resource or hundreds; the spans the engine cannot render go the Python way;
-a retried batch leaves one copy; proto rows survive the sink's spool."""
+span_protos.py: a Native block made in C), for real in chdb: every stored
+value is the one the Python row builder (rows.span_rows) stores for the same
+spans, for random spans with every kind of attribute value, with and without
+events and links, one resource or hundreds, rows in any order and of any
+sequence type; the spans the C block leaves out go the Python way; a retried
+batch leaves one copy; proto rows survive the sink's spool."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from spanlet.exporters.clickhouse import rows, span_protos
-from spanlet.exporters.clickhouse.chdb_backend import INCOMING_FILE, SCHEMA_FILE, ChdbBackend
+from spanlet.exporters.clickhouse.chdb_backend import INCOMING_FILE, ChdbBackend
 from spanlet.exporters.clickhouse.sink import decode_batch, encode_batch
 
 T0 = time.time_ns() - 3600 * 1_000_000_000   # inside the TTL
@@ -110,18 +111,10 @@ def _both_ways(b: ChdbBackend, req: ExportTraceServiceRequest) -> tuple[list, li
     return _stored(b, "otel_traces"), _stored(b, "reference")
 
 
-def _complex_rows(b: ChdbBackend, tmp_path, req) -> int:
-    """How many spans go the Python way; each one the engine itself would
-    write differently is among them."""
-    proto_rows = rows.span_proto_rows(req.resource_spans)
-    env = span_protos.envelope(proto_rows)
-    path = tmp_path / "probe.pb"
-    path.write_bytes(env.data)
-    engine = {r[0] for r in b.query(span_protos.complex_rows_sql(str(path), str(tmp_path / "store" / SCHEMA_FILE),
-                                                                 env.nested))}
-    named = span_protos.complex_spans([r[0] for r in proto_rows])
-    assert engine <= set(named)
-    return len(named)
+def _python_rows(req) -> int:
+    """How many spans the C block leaves to the Python way."""
+    data, skip = span_protos.native(rows.span_proto_rows(req.resource_spans))
+    return len(skip)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -130,17 +123,17 @@ def test_stored_rows_are_the_python_rows_for_random_spans(backend, tmp_path, see
     got, want = _both_ways(backend, req)
     assert len(got) == 3 * 2 * 60
     assert got == want
-    # most spans were made by the engine, the complex rest by Python
-    assert 0 < _complex_rows(backend, tmp_path, req) < len(got) // 2
+    # most spans were in the Native block, the complex rest made by Python
+    assert 0 < _python_rows(req) < len(got) // 2
     assert not (tmp_path / "store" / INCOMING_FILE).exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.pb", "store"]   # nothing else written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]   # nothing else written
 
 
-def test_simple_spans_are_all_made_by_the_engine(backend, tmp_path):
+def test_simple_spans_are_all_in_the_native_block(backend):
     req = _spans(11, simple_share=1.0)
     got, want = _both_ways(backend, req)
     assert got == want and len(got) == 360
-    assert _complex_rows(backend, tmp_path, req) == 0
+    assert _python_rows(req) == 0
 
 
 def test_a_batch_of_complex_spans_only(backend):
@@ -184,19 +177,35 @@ def test_rows_from_span_protos_are_span_rows():
         rows.span_rows(req.resource_spans)
 
 
-def test_the_schema_names_the_otlp_field_numbers():
-    """The engine's schema against the OTLP proto's own descriptors."""
-    from opentelemetry.proto.common.v1 import common_pb2
+def test_a_span_with_every_otlp_field_set_is_in_the_native_block(backend):
+    """The C block's wire types (native/spanlet_wire.c, WIRE_TYPES) against the
+    OTLP proto's own: a span with every field of Span, Event, Link, Status,
+    KeyValue and the scalar AnyValues set is read, not left out."""
     from opentelemetry.proto.trace.v1 import trace_pb2
-    for message, proto in (("AnyValue", common_pb2.AnyValue), ("KeyValue", common_pb2.KeyValue),
-                           ("Event", trace_pb2.Span.Event), ("Link", trace_pb2.Span.Link),
-                           ("Status", trace_pb2.Status), ("Span", trace_pb2.Span)):
-        body = span_protos.SCHEMA.split(f"message {message} {{", 1)[1].split("\nmessage ", 1)[0]
-        declared = {name: int(num) for name, num in re.findall(r"(\w+) = (\d+);", body)}
-        declared.pop("spanlet_group", None)
-        assert declared, message
-        for name, number in declared.items():
-            assert proto.DESCRIPTOR.fields_by_name[name].number == number, (message, name)
+    s = trace_pb2.Span(trace_id=b"t" * 16, span_id=b"s" * 8, trace_state="a=b", parent_span_id=b"p" * 8,
+                       flags=0x301, name="every", kind=3, start_time_unix_nano=T0, end_time_unix_nano=T0 + 7,
+                       dropped_attributes_count=1, dropped_events_count=2, dropped_links_count=3)
+    for key, kind, value in (("s", "string_value", "x"), ("b", "bool_value", True), ("i", "int_value", -3),
+                             ("d", "double_value", 2.5), ("y", "bytes_value", b"\x00\xff"),
+                             ("z", "string_value_strindex", 5)):
+        setattr(s.attributes.add(key=key).value, kind, value)
+    e = s.events.add(time_unix_nano=T0 + 1, name="ev", dropped_attributes_count=4)
+    e.attributes.add(key="k").value.string_value = "v"
+    s.attributes[0].key_strindex = 9
+    lk = s.links.add(trace_id=b"u" * 16, span_id=b"v" * 8, trace_state="c=d", dropped_attributes_count=5,
+                     flags=0x100)
+    lk.attributes.add(key="w").value.int_value = 2
+    s.status.message, s.status.code = "fine", 1
+    for message in (s, e, lk, s.status, s.attributes[0]):
+        declared = {f.name for f in message.DESCRIPTOR.fields if f.name != "deprecated_code"}
+        assert {f.name for f, _ in message.ListFields()} == declared, message.DESCRIPTOR.name
+    assert {f.name for f in s.attributes[0].value.DESCRIPTOR.fields} - {"array_value", "kvlist_value"} == \
+        {v.WhichOneof("value") for v in (kv.value for kv in s.attributes)}
+    req = ExportTraceServiceRequest()
+    req.resource_spans.add().scope_spans.add().spans.append(s)
+    assert _python_rows(req) == 0
+    got, want = _both_ways(backend, req)
+    assert got == want and len(got) == 1
 
 
 def test_a_request_span_keeps_its_batch_shares_in_span_attributes(backend):
@@ -256,18 +265,24 @@ def _one(build) -> bytes:
     ("64 attributes", lambda s: [s.attributes.add(key=f"k{i}") for i in range(63)], False),
     ("65 attributes", lambda s: [s.attributes.add(key=f"k{i}") for i in range(64)], True),
 ])
-def test_complex_spans_reads_each_case_from_the_bytes(case, build, named):
-    assert span_protos.complex_spans([_one(build)]) == ([0] if named else []), case
+def test_the_native_block_leaves_out_each_complex_case(case, build, named):
+    data, skip = span_protos.native([[_one(build), False, {}, "", "", ""]])
+    assert skip == ([0] if named else []), case
+    assert (data is None) is named
 
 
-def test_complex_spans_names_malformed_bytes_and_keeps_indices():
-    good = _one(lambda s: None)
-    assert span_protos.complex_spans([good, good[:-3], b"\xff", good, b""]) == [1, 2]
+def test_the_native_block_leaves_out_malformed_bytes_and_keeps_indices():
+    good = [_one(lambda s: None), False, {}, "", "", ""]
+    rows_ = [good, [good[0][:-3], *good[1:]], [b"\xff", *good[1:]], good, [b"", *good[1:]]]
+    assert span_protos.native(rows_)[1] == [1, 2]
     with pytest.raises(TypeError):
-        span_protos.complex_spans([good, "not bytes"])
+        span_protos.native([good, ["not bytes", *good[1:]]])
+    with pytest.raises(ValueError):
+        span_protos.native([good[:4]])
+    assert span_protos.native([]) == (None, [])
 
 
-# -- the rows and their envelope made in C (native/spanlet_wire.c) against the Python way ----------
+# -- the rows and their Native block made in C (native/spanlet_wire.c) against the Python way ------
 
 def _shapes(seed: int) -> ExportTraceServiceRequest:
     """Random spans in random shapes: resources with and without service.name, empty scopes and
@@ -304,31 +319,85 @@ def test_the_c_rows_are_the_python_rows(seed):
         at += n
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_the_c_envelope_is_the_python_envelope(seed):
+@pytest.mark.parametrize("seed", range(24))
+def test_the_native_block_of_rows_in_any_order_and_form_stores_the_python_rows(backend, seed):
     from spanlet import _wire
-    assert span_protos._wire_envelope is _wire.envelope
+    assert span_protos._trace_native is _wire.trace_native         # the agent's way is the C one
     rnd = random.Random(seed)
-    proto_rows = rows.span_proto_rows(_shapes(seed).resource_spans)
+    req = _shapes(seed)
+    proto_rows = rows.span_proto_rows(req.resource_spans)
     if seed % 4 == 1:
         rnd.shuffle(proto_rows)                                   # groups interleaved
     elif seed % 4 == 2:                                           # back from the spool: a dict a row
         proto_rows = decode_batch(encode_batch("otel_traces", rows.SPAN_PROTO_COLUMNS, proto_rows))[2]
     elif seed % 4 == 3:
         proto_rows = [tuple(r) if i % 2 else collections.deque(r) for i, r in enumerate(proto_rows)]
-    got, want = span_protos.envelope(proto_rows), span_protos.python_envelope(proto_rows)
-    assert got.data == want.data
-    assert got.nested is want.nested
-    assert [tuple(g) for g in got.groups] == [tuple(g) for g in want.groups]
-    assert [id(g[0]) for g in got.groups] == [id(g[0]) for g in want.groups]
+    backend.insert("otel_traces", rows.SPAN_PROTO_COLUMNS, proto_rows)
+    backend.insert("reference", rows.TRACE_COLUMNS, rows.span_rows(req.resource_spans))
+    assert _stored(backend, "otel_traces") == _stored(backend, "reference")
 
 
-def test_the_c_envelope_tags_hundreds_of_groups():
-    req = _spans(17, resources=300, scopes=1, per_scope=1, nested=False)
-    proto_rows = rows.span_proto_rows(req.resource_spans)
-    got, want = span_protos.envelope(proto_rows), span_protos.python_envelope(proto_rows)
-    assert len(got.groups) == 300 and got.data == want.data and got.nested is want.nested is False
-    assert span_protos.envelope([]) == span_protos.python_envelope([]) == (b"\x00", [], False)
+def test_plain_doubles_are_stored_as_pcommon_writes_them(backend):
+    """Doubles of every magnitude the C block writes itself (plain ones: 0 and
+    1e-4 up to 1e15), their shortest digits without an exponent or a trailing
+    point, against rows._go_float."""
+    rnd = random.Random(21)
+    req = ExportTraceServiceRequest()
+    ss = req.resource_spans.add().scope_spans.add()
+    values = [0.0, -0.0, 1e-4, -1e-4, 0.1, 1.0, 100.0, 1e14, 999999999999999.9, 123456789.125, 2.0 ** -13]
+    values += [rnd.uniform(1, 10) * 10.0 ** rnd.randint(-4, 14) * rnd.choice((1, -1)) for _ in range(400)]
+    values += [struct.unpack("d", struct.pack("Q", rnd.getrandbits(64)))[0] for _ in range(2000)]
+    values = [v for v in values if v == 0 or 1e-4 <= abs(v) < 1e15]
+    for i in range(0, len(values), 8):
+        s = ss.spans.add(name="d", trace_id=rnd.randbytes(16), span_id=rnd.randbytes(8),
+                         start_time_unix_nano=T0, end_time_unix_nano=T0 + 1)
+        for j, v in enumerate(values[i:i + 8]):
+            s.attributes.add(key=f"d{j}").value.double_value = v
+    assert _python_rows(req) == 0
+    got, want = _both_ways(backend, req)
+    assert got == want
+    stored = [v for r in got for v in dict(r[11]).values()]
+    assert sorted(stored) == sorted(rows._go_float(v) for v in values)
+
+
+@pytest.mark.parametrize("case", ["a name sent as a varint", "a status twice", "a value twice",
+                                  "a field numbered 0", "a resource value not a str", "a scope not a str"])
+def test_rows_not_of_the_otlp_shape_go_the_python_way(backend, case):
+    """What the C block does not read as the OTLP proto declares it (another
+    wire type, a singular message twice, field 0) or whose resource or scope
+    is not texts is left to the Python way, which stores what a parse of the
+    span gives."""
+    from opentelemetry.proto.trace.v1 import trace_pb2
+    span = trace_pb2.Span(name="x", trace_id=b"t" * 16, span_id=b"s" * 8, start_time_unix_nano=T0,
+                          end_time_unix_nano=T0 + 9)
+    span.attributes.add(key="k").value.string_value = "v"
+    blob, res, scope = span.SerializeToString(), {"service.name": "svc"}, "scope"
+    if case == "a name sent as a varint":
+        blob += b"\x28\x01"                                     # field 5 (name), wire type 0
+    elif case == "a status twice":
+        blob += b"\x7a\x02\x18\x02" + b"\x7a\x03\x12\x01m"   # code Error, then message 'm': merged
+    elif case == "a value twice":
+        blob += b"\x4a\x0b\x0a\x01j\x12\x02\x18\x05\x12\x02\x18\x07"   # key j, value 5 then value 7
+    elif case == "a field numbered 0":
+        blob += b"\x00\x00"
+    elif case == "a resource value not a str":
+        res = {"service.name": "svc", "n": 3}
+    else:
+        scope = None
+    row = [blob, False, res, "svc", scope, ""]
+    data, skip = span_protos.native([row])
+    assert data is None and skip == [0]
+    if case in ("a status twice", "a value twice", "a name sent as a varint"):
+        parsed = trace_pb2.Span.FromString(blob)
+        backend.insert("otel_traces", rows.SPAN_PROTO_COLUMNS, [row])
+        backend.insert("reference", rows.TRACE_COLUMNS,
+                       [rows._span_row(parsed, "svc", res, scope, "")])
+        got = _stored(backend, "otel_traces")
+        assert got == _stored(backend, "reference") and len(got) == 1
+        if case == "a status twice":
+            assert got[0][13:15] == ("Error", "m")
+        if case == "a value twice":
+            assert dict(got[0][11])["j"] == "7"
 
 
 def test_the_c_rows_read_a_scope_after_its_spans_and_refuse_malformed_bytes():
@@ -347,10 +416,6 @@ def test_the_c_rows_read_a_scope_after_its_spans_and_refuse_malformed_bytes():
     for bad in (blob[:-1], b"\x12\x05ab", b"\xff", b"\x10\x01"):
         with pytest.raises(ValueError):
             _wire.span_proto_rows(bad, {}, "")
-    with pytest.raises(TypeError):
-        _wire.envelope([["not bytes", False, {}, "", "", ""]])
-    with pytest.raises(ValueError):
-        _wire.envelope([[b"", False, {}, ""]])
 
 
 @pytest.mark.parametrize("seed", range(8))
