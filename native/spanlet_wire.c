@@ -5,6 +5,9 @@
  * serialized ResourceSpans of SERVER kind or with events: the only ones that
  * can add to the serving metrics when no span carries a trigger attribute.
  *
+ * valid_spans(payload) -> the spans of a serialized ExportTraceServiceRequest
+ * when the receiver's id check would drop nothing, else -1.
+ *
  * span_proto_rows(blob, resource attributes, service) -> the serialized
  * ResourceSpans' spans as the store's rows (rows.SPAN_PROTO_COLUMNS).
  *
@@ -141,6 +144,95 @@ static int plain_double(const uint8_t *b)
         return 0;
     double a = fabs(d);
     return a == 0.0 || (a >= 1e-4 && a < 1e15);
+}
+
+/* -- the receiver's check ------------------------------------------------- */
+
+/* The ids of one Span (the last of each field, as a parse keeps): 1 if
+ * valid (trace id 16 bytes not all zero, span id 8 bytes not all zero,
+ * parent id none or 8 bytes), 0 if not, -1 if not well-formed. */
+static int nonzero(span_t t)
+{
+    for (const uint8_t *p = t.p; p < t.end; p++)
+        if (*p)
+            return 1;
+    return 0;
+}
+
+static int valid_ids(span_t s)
+{
+    span_t trace = {0, 0}, span = {0, 0}, parent = {0, 0};
+    field_t f;
+    while (s.p < s.end) {
+        if (next_field(&s, &f) < 0)
+            return -1;
+        if (f.num == 1 || f.num == 2 || f.num == 4) {
+            if (f.type != 2)
+                return -1;
+            *(f.num == 1 ? &trace : f.num == 2 ? &span : &parent) = f.sub;
+        }
+    }
+    return trace.end - trace.p == 16 && nonzero(trace) && span.end - span.p == 8 && nonzero(span) &&
+           (parent.end - parent.p == 0 || parent.end - parent.p == 8);
+}
+
+/* The messages of field `num` in m, each passed to fn (0: stop, -1 on the
+ * first that fails); 1 when there is at least one and all passed. */
+static int each_of(span_t m, uint32_t num, int (*fn)(span_t, Py_ssize_t *), Py_ssize_t *count)
+{
+    field_t f;
+    int seen = 0;
+    while (m.p < m.end) {
+        if (next_field(&m, &f) < 0)
+            return -1;
+        if (f.num != num)
+            continue;
+        if (f.type != 2)
+            return -1;
+        int r = fn(f.sub, count);
+        if (r <= 0)
+            return r;
+        seen = 1;
+    }
+    return seen;
+}
+
+static int count_valid_span(span_t s, Py_ssize_t *count)
+{
+    int r = valid_ids(s);
+    *count += r == 1;
+    return r;
+}
+
+static int valid_scope(span_t ss, Py_ssize_t *count)
+{
+    return each_of(ss, 2, count_valid_span, count);
+}
+
+static int valid_resource(span_t rs, Py_ssize_t *count)
+{
+    return each_of(rs, 2, valid_scope, count);
+}
+
+/* valid_spans(payload) -> the spans of a serialized ExportTraceServiceRequest
+ * when every span's ids are valid and no resource or scope is empty (what
+ * receiver.drop_invalid_spans would leave as it is), else -1: that check
+ * runs span by span. */
+static PyObject *valid_spans(PyObject *self, PyObject *arg)
+{
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    span_t req = {b.buf, (const uint8_t *)b.buf + b.len};
+    Py_ssize_t count = 0;
+    field_t f;
+    int ok = 1;
+    for (span_t m = req; ok && m.p < m.end;) {          /* an empty request: 0, nothing to drop */
+        if (next_field(&m, &f) < 0 || (f.num == 1 && (f.type != 2 || valid_resource(f.sub, &count) != 1)))
+            ok = 0;
+    }
+    PyBuffer_Release(&b);
+    return PyLong_FromSsize_t(ok ? count : -1);
 }
 
 /* -- the store's rows ------------------------------------------------------ */
@@ -1417,6 +1509,9 @@ static PyMethodDef methods[] = {
     {"join_resource", join_resource, METH_VARARGS,
      "join_resource(blob, map_fd, index_fd, origin=None) -> None or (new_blob or None, keys, "
      "rows, cgroup, taken): the span join's common case for one serialized ResourceSpans"},
+    {"valid_spans", valid_spans, METH_O,
+     "valid_spans(payload) -> the spans of a serialized ExportTraceServiceRequest when all their ids "
+     "are valid and no resource or scope is empty, else -1"},
     {"span_proto_rows", span_proto_rows, METH_VARARGS,
      "span_proto_rows(resource_spans_blob, resource_attributes, service) -> the serialized "
      "ResourceSpans' spans as rows.SPAN_PROTO_COLUMNS rows (each span's bytes, events or links, "

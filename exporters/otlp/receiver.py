@@ -35,6 +35,11 @@ from spanlet.exporters.otlp.trust import (BearerToken, Peer, SenderRateLimiter, 
                                           server_ssl_context)
 from spanlet.exporters.ratelog import RateLimitedLog
 
+try:
+    from spanlet._wire import valid_spans as _valid_spans
+except ImportError:        # a source tree without its build: the check in Python alone
+    _valid_spans = None
+
 log = logging.getLogger(__name__)
 
 GRPC_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
@@ -463,13 +468,19 @@ class OtlpReceiver:
             request = ExportTraceServiceRequest.FromString(payload)
         except (DecodeError, ValueError, RecursionError) as e:
             return _Outcome(INVALID, f"request is not a valid ExportTraceServiceRequest: {e}")
+        # every span's ids checked in C on the bytes; only a request with a
+        # span to drop (or an empty resource or scope) is walked from Python
+        valid = _valid_spans(payload) if _valid_spans is not None else -1
         if self._limiter is not None:
-            wait = self._limiter.take(sender, count_spans(request.resource_spans))
+            wait = self._limiter.take(sender, valid if valid >= 0 else count_spans(request.resource_spans))
             if wait is not None:
                 return _Outcome(RATE_LIMITED, f"over the rate of {self._limiter.rate:g} spans/s "
                                               f"for this sender; retry in {wait:.2f} s",
                                 retry_after_s=wait)
-        valid, rejected = drop_invalid_spans(request)
+        if valid >= 0:
+            rejected: Counter = Counter()
+        else:
+            valid, rejected = drop_invalid_spans(request)
         accepted = 0
         if valid:
             try:

@@ -678,3 +678,70 @@ def test_each_request_comes_with_the_connection_it_came_on(started, channels, re
     assert (grpc_peer.transport, grpc_peer.host, grpc_peer.local_host, grpc_peer.local_port) == \
         ("grpc", "127.0.0.1", "127.0.0.1", r.grpc_port)
     assert grpc_peer.port not in (0, r.grpc_port, client_port)
+
+
+# -- the ids checked in C on the request's bytes (native/spanlet_wire.c, valid_spans) ---------------
+
+def _random_request(rnd: random.Random) -> ExportTraceServiceRequest:
+    """Spans whose ids are valid, missing, all zero or of the wrong length,
+    resources and scopes with nothing in them, ids sent twice."""
+    req = ExportTraceServiceRequest()
+    ids = [lambda n: rnd.randbytes(n), lambda n: rnd.randbytes(n), lambda n: rnd.randbytes(n),
+           lambda n: b"", lambda n: bytes(n), lambda n: rnd.randbytes(n + rnd.choice((-1, 1)))]
+    for _ in range(rnd.randint(0, 3)):
+        rs = req.resource_spans.add()
+        for _ in range(rnd.randint(0, 3)):
+            ss = rs.scope_spans.add()
+            for _ in range(rnd.randint(0, 4)):
+                ss.spans.add(trace_id=rnd.choice(ids)(16), span_id=rnd.choice(ids)(8),
+                             parent_span_id=rnd.choice([b"", rnd.randbytes(8), rnd.randbytes(8), b"x"]))
+    return req
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while n > 0x7F:
+        out, n = out + bytes([(n & 0x7F) | 0x80]), n >> 7
+    return out + bytes([n])
+
+
+def _twice(rnd: random.Random) -> bytes:
+    """A request of one span whose ids come twice in its bytes (a parse keeps the last)."""
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
+    pick = lambda: rnd.choice([b"", bytes(16), rnd.randbytes(16)])      # noqa: E731
+    span = b"".join(Span(trace_id=pick(), span_id=rnd.randbytes(8)).SerializeToString() for _ in range(2))
+    scope = b"\x12" + _varint(len(span)) + span
+    resource = b"\x12" + _varint(len(scope)) + scope
+    return b"\x0a" + _varint(len(resource)) + resource
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_c_check_of_the_ids_agrees_with_the_python_one(seed):
+    from spanlet._wire import valid_spans
+
+    from spanlet.exporters.otlp.receiver import drop_invalid_spans
+    rnd = random.Random(seed)
+    payload = _twice(rnd) if seed % 5 == 0 else _random_request(rnd).SerializeToString()
+    req, before = (ExportTraceServiceRequest.FromString(payload) for _ in range(2))
+    fast = valid_spans(payload)
+    valid, rejected = drop_invalid_spans(req)
+    if fast >= 0:
+        assert fast == valid and not rejected and req == before      # nothing the Python check drops
+    else:
+        assert rejected or req != before                             # something it drops
+
+
+def test_the_c_check_counts_a_valid_request_and_refuses_other_bytes():
+    from spanlet._wire import valid_spans
+    req = ExportTraceServiceRequest()
+    for r in range(3):
+        for s in range(2):
+            req.resource_spans.add().scope_spans.add().spans.add(trace_id=bytes([r + 1] * 16),
+                                                                span_id=bytes([s + 1] * 8))
+    assert valid_spans(req.SerializeToString()) == 6
+    assert valid_spans(b"") == 0
+    assert valid_spans(req.SerializeToString()[:-1]) == -1
+    assert valid_spans(b"\x10\x01") == 0          # a field ExportTraceServiceRequest does not have
+    assert valid_spans(b"\x08\x01") == -1         # resource_spans not of its wire type
+    with pytest.raises(TypeError):
+        valid_spans("not bytes")
