@@ -13,12 +13,13 @@ do most of an insert) and the active parts' count and size on disk.
 Real time matters: the merge selector lowers its base for parts as they age
 (from 10 s old at small sizes to an hour), so a window compressed in time
 merges differently. The ways:
-  now           the schema as it ships (ZSTD(1) codecs, merge_selector_base 20)
-  lz4           every ZSTD(1) codec of otel_traces made LZ4
-  lz4-small     no explicit codec (the Delta timestamps' kept) and the engine's
-                <compression> rule: parts of --zstd-above MB and more ZSTD(1),
-                smaller ones LZ4 (inserts are always LZ4)
-  min-parts-10  now, with min_parts_to_merge_at_once = 10
+  now           the schema as it ships (merge_selector_base 20; no codec on the
+                columns but Timestamp's, so the engine's <compression> rule
+                writes parts of --zstd-above MB and more with ZSTD(1), smaller
+                ones with LZ4: schema migration 7)
+  zstd          the form before migration 7: every column ZSTD(1), as the
+                Collector's DDL has them
+  lz4           every column LZ4, whatever the part's size
 
 Not one of `make bench`'s (*_bench.py): it takes its window, 20 minutes by default.
 
@@ -36,33 +37,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "support"), str(REPO / "bench")]
 
+from spanlet.exporters.clickhouse import schema  # noqa: E402
 
-def _part_log_and_compression(zstd_above_mb: int) -> str:
+
+def _part_log() -> str:
     return ("<part_log><database>system</database><table>part_log</table>"
-            "<flush_interval_milliseconds>2000</flush_interval_milliseconds></part_log>"
-            f"<compression><case><min_part_size>{zstd_above_mb << 20}</min_part_size>"
-            "<min_part_size_ratio>0</min_part_size_ratio><method>zstd</method><level>1</level>"
-            "</case></compression>\n</clickhouse>")
-
-
-def _codecs(db) -> list[tuple[str, str]]:
-    return db.query(f"SELECT name, compression_codec FROM system.columns "
-                    f"WHERE database = '{db.target.database}' AND table = 'otel_traces'")
+            "<flush_interval_milliseconds>2000</flush_interval_milliseconds></part_log>\n</clickhouse>")
 
 
 def ways() -> dict:
-    def lz4(db):
-        return [f"ALTER TABLE {db.target.database}.otel_traces MODIFY COLUMN `{n}` {c.replace('ZSTD(1)', 'LZ4')}"
-                for n, c in _codecs(db) if "ZSTD" in c]
+    def codec(c):
+        return lambda db: [f"ALTER TABLE {db.target.database}.otel_traces MODIFY COLUMN `{n}` CODEC({c})"
+                           for n in rows.TRACE_COLUMNS if n != "Timestamp"]
 
-    def lz4_small(db):
-        return [f"ALTER TABLE {db.target.database}.otel_traces MODIFY COLUMN `{n}` REMOVE CODEC"
-                for n, c in _codecs(db) if "ZSTD" in c and "Delta" not in c]
-
-    def min_parts(db):
-        return [f"ALTER TABLE {db.target.database}.otel_traces MODIFY SETTING min_parts_to_merge_at_once = 10"]
-
-    return {"now": lambda db: [], "lz4": lz4, "lz4-small": lz4_small, "min-parts-10": min_parts}
+    from spanlet.exporters.clickhouse import rows
+    return {"now": lambda db: [], "zstd": codec("ZSTD(1)"), "lz4": codec("LZ4")}
 
 
 def report(tag: str, elapsed: float, inserted: int, dbs: dict, insert_cpu: dict) -> None:
@@ -89,14 +78,16 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=20.0)
     ap.add_argument("--interval", type=float, default=30.0, help="seconds between inserts")
     ap.add_argument("--batch", type=int, default=30_000, help="spans an insert")
-    ap.add_argument("--zstd-above", type=int, default=64, metavar="MB", help="lz4-small: ZSTD(1) for parts this big")
+    ap.add_argument("--zstd-above", type=int, default=schema.TRACES_ZSTD_PART_BYTES >> 20, metavar="MB",
+                    help="now: ZSTD(1) for parts this big")
     a = ap.parse_args()
     if a.minutes <= 0 or a.interval <= 0 or a.batch <= 0 or a.zstd_above <= 0:
         ap.error("--minutes, --interval, --batch and --zstd-above must be positive")
 
     from spanlet.exporters.clickhouse import chdb_backend, rows
     chdb_backend._ENGINE_CONFIG = chdb_backend._ENGINE_CONFIG.replace(
-        "</clickhouse>", _part_log_and_compression(a.zstd_above))
+        f"<min_part_size>{schema.TRACES_ZSTD_PART_BYTES}<", f"<min_part_size>{a.zstd_above << 20}<").replace(
+        "</clickhouse>", _part_log())
     from store_bench import Inputs, other_database
 
     with tempfile.TemporaryDirectory(prefix="spanlet-merge-bench-") as tmp:

@@ -56,6 +56,10 @@ OLD_SCHEMA_FILE = "spanlet-spans.proto"
 # about 1.5 wake-ups a second a table, 9 tables: from 5 s x 1.5^n, at most
 # 60 s, plus up to 1 s. An insert still wakes its table's task at once (the
 # engine triggers it), so merges follow inserts as before.
+# Columns without a codec of their own are written with LZ4 in parts smaller
+# than schema.TRACES_ZSTD_PART_BYTES, ZSTD(1) in larger ones (schema
+# migration 7: otel_traces' columns, whose frequent small merges this makes
+# cheaper).
 _ENGINE_CONFIG = """<clickhouse>
     <memory_worker_period_ms>5000</memory_worker_period_ms>
     <background_processing_pool_thread_sleep_seconds_if_nothing_to_do>5</background_processing_pool_thread_sleep_seconds_if_nothing_to_do>
@@ -64,8 +68,16 @@ _ENGINE_CONFIG = """<clickhouse>
     <merge_tree>
         <concurrent_part_removal_threshold>1000000000</concurrent_part_removal_threshold>
     </merge_tree>
+    <compression>
+        <case>
+            <min_part_size>%d</min_part_size>
+            <min_part_size_ratio>0</min_part_size_ratio>
+            <method>zstd</method>
+            <level>1</level>
+        </case>
+    </compression>
 </clickhouse>
-"""
+""" % schema.TRACES_ZSTD_PART_BYTES
 
 
 def _utc_text(ns: int) -> str:

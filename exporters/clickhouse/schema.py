@@ -399,6 +399,24 @@ def _v6(t: Target) -> list[str]:
     return [f"ALTER TABLE {t.database}.{TRACES} MODIFY SETTING merge_selector_base = {TRACES_MERGE_SELECTOR_BASE}"]
 
 
+# Migration 7, the embedded store only: its merges of otel_traces were most
+# of what the store's CPU grows by over hours. Its columns lose their
+# explicit ZSTD(1) codec (all but Timestamp's Delta): the engine's own rule
+# (chdb_backend's engine configuration, <compression>) then writes parts
+# smaller than TRACES_ZSTD_PART_BYTES with LZ4 and larger ones with ZSTD(1),
+# so the frequent merges of fresh, small parts cost ~27% less (LZ4 for them
+# is ~55% more disk, for their few hours) and what stays on disk is ZSTD(1)
+# as before. Parts written before keep their codec until merged.
+TRACES_ZSTD_PART_BYTES = 64 << 20
+
+
+def _v7(t: Target) -> list[str]:
+    if not t.embedded:
+        return []
+    return [f"ALTER TABLE {t.database}.{TRACES} MODIFY COLUMN {quote_identifier(c)} REMOVE CODEC"
+            for c in _columns_of(_TRACES_BODY) if c != "Timestamp"]
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial: otel_traces, kernel_events, metric_samples", _v1),
     Migration(2, "kernel_events.Node", _v2),
@@ -406,6 +424,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "SpanKind and StatusCode as the OpenTelemetry Collector spells them", _v4),
     Migration(5, "the Collector's trace-id lookup table and its view", _v5),
     Migration(6, "embedded store: fewer, wider merges of otel_traces", _v6),
+    Migration(7, "embedded store: otel_traces parts LZ4 while small, ZSTD(1) once large", _v7),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

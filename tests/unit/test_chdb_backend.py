@@ -427,3 +427,57 @@ def test_an_idle_store_s_table_tasks_sleep():
     out = subprocess.run([sys.executable, "-c", _IDLE_WAKEUPS], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout.split()[-1]) <= 12, out.stdout
+
+
+_CODECS = r"""
+import shutil, tempfile, time
+from opentelemetry.proto.trace.v1 import trace_pb2
+from spanlet.exporters.clickhouse import chdb_backend, rows, schema
+from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
+# the rule's threshold made 1 byte: every merged part is past it
+chdb_backend._ENGINE_CONFIG = chdb_backend._ENGINE_CONFIG.replace(
+    f"<min_part_size>{schema.TRACES_ZSTD_PART_BYTES}<", "<min_part_size>1<")
+path = tempfile.mkdtemp(prefix="spanlet-codecs-")
+b = ChdbBackend(path)
+try:
+    b.ensure_schema()
+    for n in range(2):
+        rs = trace_pb2.ResourceSpans()
+        rs.scope_spans.add().spans.add(name="x", trace_id=bytes([n + 1]) * 16, span_id=b"s" * 8,
+                                       start_time_unix_nano=time.time_ns())
+        b.insert("otel_traces", rows.SPAN_PROTO_COLUMNS, rows.span_proto_rows([rs]))
+    print(sorted(r[0] for r in b.query("SELECT default_compression_codec FROM system.parts "
+                                       "WHERE table = 'otel_traces' AND active")))
+    b.query("OPTIMIZE TABLE spanlet.otel_traces FINAL")
+    print(b.query("SELECT default_compression_codec FROM system.parts WHERE table = 'otel_traces' AND active"))
+finally:
+    b.close()
+    shutil.rmtree(path)
+"""
+
+
+def test_otel_traces_parts_are_lz4_while_small_and_zstd_once_large(tmp_path):
+    """Schema migration 7 and the engine's <compression> rule: otel_traces'
+    columns have no codec but Timestamp's, so a part is LZ4 below
+    schema.TRACES_ZSTD_PART_BYTES and ZSTD(1) from there (a fresh process
+    with the threshold at 1 byte, as the engine reads its configuration
+    once); the kernel_events and metric_samples columns keep theirs."""
+    import subprocess
+    import sys
+    b = ChdbBackend(str(tmp_path / "store"))
+    try:
+        b.ensure_schema()
+        codecs = dict(b.query("SELECT name, compression_codec FROM system.columns "
+                              "WHERE database = 'spanlet' AND table = 'otel_traces'"))
+        assert codecs.pop("Timestamp") == "CODEC(Delta(8), ZSTD(1))"
+        assert set(codecs.values()) == {""} and len(codecs) == len(rows.TRACE_COLUMNS) - 1
+        assert "ZSTD(1)" in dict(b.query("SELECT name, compression_codec FROM system.columns "
+                                         "WHERE database = 'spanlet' AND table = 'metric_samples'"))["Labels"]
+        _insert_spans(b, _enriched_spans())
+        assert b.query("SELECT default_compression_codec FROM system.parts "
+                       "WHERE table = 'otel_traces' AND active") == [("LZ4",)]
+    finally:
+        b.close()
+    out = subprocess.run([sys.executable, "-c", _CODECS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["['LZ4', 'LZ4']", "[('ZSTD(1)',)]"], out.stdout

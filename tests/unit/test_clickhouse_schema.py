@@ -81,7 +81,7 @@ def test_single_node_ddl_parses_and_has_no_cluster(backend):
 
 
 def test_fresh_schema_has_collector_columns_and_engines(backend):
-    assert backend.ensure_schema() == schema.SCHEMA_VERSION == 6
+    assert backend.ensure_schema() == schema.SCHEMA_VERSION == 7
     assert _columns(backend, "otel_traces") == COLLECTOR_TRACE_COLUMNS
     rows = dict(backend.query(
         "SELECT name, engine || '|' || sorting_key || '|' || partition_key FROM system.tables "
@@ -100,9 +100,9 @@ def test_fresh_schema_has_collector_columns_and_engines(backend):
     assert "TTL toDateTime(Timestamp) + toIntervalDay(3)" in ddl
     assert ("Node", "LowCardinality(String)") in _columns(backend, "kernel_events")
     # Idempotent: a second start-up applies nothing.
-    assert backend.ensure_schema() == 6
+    assert backend.ensure_schema() == 7
     assert backend.query("SELECT Version FROM spanlet.schema_version ORDER BY Version") == [
-        (1,), (2,), (3,), (4,), (5,), (6,)]
+        (1,), (2,), (3,), (4,), (5,), (6,), (7,)]
 
 
 def test_the_embedded_spans_table_merges_wider_and_a_server_keeps_its_ddl(backend):
@@ -117,6 +117,22 @@ def test_the_embedded_spans_table_merges_wider_and_a_server_keeps_its_ddl(backen
     for t in (schema.Target(), schema.Target(cluster="c")):
         assert schema.MIGRATIONS[5].statements(t) == []
         assert not any("merge_selector" in stmt for stmt in schema.all_statements(t))
+
+
+def test_the_embedded_spans_table_leaves_its_codecs_to_the_part_size_and_a_server_keeps_its_ddl(backend):
+    """v7: the embedded store's otel_traces columns have no codec of their own
+    but Timestamp's (the engine's rule picks LZ4 or ZSTD(1) by part size:
+    test_chdb_backend); a server's or cluster's tables keep the Collector's
+    ZSTD(1), and the other embedded tables theirs."""
+    backend.ensure_schema()
+    codecs = dict(backend.query("SELECT table || '.' || name, compression_codec FROM system.columns "
+                                "WHERE database = 'spanlet'"))
+    assert codecs.pop("otel_traces.Timestamp") == "CODEC(Delta(8), ZSTD(1))"
+    assert {c for name, c in codecs.items() if name.startswith("otel_traces.")} == {""}
+    assert codecs["otel_traces_trace_id_ts.TraceId"] == codecs["metric_samples.Labels"] == "CODEC(ZSTD(1))"
+    for t in (schema.Target(), schema.Target(cluster="c")):
+        assert schema.MIGRATIONS[6].statements(t) == []
+        assert not any("REMOVE CODEC" in stmt for stmt in schema.all_statements(t))
 
 
 def test_a_retried_insert_is_stored_once(backend):
