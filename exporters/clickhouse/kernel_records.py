@@ -23,7 +23,7 @@ from operator import itemgetter
 from spanlet import events
 from spanlet.exporters.clickhouse import BackendError, schema
 from spanlet.exporters.clickhouse.rows import KERNEL_EVENT_COLUMNS, _enum_name
-from spanlet.exporters.clickhouse.span_protos import varint
+from spanlet.exporters.otlp.common import varint
 
 _HEADER = C.sizeof(events.Header)
 _KIND_AT = events.Header.kind.offset

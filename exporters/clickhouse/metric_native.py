@@ -31,7 +31,7 @@ from operator import is_not, itemgetter, lt
 
 from spanlet.exporters.clickhouse import BackendError, schema
 from spanlet.exporters.clickhouse.rows import METRIC_COLUMNS, METRIC_SERIES_COLUMNS
-from spanlet.exporters.clickhouse.span_protos import varint
+from spanlet.exporters.otlp.common import varint
 
 _LITTLE = sys.byteorder == "little"
 _ONE_BYTE = [bytes([i]) for i in range(128)]

@@ -30,16 +30,6 @@ except ImportError:        # a source tree without its build: every span goes th
     _trace_native = None
 
 
-def varint(n: int) -> bytes:
-    """Protobuf's (and ClickHouse's VarUInt) encoding of a non-negative int."""
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def native(proto_rows: Sequence[Sequence]) -> tuple[bytes | None, list[int]]:
     """(the Native block of the rows but those in skip, or None where there
     are none; skip: the indices of the rows rows.span_rows must make)."""

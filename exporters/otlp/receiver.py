@@ -29,7 +29,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
 from spanlet.config import OtlpConfig
 from spanlet.exporters.http import serve_in_thread, stop_serving
-from spanlet.exporters.otlp.common import PROTOBUF, STATUS_DETAILS_KEY, TRACES_PATH
+from spanlet.exporters.otlp.common import (PROTOBUF, STATUS_DETAILS_KEY, TRACES_GRPC_METHOD,
+                                           TRACES_GRPC_SERVICE, TRACES_PATH)
 from spanlet.exporters.otlp.trust import (BearerToken, Peer, SenderRateLimiter, grpc_peer,
                                           grpc_server_credentials, normal_sender, sender_of_peer,
                                           server_ssl_context)
@@ -42,8 +43,7 @@ except ImportError:        # a source tree without its build: the check in Pytho
 
 log = logging.getLogger(__name__)
 
-GRPC_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
-GRPC_METHOD = f"/{GRPC_SERVICE}/Export"
+GRPC_SERVICE, GRPC_METHOD = TRACES_GRPC_SERVICE, TRACES_GRPC_METHOD
 # The trailer the OTel SDKs read a RetryInfo from (besides the Status in
 # STATUS_DETAILS_KEY, where the gRPC rules put it).
 RETRY_INFO_KEY = "google.rpc.retryinfo-bin"

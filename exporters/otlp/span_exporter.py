@@ -9,11 +9,11 @@ import threading
 from collections import deque
 from typing import Mapping, Sequence
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
 from spanlet.config import OtlpConfig
 from spanlet.exporters.batching import BatchWorker, ExportResult
+from spanlet.exporters.otlp.common import varint
 from spanlet.exporters.otlp.transport import (INITIAL_BACKOFF_S, MAX_BACKOFF_S, OtlpBatch, OtlpSender,
                                               _Counters)
 from spanlet.exporters.otlp.upstream import resolve_upstream
@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 # top of cfg.queue_size in spans: a queue of large spans (attributes, span
 # events) stays bounded in memory too. cfg.queue_max_bytes overrides it.
 DEFAULT_QUEUE_MAX_BYTES = 64 * 1024 * 1024
+
+# ExportTraceServiceRequest.resource_spans: field 1, length-delimited
+_RESOURCE_SPANS_TAG = b"\x0a"
 
 
 def _spans_in(rs: ResourceSpans) -> int:
@@ -65,7 +68,9 @@ class _SpanQueue:
         self.queue_size, self.queue_max_bytes, self.batch_size = queue_size, queue_max_bytes, batch_size
         self._sender = sender
         self.counters = sender.counters if sender is not None else _Counters()
-        self._queue: deque[tuple[ResourceSpans, int, int]] = deque()   # (piece, spans, bytes)
+        # (piece serialized, spans, bytes): serialized once when queued, so a
+        # batch is its pieces' bytes joined, never a copy of each piece
+        self._queue: deque[tuple[bytes, int, int]] = deque()
         self.queued = 0             # spans in _queue
         self.queued_bytes = 0       # their serialized size
         self._enqueued_total = 0    # spans ever accepted into the queue
@@ -97,10 +102,11 @@ class _SpanQueue:
 
     def _append(self, piece: ResourceSpans) -> int:
         """Queue one piece; returns the spans dropped (all of it past the byte bound, else 0)."""
-        k, size = _spans_in(piece), piece.ByteSize()
+        k, data = _spans_in(piece), piece.SerializeToString()
+        size = len(data)
         if self.queued_bytes + size > self.queue_max_bytes:
             return k
-        self._queue.append((piece, k, size))
+        self._queue.append((data, k, size))
         self.queued += k
         self.queued_bytes += size
         self._enqueued_total += k
@@ -120,26 +126,30 @@ class _SpanQueue:
         self._send_through = max(self._send_through, self._enqueued_total)
 
     def take(self) -> OtlpBatch | None:
+        """The next batch: a serialized ExportTraceServiceRequest (its
+        resource_spans, field 1, are the queued pieces' bytes) of at most
+        batch_size spans; a piece larger than the room left is cut in two."""
         if not self.ready():
             return None
-        request = ExportTraceServiceRequest()
+        parts = []
         room = self.batch_size
         while self._queue and room:
-            rs, n, size = self._queue[0]
+            data, n, size = self._queue[0]
             if n > room:
-                head, tail = split_resource_spans(rs, room, n)
-                tail_size = tail.ByteSize()
-                self._queue[0] = (tail, n - room, tail_size)
-                rs, n, size = head, room, size - tail_size
+                head, tail = (p.SerializeToString() for p in
+                              split_resource_spans(ResourceSpans.FromString(data), room, n))
+                self._queue[0] = (tail, n - room, len(tail))
+                self.queued_bytes += len(head) + len(tail) - size
+                data, n, size = head, room, len(head)
             else:
                 self._queue.popleft()
-            request.resource_spans.append(rs)
+            parts += (_RESOURCE_SPANS_TAG, varint(size), data)
             self.queued_bytes -= size
             room -= n
         taken = self.batch_size - room
         self.queued -= taken
         self.dequeued_total += taken
-        return OtlpBatch(request, taken)
+        return OtlpBatch(b"".join(parts), taken)
 
     def idle(self) -> bool:
         return self.counters.settled >= self._enqueued_total

@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceS
 
 from spanlet.config import ConfigError
 from spanlet.exporters.batching import EXPORTED, GAVE_UP, SHUTDOWN, Backoff, ExportResult
-from spanlet.exporters.otlp.common import PROTOBUF, STATUS_DETAILS_KEY
+from spanlet.exporters.otlp.common import METRICS_GRPC_METHOD, PROTOBUF, STATUS_DETAILS_KEY, TRACES_GRPC_METHOD
 from spanlet.exporters.otlp.upstream import GRPC, Upstream
 from spanlet.exporters.ratelog import RateLimitedLog
 
@@ -40,6 +40,11 @@ JITTER = (0.8, 1.2)
 SIGNALS = {
     "traces": (TraceServiceStub, ExportTraceServiceResponse, "rejected_spans"),
     "metrics": (MetricsServiceStub, ExportMetricsServiceResponse, "rejected_data_points"),
+}
+# Each stub's Export method and its response, for a request sent as bytes.
+GRPC_EXPORT_METHODS = {
+    TraceServiceStub: (TRACES_GRPC_METHOD, ExportTraceServiceResponse),
+    MetricsServiceStub: (METRICS_GRPC_METHOD, ExportMetricsServiceResponse),
 }
 
 # OTLP/gRPC: retryable codes. RESOURCE_EXHAUSTED only with RetryInfo.
@@ -110,12 +115,17 @@ class _GrpcTransport:
             self._channel = grpc.secure_channel(up.endpoint, creds, options=options,
                                                 compression=compression)
         self._stub = stub_cls(self._channel)
+        method, response_cls = GRPC_EXPORT_METHODS[stub_cls]
+        self._raw_export = self._channel.unary_unary(method, request_serializer=None,
+                                                     response_deserializer=response_cls.FromString)
         self._metadata = up.headers
         self._rejected_field = rejected_field
 
-    def send(self, request: Message, timeout_s: float) -> SendResult:
+    def send(self, request: Message | bytes, timeout_s: float) -> SendResult:
+        """One Export call of `request`, a message or its bytes (sent as they are)."""
+        export = self._raw_export if isinstance(request, bytes) else self._stub.Export
         try:
-            response = self._stub.Export(request, timeout=timeout_s, metadata=self._metadata)
+            response = export(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
             delay = None
@@ -173,8 +183,8 @@ class _HttpTransport:
         if up.client_certificate and up.client_key:
             self._session.cert = (up.client_certificate, up.client_key)
 
-    def send(self, request: Message, timeout_s: float) -> SendResult:
-        body = request.SerializeToString()
+    def send(self, request: Message | bytes, timeout_s: float) -> SendResult:
+        body = request if isinstance(request, bytes) else request.SerializeToString()
         if self._gzip:
             body = gzip.compress(body, compresslevel=6)
         try:
@@ -214,7 +224,7 @@ class _HttpTransport:
 
 @dataclass
 class OtlpBatch:
-    request: Message | None     # None: the metrics collection it stands for is not made yet
+    request: Message | bytes | None     # None: the metrics collection it stands for is not made yet
     n: int = 0                  # items (spans, data points) in it
 
 

@@ -350,6 +350,23 @@ def test_full_queue_drops_exactly_the_overflow(upstream, exporter):
     assert e.stats()["exported"] == 200
 
 
+@pytest.mark.parametrize("protocol", [GRPC, HTTP_PROTOBUF])
+def test_batches_are_cut_inside_a_queued_resource_in_order(upstream, exporter, protocol):
+    """Each resource is queued serialized (its bytes the queue's byte count);
+    a batch takes whole resources and cuts the one past its room: the
+    upstream gets every span once, in order, each cut keeping its resource."""
+    up = upstream()
+    e = exporter(up.endpoint(protocol), protocol, batch_size=100, batch_interval_s=60)
+    rs, ids = make_resource_spans([60, 60, 60])
+    assert e.export(rs) is True
+    assert e.stats()["queue_bytes"] == sum(r.ByteSize() for r in rs)
+    assert e.force_flush(10000) is True
+    assert up.span_ids == ids                              # all, once, in order
+    assert up.resources == ["svc-0", "svc-1", "svc-1", "svc-2"]    # 60 + 40 | 20 + 60
+    st = e.stats()
+    assert (st["exported"], st["batches"], st["queue_spans"], st["queue_bytes"]) == (180, 2, 0, 0)
+
+
 def test_shutdown_flushes_then_is_safe_twice(upstream, exporter):
     up = upstream()
     e = exporter(up.endpoint(HTTP_PROTOBUF), HTTP_PROTOBUF, batch_interval_s=60)

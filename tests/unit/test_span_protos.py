@@ -21,6 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from spanlet.exporters.clickhouse import rows, span_protos
 from spanlet.exporters.clickhouse.chdb_backend import INCOMING_FILE, ChdbBackend
 from spanlet.exporters.clickhouse.sink import decode_batch, encode_batch
+from spanlet.exporters.otlp.common import varint
 
 T0 = time.time_ns() - 3600 * 1_000_000_000   # inside the TTL
 STRINGS = ["", "x", "ünï 字", "a'b\"c\\n\t", "<&>", "0", "{'k':'v'}"]
@@ -408,7 +409,7 @@ def test_the_c_rows_read_a_scope_after_its_spans_and_refuse_malformed_bytes():
     span.events.add(name="e")
     scope = trace_pb2.ScopeSpans(scope={"name": "late", "version": "2"}).SerializeToString()
     spans = trace_pb2.ScopeSpans(spans=[span, trace_pb2.Span(name="y")]).SerializeToString()
-    blob = b"\x12" + span_protos.varint(len(spans + scope)) + spans + scope      # ResourceSpans.scope_spans
+    blob = b"\x12" + varint(len(spans + scope)) + spans + scope      # ResourceSpans.scope_spans
     assert rows.python_span_proto_rows([trace_pb2.ResourceSpans.FromString(blob)]) == [
         [span.SerializeToString(), True, {}, "", "late", "2"],
         [trace_pb2.Span(name="y").SerializeToString(), False, {}, "", "late", "2"]]
@@ -436,12 +437,12 @@ def test_rows_from_the_joins_bytes_store_the_joined_spans(backend, seed):
             for s in ss.spans:
                 extra = KeyValue(key="kernel.gpu.launches")
                 extra.value.int_value = seed + 1
-                body = s.SerializeToString() + b"\x4a" + span_protos.varint(extra.ByteSize()) + \
+                body = s.SerializeToString() + b"\x4a" + varint(extra.ByteSize()) + \
                     extra.SerializeToString()
-                spans += b"\x12" + span_protos.varint(len(body)) + body
+                spans += b"\x12" + varint(len(body)) + body
             scope = ss.scope.SerializeToString()
-            whole = b"\x0a" + span_protos.varint(len(scope)) + scope + spans
-            parts.append(b"\x12" + span_protos.varint(len(whole)) + whole)
+            whole = b"\x0a" + varint(len(scope)) + scope + spans
+            parts.append(b"\x12" + varint(len(whole)) + whole)
         blobs.append(b"".join(parts))
     blobs[1] = None
     joined = ExportTraceServiceRequest()
