@@ -17,7 +17,7 @@ the join serialized each resource to, as the agent's store gets them, laid
 out as a Native block in C). The spans are an SDK's: traces of 8 spans, 6
 attributes each, kernel facts among them.
 
-    .venv/bin/python bench/store_bench.py [--batch 10000] [--seconds 4] [--inserts 30] [--quiet 10] [--rounds 2]
+    .venv/bin/python bench/store_bench.py [--batch 30000] [--seconds 4] [--inserts 30] [--quiet 10] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -199,8 +199,9 @@ def metric_parts(db, inputs: Inputs, node_ts: int, batches: int = 8) -> dict[str
     """CPU ms per batch of each part of the metric_samples insert, the engine's apart: the series
     rows, their Native block, the block's hash and file, the engine's SELECT of the file alone
     (FORMAT Null), then the INSERT of it (the table's write)."""
-    import hashlib
     import os
+
+    import xxhash
 
     from spanlet.exporters.clickhouse import metric_native, rows
     path = os.path.join(db.path, "spanlet-bench-metrics.native")
@@ -213,7 +214,7 @@ def metric_parts(db, inputs: Inputs, node_ts: int, batches: int = 8) -> dict[str
         marks.append(time.process_time())
         data = metric_native.encode(series)
         marks.append(time.process_time())
-        token = hashlib.blake2b(data, digest_size=16).hexdigest()
+        token = xxhash.xxh3_128_hexdigest(data)
         with open(path, "wb") as f:
             f.write(data)
         marks.append(time.process_time())
@@ -233,7 +234,8 @@ def metric_parts(db, inputs: Inputs, node_ts: int, batches: int = 8) -> dict[str
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=10_000)
+    from spanlet.config import StoreConfig
+    ap.add_argument("--batch", type=int, default=StoreConfig().batch_rows, help="rows an insert (the store's default)")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--inserts", type=int, default=30, help="otel_traces inserts a way a round")
     ap.add_argument("--quiet", type=float, default=10.0, help="seconds after a way's inserts for its merges")
