@@ -86,10 +86,6 @@ def _label_value(v: str) -> str:
     return v
 
 
-def _pairs(pairs) -> str:
-    return ",".join(f'{_label_name(k)}="{_label_value(v)}"' for k, v in pairs)
-
-
 def _num(v) -> str:
     """floatToGoString(v), without its float formatting for the small integers
     that most samples and bucket counts are."""
@@ -110,6 +106,18 @@ def _bounds(bounds: tuple[float, ...]) -> list[str]:
     return out
 
 
+def _layout(labels) -> tuple[list[int], list[str], int, int]:
+    """How a series with these label names is written: the indexes of its
+    values (node first, then the labels') in sorted-name order, a name twice
+    keeping its last value as a dict of the pairs does; each one's `name="`;
+    how many names sort before le, and where those after it start (a label
+    named le is left out of the buckets' pairs)."""
+    last = {k: i for i, k in enumerate(["node", *[k for k, _ in labels]])}
+    keys = sorted(last)
+    below = sum(k < "le" for k in keys)
+    return [last[k] for k in keys], [f'{_label_name(k)}="' for k in keys], below, below + ("le" in last)
+
+
 def _text_of(fam: Family, node: str, out: list[str]) -> None:
     """One Family as generate_latest writes it after _render(): labels sorted
     by name (node and le among them), counters named with _total."""
@@ -117,23 +125,26 @@ def _text_of(fam: Family, node: str, out: list[str]) -> None:
     name = escape_metric_name(base + "_total" if fam.type == "counter" else base)
     doc = fam.help.replace("\\", r"\\").replace("\n", r"\n")
     out.append(f"# HELP {name} {doc}\n# TYPE {name} {fam.type}\n")
-    names = ["node"] + [k for k, _ in (fam.samples[0].labels if fam.samples else ())]
+    first = fam.samples[0].labels if fam.samples else ()
+    layout = _layout(first)
     for s in fam.samples:
-        pairs = sorted(dict(zip(names, [node] + [v for _, v in s.labels])).items())
+        # the first sample's label names are every sample's, by position, as
+        # _render() pairs them (a sample with fewer values has fewer names)
+        order, heads, below, above = layout if len(s.labels) >= len(first) else _layout(first[:len(s.labels)])
+        values = [node, *[v for _, v in s.labels]]
+        parts = [f'{h}{_label_value(values[i])}"' for h, i in zip(heads, order)]
+        labelled = ",".join(parts)
         if not isinstance(s, HistogramSample):
-            out.append(f"{name}{{{_pairs(pairs)}}} {_num(s.value)}\n")
+            out.append(f"{name}{{{labelled}}} {_num(s.value)}\n")
             continue
-        below = _pairs(p for p in pairs if p[0] < "le")
-        above = _pairs(p for p in pairs if p[0] > "le")
-        head = f"{name}_bucket{{{below}{',' if below else ''}le=\""
-        tail = f"\"{',' if above else ''}{above}}} "
+        head = f"{name}_bucket{{{','.join(parts[:below])}{',' if below else ''}le=\""
+        tail = f"\"{',' if above < len(parts) else ''}{','.join(parts[above:])}}} "
         counts = list(accumulate(s.bucket_counts[:len(s.bounds)])) + [s.count]
         if all(type(n) is int for n in counts) and 0 <= min(counts) and max(counts) < 1_000_000:
             out.extend([f"{head}{le}{tail}{n}.0\n" for le, n in zip(_bounds(s.bounds), counts)])
         else:
             out.extend([f"{head}{le}{tail}{_num(n)}\n" for le, n in zip(_bounds(s.bounds), counts)])
         if not s.bounds or s.bounds[0] >= 0:
-            labelled = _pairs(pairs)
             out.append(f"{name}_count{{{labelled}}} {_num(s.count)}\n"
                        f"{name}_sum{{{labelled}}} {_num(s.sum)}\n")
 

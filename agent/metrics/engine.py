@@ -235,7 +235,7 @@ class ProbeCounters(Protocol):
 class ProbeSources(Iterable[ProbeCounters], Protocol):
     """Every started probe, and the three whose maps feed metrics, each None
     unless attached now (a detached probe's maps are gone)."""
-    gpu: object | None        # launches(), sync_wait(), sync_wait_buckets()
+    gpu: object | None        # launches(), sync_waits()
     tc: object | None         # totals(), jitter(), rejected(), uncounted()
     sandbox: object | None    # violations(), sweep_violations(), unresolved_opens(), ...
     span_ctx: object | None   # marks()

@@ -44,12 +44,9 @@ def spanlet_gpu_graph_launches_total(gpu, workload: Workload) -> list[Family]:
 
 def spanlet_gpu_sync_wait_seconds(gpu, workload: Workload) -> Family:
     fam = family("spanlet_gpu_sync_wait_seconds")
-    stats = gpu.sync_wait()
     acc: dict = {}
-    for key, kernel_buckets in gpu.sync_wait_buckets().items():
-        cgroup, modality, api = key
+    for (cgroup, modality, api), (count, total_ns, kernel_buckets) in gpu.sync_waits().items():
         lab = labels(**workload(cgroup), modality=modality.name, api=api.name)
-        count, total_ns = stats.get(key, (0, 0))
         # fold the log2 buckets into the exported ones
         per = [sum(kernel_buckets[sl]) for sl in _SLICES]
         prev = acc.get(lab)

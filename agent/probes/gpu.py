@@ -564,14 +564,12 @@ class GpuProbe(Probe):
 
     def sync_wait(self) -> dict[CountKey, tuple[int, int]]:
         """Outermost sync calls per (cgroup id, modality, api): (count, total ns)."""
-        return {k: (count, total) for k, (count, total, _) in self._sync_wait().items()}
+        return {k: (count, total) for k, (count, total, _) in self.sync_waits().items()}
 
-    def sync_wait_buckets(self) -> dict[CountKey, list[int]]:
-        """Sync calls per log2 bucket: index i counts waits shorter than 2^i
-        microseconds (and at least 2^(i-1)); the last bucket is unbounded."""
-        return {k: buckets for k, (_, _, buckets) in self._sync_wait().items()}
-
-    def _sync_wait(self) -> dict[CountKey, tuple[int, int, list[int]]]:
+    def sync_waits(self) -> dict[CountKey, tuple[int, int, list[int]]]:
+        """Outermost sync calls per (cgroup id, modality, api): (count, total
+        ns, buckets), the map read once; bucket i counts waits shorter than
+        2^i microseconds (and at least 2^(i-1)); the last bucket is unbounded."""
         out: dict[CountKey, tuple[int, int, list[int]]] = {}
         if self.bpf is None:
             return out

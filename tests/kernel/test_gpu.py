@@ -93,8 +93,8 @@ def test_exact_counts_arguments_and_sync_waits(standin, spawn, probes):
         for d in ns:
             out[min((d // 1000).bit_length(), 31)] += 1
         return out
-    assert counts(gpu.sync_wait_buckets(), cg) == {(cg, OTHER, DRIVER): histogram(cu),
-                                                   (cg, OTHER, RUNTIME): histogram(cuda, dev)}
+    assert counts(gpu.sync_waits(), cg) == {(cg, OTHER, DRIVER): (1, cu, histogram(cu)),
+                                            (cg, OTHER, RUNTIME): (2, cuda + dev, histogram(cuda, dev))}
     assert gpu.events_dropped() == 0 and gpu.decode_errors == 0
 
 

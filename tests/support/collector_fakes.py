@@ -91,8 +91,7 @@ def every_source():
     gpu_buckets = [0] * 32
     gpu_buckets[12] = 2
     key = (11, events.Modality.image, events.Api.driver)
-    gpu = FakeProbe("gpu_launch", launches=lambda: {key: 5}, sync_wait=lambda: {key: (2, 5_000_000)},
-                    sync_wait_buckets=lambda: {key: gpu_buckets},
+    gpu = FakeProbe("gpu_launch", launches=lambda: {key: 5}, sync_waits=lambda: {key: (2, 5_000_000, gpu_buckets)},
                     graph_launches=lambda: {key: 3}, unknown_graph_launches=lambda: {key: 1})
     tc = FakeProbe("tc_classify", totals=lambda: {("ingress", "rtp", "audio"): (10, 1420)},
                    jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)},

@@ -22,8 +22,7 @@ def test_kernel_metrics_with_workload_labels():
     gpu = FakeProbe("gpu_launch",
                     launches=lambda: {(11, M.image, A.driver): 5, (11, M.image, A.runtime): 3,
                                       (12, M.audio, A.driver): 1},
-                    sync_wait=lambda: {(11, M.image, A.runtime): (2, 5_000_000)},
-                    sync_wait_buckets=lambda: {(11, M.image, A.runtime): buckets})
+                    sync_waits=lambda: {(11, M.image, A.runtime): (2, 5_000_000, buckets)})
     tc = FakeProbe("tc_classify",
                    totals=lambda: {("ingress", "rtp", "audio"): (10, 1420)},
                    jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)},
@@ -137,7 +136,8 @@ def test_the_direct_text_escapes_formats_and_orders_as_generate_latest():
         Family("spanlet_h_seconds", "histogram", "h", samples=[
             HistogramSample(lab, (1e-6, 0.004, 2.0, 67.108864), (1, 0, 2, 3, 4), 12.5, 10),
             HistogramSample(labels(aa="1", zz="2"), (0.5,), (0, 0), 0.0, 0),
-            HistogramSample(labels(aa="2"), (0.5, 1.0), (999_999, 1, 5), 7e5, 1_000_005)]),
+            HistogramSample(labels(aa="2"), (0.5, 1.0), (999_999, 1, 5), 7e5, 1_000_005),
+            HistogramSample(labels(aa="3", le="x", zz="4"), (0.5,), (1, 1), 1.0, 2)]),   # more labels than the first
         Family("spanlet_h2", "histogram", "no bounds", samples=[
             HistogramSample(labels(x="1"), (), (3,), 1.5, 3)]),
     ]
