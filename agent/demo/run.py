@@ -56,6 +56,8 @@ HOST_IP, NS_IP = "169.254.77.1", "169.254.77.2"
 POOL_PARENT = Path("/dev/shm/tensor_pool")
 POOL_DIR = POOL_PARENT / "spanlet-demo"
 PARENT_MARK = ".made-by-spanlet-demo"   # in POOL_PARENT when a demo made that folder
+TMP_PREFIX = "spanlet-demo-"             # a demo's folder for logs, its engine's socket, libraries built
+OWNER_FILE = "owner.pid"                 # in it: the demo's pid, so that a later demo knows it is left
 POOLS = {"weights": 4 << 20, "kv": 2 << 20, "scratch": 64 << 10}
 HTTP_PORTS = {"text": 8101, "image": 8102, "audio": 8103, "video": 8104}
 LLM_PORT = 8100
@@ -135,6 +137,10 @@ class Demo:
             removed.append(str(POOL_DIR))
         if _remove_pool_parent():
             removed.append(str(POOL_PARENT))
+        for folder in sorted(Path(tempfile.gettempdir()).glob(TMP_PREFIX + "*")):
+            if folder != self.tmp and _owner_gone(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(str(folder))
         return removed
 
     def make_network(self) -> None:
@@ -171,7 +177,8 @@ class Demo:
 
     def _tmp(self) -> Path:
         if self.tmp is None:
-            self.tmp = Path(tempfile.mkdtemp(prefix="spanlet-demo-"))
+            self.tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX))
+            (self.tmp / OWNER_FILE).write_text(str(os.getpid()))
         return self.tmp
 
     def start_workers(self) -> None:
@@ -430,6 +437,25 @@ def _remove_pool_parent() -> bool:
         return True
     except OSError:
         return False  # gone already, or something else put files there meanwhile: theirs
+
+
+def _owner_gone(folder: Path) -> bool:
+    """Whether the demo that made this temporary folder has ended (killed before
+    its clean-up): its pid, written in the folder, names no process. A folder
+    without that file is not judged (a demo between making it and writing it)."""
+    try:
+        if folder.is_symlink() or folder.stat().st_uid != os.getuid():
+            return False
+        pid = int((folder / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _readline(proc: subprocess.Popen, timeout_s: float) -> str:

@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -218,7 +219,12 @@ def test_a_killed_demo_leaves_nothing_for_long(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+def demo_folders() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob(demo.TMP_PREFIX + "*"))
+
+
 def _kill_then_rerun(argv: list[str]) -> None:
+    before = demo_folders()
     first = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     try:
@@ -243,12 +249,15 @@ def _kill_then_rerun(argv: list[str]) -> None:
     assert demo_processes() == []
     # what the killed one could not remove is still there, until the next demo
     assert demo.POOL_DIR.is_dir() and os.path.exists(f"/run/netns/{demo.NETNS}")
+    (killed_tmp,) = [d for d in demo_folders() if d not in before]    # its logs, its engine's socket
     second = subprocess.run([*argv[:5], "5", *argv[6:]], cwd=ROOT, capture_output=True, text=True,
                             timeout=180)
     assert second.returncode == 0, second.stdout + second.stderr
     out = second.stdout
     assert f"removed network namespace {demo.NETNS}, left by an earlier demo" in out
     assert f"removed {demo.POOL_DIR}, left by an earlier demo" in out
+    assert f"removed {killed_tmp}, left by an earlier demo" in out and not killed_tmp.exists()
+    assert demo_folders() <= before
     assert "left behind: nothing" in out
     assert "no agent is receiving OTLP" in out
     assert not os.path.exists(f"/run/netns/{demo.NETNS}") and not demo.POOL_DIR.exists()
