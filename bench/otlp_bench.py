@@ -23,7 +23,8 @@ import grpc  # noqa: E402
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 
 from spanlet.config import OtlpConfig  # noqa: E402
-from spanlet.exporters.otlp.receiver import GRPC_METHOD, GRPC_SERVICE, GRPC_WORKERS, OtlpReceiver  # noqa: E402
+from spanlet.exporters.otlp.common import TRACES_GRPC_METHOD, TRACES_GRPC_SERVICE  # noqa: E402
+from spanlet.exporters.otlp.receiver import GRPC_WORKERS, OtlpReceiver  # noqa: E402
 
 OPTIONS = [("grpc.enable_http_proxy", 0)]
 
@@ -51,7 +52,7 @@ def payload(batch: int) -> bytes:
 def grpc_rate(port: int, body: bytes, spans: int, seconds: float, inflight: int) -> float:
     """Spans/s with `inflight` calls kept outstanding for `seconds`."""
     with grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS) as ch:
-        call = ch.unary_unary(GRPC_METHOD)
+        call = ch.unary_unary(TRACES_GRPC_METHOD)
         call(body, timeout=10)                                   # connect, warm up
         done = 0
         t0 = time.perf_counter()
@@ -99,7 +100,7 @@ def main() -> None:
     body = payload(args.batch)
 
     bare = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS))
-    bare.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GRPC_SERVICE, {
+    bare.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(TRACES_GRPC_SERVICE, {
         "Export": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"")}),))
     bare_port = bare.add_insecure_port("127.0.0.1:0")
     bare.start()

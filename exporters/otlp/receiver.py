@@ -29,8 +29,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
 
 from spanlet.config import OtlpConfig
 from spanlet.exporters.http import serve_in_thread, stop_serving
-from spanlet.exporters.otlp.common import (PROTOBUF, STATUS_DETAILS_KEY, TRACES_GRPC_METHOD,
-                                           TRACES_GRPC_SERVICE, TRACES_PATH)
+from spanlet.exporters.otlp.common import PROTOBUF, STATUS_DETAILS_KEY, TRACES_GRPC_SERVICE, TRACES_PATH
 from spanlet.exporters.otlp.trust import (BearerToken, Peer, SenderRateLimiter, grpc_peer,
                                           grpc_server_credentials, normal_sender, sender_of_peer,
                                           server_ssl_context)
@@ -43,7 +42,6 @@ except ImportError:        # a source tree without its build: the check in Pytho
 
 log = logging.getLogger(__name__)
 
-GRPC_SERVICE, GRPC_METHOD = TRACES_GRPC_SERVICE, TRACES_GRPC_METHOD
 # The trailer the OTel SDKs read a RetryInfo from (besides the Status in
 # STATUS_DETAILS_KEY, where the gRPC rules put it).
 RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
@@ -355,7 +353,7 @@ class OtlpReceiver:
         # Served as client-streaming (the same on the wire as unary): the
         # handler runs when the call starts, so it can bound how long the
         # message may take and count the calls gRPC ended before it arrived.
-        handler = grpc.method_handlers_generic_handler(GRPC_SERVICE, {
+        handler = grpc.method_handlers_generic_handler(TRACES_GRPC_SERVICE, {
             "Export": grpc.stream_unary_rpc_method_handler(self._grpc_export),
         })
         server.add_generic_rpc_handlers((handler,))

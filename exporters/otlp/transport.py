@@ -15,9 +15,7 @@ import requests
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 
 from spanlet.config import ConfigError
 from spanlet.exporters.batching import EXPORTED, GAVE_UP, SHUTDOWN, Backoff, ExportResult
@@ -35,16 +33,11 @@ INITIAL_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 32.0
 JITTER = (0.8, 1.2)
 
-# Per signal: the gRPC service stub, the Export response, and the count in
-# its partial_success.
+# Per signal: the gRPC Export method, its response, and the count in the
+# response's partial_success.
 SIGNALS = {
-    "traces": (TraceServiceStub, ExportTraceServiceResponse, "rejected_spans"),
-    "metrics": (MetricsServiceStub, ExportMetricsServiceResponse, "rejected_data_points"),
-}
-# Each stub's Export method and its response, for a request sent as bytes.
-GRPC_EXPORT_METHODS = {
-    TraceServiceStub: (TRACES_GRPC_METHOD, ExportTraceServiceResponse),
-    MetricsServiceStub: (METRICS_GRPC_METHOD, ExportMetricsServiceResponse),
+    "traces": (TRACES_GRPC_METHOD, ExportTraceServiceResponse, "rejected_spans"),
+    "metrics": (METRICS_GRPC_METHOD, ExportMetricsServiceResponse, "rejected_data_points"),
 }
 
 # OTLP/gRPC: retryable codes. RESOURCE_EXHAUSTED only with RetryInfo.
@@ -87,12 +80,19 @@ def retry_info_delay(status_bytes: bytes) -> float | None:
     return None
 
 
-class _GrpcTransport:
-    """One signal's Export over gRPC: `stub_cls` is its service stub and
-    `rejected_field` the count in its response's partial_success."""
+def _wire(request: Message | bytes) -> bytes:
+    """A request's bytes: a batch already serialized as it is, a message serialized."""
+    return request if isinstance(request, bytes) else request.SerializeToString()
 
-    def __init__(self, up: Upstream, stub_cls=TraceServiceStub,
-                 rejected_field: str = "rejected_spans", *,
+
+class _GrpcTransport:
+    """One signal's Export over gRPC: `method` is its path, `response_cls`
+    its response and `rejected_field` the count in that response's
+    partial_success. A request goes as its bytes (a message is serialized
+    here, a batch already serialized is sent as it is)."""
+
+    def __init__(self, up: Upstream, method: str = TRACES_GRPC_METHOD,
+                 response_cls=ExportTraceServiceResponse, rejected_field: str = "rejected_spans", *,
                  initial_backoff_s: float = INITIAL_BACKOFF_S,
                  max_backoff_s: float = MAX_BACKOFF_S) -> None:
         # Retries are ours (with the spec's rules); grpc's own stay off. Its
@@ -114,18 +114,15 @@ class _GrpcTransport:
                 certificate_chain=_read_file(up.client_certificate))
             self._channel = grpc.secure_channel(up.endpoint, creds, options=options,
                                                 compression=compression)
-        self._stub = stub_cls(self._channel)
-        method, response_cls = GRPC_EXPORT_METHODS[stub_cls]
-        self._raw_export = self._channel.unary_unary(method, request_serializer=None,
-                                                     response_deserializer=response_cls.FromString)
+        self._export = self._channel.unary_unary(method, request_serializer=None,
+                                                 response_deserializer=response_cls.FromString)
         self._metadata = up.headers
         self._rejected_field = rejected_field
 
     def send(self, request: Message | bytes, timeout_s: float) -> SendResult:
         """One Export call of `request`, a message or its bytes (sent as they are)."""
-        export = self._raw_export if isinstance(request, bytes) else self._stub.Export
         try:
-            response = export(request, timeout=timeout_s, metadata=self._metadata)
+            response = self._export(_wire(request), timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
             delay = None
@@ -184,7 +181,7 @@ class _HttpTransport:
             self._session.cert = (up.client_certificate, up.client_key)
 
     def send(self, request: Message | bytes, timeout_s: float) -> SendResult:
-        body = request if isinstance(request, bytes) else request.SerializeToString()
+        body = _wire(request)
         if self._gzip:
             body = gzip.compress(body, compresslevel=6)
         try:
@@ -265,9 +262,9 @@ class OtlpSender:
     def __init__(self, upstream: Upstream, signal: str = "traces", *,
                  initial_backoff_s: float = INITIAL_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S,
                  unit: str = "spans", what: str = "OTLP export", logger: logging.Logger = log) -> None:
-        stub_cls, response_cls, rejected_field = SIGNALS[signal]
+        method, response_cls, rejected_field = SIGNALS[signal]
         if upstream.protocol == GRPC:
-            self.transport = _GrpcTransport(upstream, stub_cls, rejected_field,
+            self.transport = _GrpcTransport(upstream, method, response_cls, rejected_field,
                                             initial_backoff_s=initial_backoff_s, max_backoff_s=max_backoff_s)
         else:
             self.transport = _HttpTransport(upstream, response_cls, rejected_field)

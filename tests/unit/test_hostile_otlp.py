@@ -30,7 +30,8 @@ from spanlet import inspect as inspect_mod
 from spanlet.daemon import Daemon
 from spanlet.join import FACT_ATTRIBUTES
 from facts_fakes import FakeFacts
-from spanlet.exporters.otlp.receiver import GRPC_METHOD, OtlpReceiver
+from spanlet.exporters.otlp.common import TRACES_GRPC_METHOD
+from spanlet.exporters.otlp.receiver import OtlpReceiver
 
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
 MAX_BYTES = 256 * 1024
@@ -375,8 +376,8 @@ class Sender:
 
     def __init__(self, grpc_port: int, http_port: int):
         self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=CHANNEL_OPTIONS)
-        self.export = self.channel.unary_unary(GRPC_METHOD)
-        self.stream = self.channel.stream_unary(GRPC_METHOD)
+        self.export = self.channel.unary_unary(TRACES_GRPC_METHOD)
+        self.stream = self.channel.stream_unary(TRACES_GRPC_METHOD)
         self.http_port = http_port
         self.conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=60)
 
@@ -596,7 +597,7 @@ def test_slow_senders_and_connection_floods_cannot_stall_the_receiver(agent):
     channel = grpc.insecure_channel(f"127.0.0.1:{rx.grpc_port}", options=CHANNEL_OPTIONS)
     socks = []
     try:
-        stalled = [channel.stream_unary(GRPC_METHOD).future(never()) for _ in range(8)]
+        stalled = [channel.stream_unary(TRACES_GRPC_METHOD).future(never()) for _ in range(8)]
         # HTTP: 8 connections (the cap) sending half a request line, and 3 more
         for _ in range(8):
             s = socket.create_connection(("127.0.0.1", rx.http_port), timeout=30)

@@ -26,7 +26,8 @@ from spanlet.exporters.otlp.span_exporter import OtlpSpanExporter, split_resourc
 from spanlet.exporters.otlp.transport import parse_retry_after
 from spanlet.exporters.otlp.upstream import GRPC, HTTP_PROTOBUF, parse_headers, resolve_upstream
 from loopback_http import LoopbackHttp, QuietHandler
-from spanlet.exporters.otlp.receiver import GRPC_SERVICE, Backpressure, OtlpReceiver
+from spanlet.exporters.otlp.common import TRACES_GRPC_SERVICE
+from spanlet.exporters.otlp.receiver import Backpressure, OtlpReceiver
 
 BACKOFF_S = 0.1
 NO_PROXY = {"NO_PROXY": "*", "no_proxy": "*"}   # requests and grpc honour these
@@ -217,7 +218,7 @@ class ScriptedGrpc:
         self.calls: list[float] = []
         self.metadata: list[dict] = []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        handler = grpc.method_handlers_generic_handler(GRPC_SERVICE, {
+        handler = grpc.method_handlers_generic_handler(TRACES_GRPC_SERVICE, {
             "Export": grpc.unary_unary_rpc_method_handler(self.export)})
         self.server.add_generic_rpc_handlers((handler,))
         self.port = self.server.add_insecure_port("127.0.0.1:0")

@@ -29,7 +29,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceS
 from receivers import receivers
 
 from spanlet.config import OtlpConfig
-from spanlet.exporters.otlp.receiver import GRPC_METHOD, Backpressure, OtlpReceiver
+from spanlet.exporters.otlp.common import TRACES_GRPC_METHOD
+from spanlet.exporters.otlp.receiver import Backpressure, OtlpReceiver
 
 # gRPC channels in tests go straight to loopback, whatever proxy the
 # environment names.
@@ -90,7 +91,7 @@ def channels():
 
 def raw_export(channel):
     """Export with raw bytes in and out (identity serializers)."""
-    return channel.unary_unary(GRPC_METHOD)
+    return channel.unary_unary(TRACES_GRPC_METHOD)
 
 
 def make_request(n_spans: int = 3, seed: int = 1, service: str = "svc") -> ExportTraceServiceRequest:

@@ -29,7 +29,8 @@ from tls_certs import make_pki
 
 from spanlet import config
 from spanlet.exporters.otlp import trust
-from spanlet.exporters.otlp.receiver import GRPC_METHOD, RETRY_INFO_KEY, OtlpReceiver
+from spanlet.exporters.otlp.common import TRACES_GRPC_METHOD
+from spanlet.exporters.otlp.receiver import RETRY_INFO_KEY, OtlpReceiver
 from spanlet.exporters.otlp.trust import SenderRateLimiter, sender_of_peer
 
 CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
@@ -241,7 +242,7 @@ def test_token_answers_on_the_wire_and_a_changed_file_is_reread(receiver, token_
 
     def grpc_call(auth: str | None) -> grpc.StatusCode:
         with grpc.insecure_channel(f"127.0.0.1:{rx.grpc_port}", options=CHANNEL_OPTIONS) as ch:
-            call = ch.unary_unary(GRPC_METHOD)
+            call = ch.unary_unary(TRACES_GRPC_METHOD)
             try:
                 call(body, metadata=[("authorization", auth)] if auth else None, timeout=10)
                 return grpc.StatusCode.OK
@@ -280,7 +281,7 @@ def test_one_sender_over_its_rate_is_refused_and_another_is_not(receiver):
         trace_id=b"\1" * 16, span_id=b"\2" * 8, name="raw")
     with grpc.insecure_channel(f"127.0.0.1:{rx.grpc_port}", options=CHANNEL_OPTIONS) as ch:
         with pytest.raises(grpc.RpcError) as err:
-            ch.unary_unary(GRPC_METHOD)(body.SerializeToString(), timeout=10)
+            ch.unary_unary(TRACES_GRPC_METHOD)(body.SerializeToString(), timeout=10)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     info = error_details_pb2.RetryInfo.FromString(dict(err.value.trailing_metadata())[RETRY_INFO_KEY])
     assert 0 < info.retry_delay.ToNanoseconds() / 1e9 <= 1.0
