@@ -46,11 +46,12 @@ def _part_log() -> str:
 
 
 def ways() -> dict:
+    from spanlet.exporters.clickhouse import rows
+
     def codec(c):
         return lambda db: [f"ALTER TABLE {db.target.database}.otel_traces MODIFY COLUMN `{n}` CODEC({c})"
                            for n in rows.TRACE_COLUMNS if n != "Timestamp"]
 
-    from spanlet.exporters.clickhouse import rows
     return {"now": lambda db: [], "zstd": codec("ZSTD(1)"), "lz4": codec("LZ4")}
 
 
