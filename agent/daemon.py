@@ -19,7 +19,7 @@ from spanlet.pipeline.spans import SpanPath
 from spanlet.pipeline.store import StorePath
 from spanlet.scheduler import Scheduler, WindowInputs
 from spanlet.nvml import NvmlPoller
-from spanlet.probes.base import Probe, ProbeStatus, release_startup_memory
+from spanlet.probes.base import Probe, ProbeStatus, release_startup_memory, trim_heap
 from spanlet.probes.starter import ProbeStarter, check_node, probe_classes  # noqa: F401 (probe_classes: cli)
 
 from spanlet.exporters.otlp.metric_exporter import OtlpMetricsExporter
@@ -220,6 +220,7 @@ class Daemon:
             if time.monotonic() - last_stats >= 60:
                 last_stats = time.monotonic()
                 self.log_stats()
+                _guarded("heap trim", trim_heap)
 
     def _close_window(self) -> None:
         """End of a metric window: GPU memory peaks, serving metrics, hints."""

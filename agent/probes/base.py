@@ -316,6 +316,19 @@ STARTUP_LIBRARIES = re.compile(r"/(?:lib(?:LLVM|clang-cpp|clang)[^/]*\.so[^/]*|_
 MADV_PAGEOUT = 21          # uapi/asm-generic/mman-common.h, Linux 5.4
 
 
+def trim_heap() -> bool:
+    """malloc_trim(0): give the pages that are free in every malloc arena back to
+    the kernel. The embedded store's engine allocates through glibc's malloc from
+    many threads (inserts, merges); the pages they free stay counted in the RSS
+    until trimmed. False where nothing was given back, or libc is not glibc."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except AttributeError:      # not glibc
+        return False
+
+
 def release_startup_memory(maps_path: str = "/proc/self/maps") -> int:
     """Return the freed heap to the kernel (malloc_trim) and page out the
     STARTUP_LIBRARIES' file pages (MADV_PAGEOUT: clean pages are dropped,
@@ -324,11 +337,8 @@ def release_startup_memory(maps_path: str = "/proc/self/maps") -> int:
     (nothing else changes)."""
     import ctypes
 
+    trim_heap()
     libc = ctypes.CDLL(None, use_errno=True)
-    try:
-        libc.malloc_trim(0)
-    except AttributeError:      # not glibc
-        pass
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     released = 0
