@@ -32,8 +32,12 @@ import os
 import platform
 import re
 import resource
+import shutil
 import socket
 import stat
+import subprocess
+import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -42,6 +46,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1                 # of the files; part of the key
 CACHE_DIR = "bpf-cache"    # under data_dir
 MAX_FILES = 64             # kept, the least recently used removed past it
+ASIDE_TIMEOUT_S = 120.0    # a compile in a process of its own (compile_aside) waited for at most
 
 _SYS_BPF = {"x86_64": 321, "aarch64": 280}
 _MAP_CREATE, _PROG_LOAD, _OBJ_PIN, _OBJ_GET, _OBJ_GET_INFO_BY_FD = 0, 5, 6, 7, 15
@@ -535,6 +540,7 @@ class CompileCache:
         self.folder = Path(folder)
         self.hits = 0
         self.misses = 0
+        self._aside: dict[str, tuple[subprocess.Popen, str, object]] = {}   # key → (process, pin folder, stderr)
 
     @staticmethod
     def _alone(fd: int) -> bool:
@@ -634,6 +640,7 @@ class CompileCache:
         from bcc import BPF
         templates = templates or {}
         key = cache_key(text, flags, templates)
+        self._await_aside(key)
         image = self.read(key)
         if image is not None:
             try:
@@ -655,6 +662,111 @@ class CompileCache:
         return bpf, False
 
 
+    # -- compiles in processes of their own --------------------------------------
+    def compile_aside(self, jobs: list[tuple[str, list[str], dict[str, str]]], pin_root: str | Path) -> int:
+        """Begin, each in a process of its own, the compiles of the jobs
+        ((text, flags, templates), as compile() takes them) whose key the
+        cache does not hold. BCC compiles one module at a time in a process
+        (iovisor/bcc#4500), but processes compile side by side: a node's
+        first start compiles its probes on as many cores as it has. Each
+        process writes its image to the cache and ends; compile() of the
+        same key waits for it, then loads the image. A process's maps (BCC
+        makes them at the compile) are its own and end with it, its pins in
+        a folder of its own under pin_root (named by its pid, so that a
+        start after a crash removes them as a dead agent's). Returns the
+        number of processes begun; one that cannot begin is logged, and
+        that probe is compiled in compile() as without this."""
+        begun = 0
+        for text, flags, templates in jobs:
+            key = cache_key(text, flags, templates)
+            if key in self._aside or (self.folder / f"{key}.json").exists():
+                continue
+            if len(templates) > 1:
+                continue
+            try:
+                with tempfile.TemporaryFile() as request:
+                    request.write(json.dumps({"folder": str(self.folder), "pin_root": str(pin_root),
+                                              "text": text, "flags": flags,
+                                              "templates": templates}).encode())
+                    request.seek(0)
+                    stderr = tempfile.TemporaryFile()
+                    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+                    proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=request,
+                                            stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+            except OSError as e:
+                log.warning("compile cache: no process of its own for a compile: %s", e)
+                continue
+            self._aside[key] = (proc, os.path.join(pin_root, f"{proc.pid}-compile"), stderr)
+            begun += 1
+        return begun
+
+    def _await_aside(self, key: str, timeout_s: float = ASIDE_TIMEOUT_S) -> None:
+        """Wait for the process compiling `key`, if one was begun; where it
+        failed its reason is logged (the caller compiles)."""
+        entry = self._aside.pop(key, None)
+        if entry is None:
+            return
+        proc, pins, stderr = entry
+        try:
+            rc = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        self._end_aside(proc, pins)
+        with stderr:
+            stderr.seek(0)
+            said = stderr.read().decode(errors="replace").strip()
+        if rc != 0:
+            log.info("compile cache: the compile in a process of its own %s%s; compiling here",
+                     "took too long" if rc is None else f"ended with {rc}",
+                     f": {said.splitlines()[-1]}" if said else "")
+
+    @staticmethod
+    def _end_aside(proc: subprocess.Popen, pins: str) -> None:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(pins, ignore_errors=True)     # what a killed process left
+
+    def abandon_aside(self) -> None:
+        """End the compiles in processes of their own nobody waited for (a
+        probe that failed before its compile)."""
+        for key in list(self._aside):
+            proc, pins, stderr = self._aside.pop(key)
+            self._end_aside(proc, pins)
+            stderr.close()
+
+
+def _compile_aside_main() -> int:
+    """A compile_aside() process: the request on stdin; its image written
+    to the cache under the key the agent computes for the same text and
+    flags (the pin folder in them, this process's own, is a placeholder in
+    the key). The module is made as bcc.BPF makes it, without loading or
+    attaching anything; its maps and pins are removed when it ends."""
+    request = json.load(sys.stdin)
+    text, flags, templates = request["text"], request["flags"], request["templates"]
+    pins = os.path.join(request["pin_root"], f"{os.getpid()}-compile")
+    for real, placeholder in list(templates.items()):      # at most one: the pin folder
+        flags = [f.replace(real, pins) for f in flags]
+        templates = {pins: placeholder}
+    os.makedirs(pins, exist_ok=True)
+    try:
+        lib = _module_calls()
+        usdt = lib.bcc_usdt_genargs((C.c_void_p * 0)(), 0)
+        cflags = (C.c_char_p * len(flags))(*(f.encode() for f in flags))
+        module = lib.bpf_module_create_c_from_string(usdt + text.encode(), 0, cflags, len(flags), True, None)
+        if not module:
+            print("the compile failed", file=sys.stderr)
+            return 1
+        try:
+            image = capture(module, text, flags, templates)
+        finally:
+            lib.bpf_module_destroy(module)
+        CompileCache(request["folder"]).write(cache_key(text, flags, templates), image)
+        return 0
+    finally:
+        shutil.rmtree(pins, ignore_errors=True)
+
+
 _PIN_DIR_FLAG = re.compile(r'^-DSPANLET_PIN_DIR="(.+)"$')
 _caches: dict[str, CompileCache] = {}
 
@@ -670,3 +782,8 @@ def cache_of(cfg) -> CompileCache:
     folder = os.path.join(cfg.data_dir, CACHE_DIR)
     with _install_lock:
         return _caches.setdefault(folder, CompileCache(folder))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(_compile_aside_main())

@@ -15,7 +15,7 @@ import threading
 
 from spanlet import events
 from spanlet.config import Config
-from spanlet.probes import node_check, privileges
+from spanlet.probes import compile_cache, node_check, privileges
 from spanlet.probes.base import Probe, ProbeStatus
 
 log = logging.getLogger("spanlet")
@@ -79,8 +79,9 @@ class ProbeStarter:
 
             owner = SpanCtxProbe(self.cfg, clock=self.clock)   # its module first: the first compile
             self.probes.append(owner)
-            self._run(owner, owner.start)   # compiled and attached here (finish() skips it)
             rest = [cls(self.cfg, clock=self.clock) for cls in probe_classes(self.cfg)[1:]]
+            self._compile_aside(owner, rest)
+            self._run(owner, owner.start)   # compiled and attached here (finish() skips it)
             self.probes += rest
             for probe in rest:
                 finder = getattr(probe, "finder", None)
@@ -92,7 +93,28 @@ class ProbeStarter:
         except BaseException as e:  # a probe that could not be made: finish() raises it
             self._error = e
         finally:
+            if self.cfg.compile_cache:
+                compile_cache.cache_of(self.cfg).abandon_aside()
             self._compiled.put(None)
+
+    def _compile_aside(self, owner, rest: list[Probe]) -> None:
+        """The compiles of the probes after the owner that the compile cache
+        does not hold, begun in processes of their own while the owner
+        compiles here (compile_cache.compile_aside): with the flags they
+        will have once the owner is attached, its pin folder among them."""
+        if not self.cfg.compile_cache or not rest:
+            return
+        try:
+            jobs = []
+            for probe in rest:
+                flags = probe.compile_flags(str(owner.pin_dir))
+                jobs.append((probe.source_text(), flags, compile_cache.pin_templates(flags)))
+            begun = compile_cache.cache_of(self.cfg).compile_aside(jobs, owner.pin_dir.parent)
+        except Exception:        # each probe still compiles as without it
+            log.exception("compiles in processes of their own: not begun")
+            return
+        if begun:
+            log.info("%d probe compile(s) begun in processes of their own", begun)
 
     def _run(self, probe: Probe, step) -> None:
         try:

@@ -6,6 +6,7 @@ that cannot be used is compiled past."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import json
 import secrets
@@ -63,40 +64,42 @@ def shape(bpf) -> dict:
     return {"funcs": {f: masked(bpf, f) for f in funcs}, "tables": tables}
 
 
-def start_all(cfg):
+@contextlib.contextmanager
+def started(cfg, aside: bool = False):
+    """Every probe compiled (the others with the span context owner's pins),
+    stopped at the end; with `aside`, the others' compiles begun in processes
+    of their own (compile_cache.compile_aside) once the owner is attached."""
     span = SpanCtxProbe(cfg)
     assert span.start().attached, span.status.reason
-    others = [GpuProbe(cfg), SandboxProbe(cfg), TcProbe(cfg)]
     probes = [span]
     try:
+        others = [GpuProbe(cfg), SandboxProbe(cfg), TcProbe(cfg)]
+        if aside:
+            jobs = []
+            for p in others:
+                flags = p.compile_flags(str(span.pin_dir))
+                jobs.append((p.source_text(), flags, compile_cache.pin_templates(flags)))
+            cache = compile_cache.cache_of(cfg)
+            assert cache.compile_aside(jobs, span.pin_dir.parent) == len(others)
+            assert cache.compile_aside(jobs, span.pin_dir.parent) == 0      # begun already
         for p in others:
             p.compile(pin_dir=str(span.pin_dir))
             probes.append(p)
-    except Exception:
-        for p in probes:
+        yield probes
+    finally:
+        for p in reversed(probes):
             p.stop()
-        raise
-    return probes
 
 
 def test_a_cached_module_is_the_compiled_one(tmp_path):
     cfg = config.load(env={}, overrides=[f"data_dir={tmp_path}"])
-    cold = start_all(cfg)
-    try:
-        warm = start_all(cfg)
-        try:
-            assert [p.status.cached for p in cold] == [False] * 4
-            assert [p.status.cached for p in warm] == [True] * 4
-            assert len(list((tmp_path / "bpf-cache").glob("*.json"))) == 4
-            for c, w in zip(cold, warm):
-                assert shape(w.bpf) == shape(c.bpf), c.name
-            assert warm[0].pin_dir != cold[0].pin_dir
-        finally:
-            for p in reversed(warm):
-                p.stop()
-    finally:
-        for p in reversed(cold):
-            p.stop()
+    with started(cfg) as cold, started(cfg) as warm:
+        assert [p.status.cached for p in cold] == [False] * 4
+        assert [p.status.cached for p in warm] == [True] * 4
+        assert len(list((tmp_path / "bpf-cache").glob("*.json"))) == 4
+        for c, w in zip(cold, warm):
+            assert shape(w.bpf) == shape(c.bpf), c.name
+        assert warm[0].pin_dir != cold[0].pin_dir
 
 
 def launches(api: str, n: int) -> str:
@@ -165,3 +168,51 @@ def test_a_file_that_cannot_be_used_is_compiled_past_and_written_again(tmp_path,
         assert span.start().attached and span.status.cached
     finally:
         span.stop()
+
+
+def _images(folder) -> dict:
+    return {p.name: json.loads(p.read_text()) for p in folder.glob("*.json")}
+
+
+def test_compiles_in_processes_of_their_own_write_the_compiled_images(tmp_path):
+    """compile_aside: each probe compiled in a process of its own writes the
+    image an in-process compile writes, under the same key; the probe's
+    compile then loads it (cached) and its module is the compiled one's;
+    the processes end, their pins with them."""
+    here = config.load(env={}, overrides=[f"data_dir={tmp_path / 'here'}"])
+    aside = config.load(env={}, overrides=[f"data_dir={tmp_path / 'aside'}"])
+    with started(here) as compiled, started(aside, aside=True) as probes:
+        assert [p.status.cached for p in probes] == [False, True, True, True]
+        assert _images(tmp_path / "aside" / "bpf-cache") == _images(tmp_path / "here" / "bpf-cache")
+        for c, a in zip(compiled, probes):
+            assert shape(a.bpf) == shape(c.bpf), c.name
+        assert not list(probes[0].pin_dir.parent.glob("*-compile"))
+
+
+def test_a_compile_that_fails_in_its_own_process_fails_here_with_its_reason(tmp_path, caplog):
+    caplog.set_level("INFO", logger=compile_cache.log.name)
+    cache = compile_cache.CompileCache(tmp_path / "bpf-cache")
+    text = "int broken(void *ctx) { return undeclared; }"
+    assert cache.compile_aside([(text, [], {})], tmp_path) == 1
+    with pytest.raises(Exception, match="Failed to compile"):
+        cache.compile(text, [])
+    assert "ended with 1" in caplog.text
+    assert not list((tmp_path / "bpf-cache").glob("*.json")) and not list(tmp_path.glob("*-compile"))
+
+
+def test_a_first_start_compiles_the_probes_after_the_owner_in_processes_of_their_own(tmp_path, caplog):
+    from spanlet.probes.starter import ProbeStarter
+
+    caplog.set_level("INFO", logger="spanlet")
+    cfg = config.load(env={}, overrides=[f"data_dir={tmp_path}", "tc.enabled=false"])
+    starter = ProbeStarter(cfg)
+    try:
+        probes = starter.finish()
+        assert [(p.name, p.status.attached, p.status.cached) for p in probes] == [
+            ("span_ctx", True, False), ("mmap_sandbox", True, True), ("gpu_launch", True, True)]
+        assert "2 probe compile(s) begun in processes of their own" in caplog.text
+        assert len(list((tmp_path / "bpf-cache").glob("*.json"))) == 3
+    finally:
+        for p in reversed(starter.probes):
+            p.stop()
+    assert not list(probes[0].pin_dir.parent.glob("*-compile"))

@@ -7,10 +7,11 @@ is tested is the order, the threads and the reporting."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
-from spanlet.probes import span_ctx, starter
+from spanlet.probes import compile_cache, span_ctx, starter
 from spanlet.probes.base import Probe, ProbeError
 
 MAIN = threading.main_thread()
@@ -19,6 +20,9 @@ MAIN = threading.main_thread()
 class Fake(Probe):
     fail_compile: Exception | None = None
     seen: list = []
+
+    def source_text(self):
+        return f"// {self.name}"
 
     def compile(self, pin_dir=None):
         self.seen.append((self.name, "compile", threading.current_thread() is MAIN, pin_dir))
@@ -36,6 +40,7 @@ class Fake(Probe):
 class Owner(Fake):
     name = "span_ctx"
     maps_watch = None
+    pin_dir = Path("/pins")
 
     def shared_pin_dir(self):
         return "/pins" if self.status.attached else None
@@ -45,10 +50,25 @@ def _fake(name, fail=None):
     return type(name, (Fake,), {"name": name, "fail_compile": fail})
 
 
+class Aside:
+    """compile_cache's cache as the starter uses it: what was given to compile_aside."""
+
+    def __init__(self):
+        self.given, self.abandoned = [], 0
+
+    def compile_aside(self, jobs, pin_root):
+        self.given.append((jobs, pin_root))
+        return len(jobs)
+
+    def abandon_aside(self):
+        self.abandoned += 1
+
+
 @pytest.fixture
 def fakes(monkeypatch):
     Fake.seen = []
     monkeypatch.setattr(span_ctx, "SpanCtxProbe", Owner)
+    monkeypatch.setattr(compile_cache, "cache_of", lambda cfg, _aside=Aside(): _aside)
     # a finished start opens the ring buffer of the "events" map: none here
     monkeypatch.setattr(Probe, "finish_start", _attach_only)
     return monkeypatch
@@ -79,6 +99,31 @@ def test_owner_in_the_thread_then_each_compiled_in_order_and_attached_by_the_tak
         ["/pins", "/pins"]
 
 
+def test_the_others_compiles_begin_aside_with_the_owners_pin_folder_before_it_compiles(fakes, cfg):
+    fakes.setattr(starter, "probe_classes", lambda c: [Owner, _fake("a"), _fake("b")])
+    aside = compile_cache.cache_of(cfg)
+    s = starter.ProbeStarter(cfg)
+    s.finish()
+    ((jobs, pin_root),) = aside.given
+    assert pin_root == Path("/")
+    assert [(text, templates) for text, _, templates in jobs] == [("// a", {"/pins": "{pin_dir}"}),
+                                                                  ("// b", {"/pins": "{pin_dir}"})]
+    for (_, flags, _), probe in zip(jobs, s.probes[1:]):
+        assert flags == probe.compile_flags("/pins")
+    assert aside.abandoned == 1           # what nobody waited for is ended
+    # begun before the owner's compile, so that they run beside it
+    assert Fake.seen[0][:2] == ("span_ctx", "compile")
+
+
+def test_without_the_compile_cache_nothing_is_compiled_aside(fakes, cfg):
+    from spanlet import config
+
+    fakes.setattr(starter, "probe_classes", lambda c: [Owner, _fake("a")])
+    cfg = config.load(env={}, overrides=["compile_cache=false"])
+    starter.ProbeStarter(cfg).finish()
+    assert compile_cache.cache_of(cfg).given == []
+
+
 @pytest.mark.parametrize("error", [ProbeError("refused"), RuntimeError("a bug")])
 def test_a_probe_that_fails_is_reported_and_the_next_still_starts(fakes, cfg, error):
     fakes.setattr(starter, "probe_classes", lambda c: [Owner, _fake("bad", error), _fake("good")])
@@ -98,6 +143,6 @@ def test_a_probe_that_cannot_be_made_is_raised_and_abandon_stops_the_rest(fakes,
     s.begin()
     with pytest.raises(RuntimeError, match="no such probe"):
         s.finish()
-    assert s.probes[0].status.attached           # the owner had started: stop() must see it
+    assert not s.probes[0].status.attached       # the others are made before the owner starts
     s.abandon()
     assert ("span_ctx", "stop", None, None) in Fake.seen
