@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from spanlet import events, modality
@@ -133,21 +134,35 @@ class Daemon:
         # Probes first: after a restart the node is unobserved until they are
         # attached. Their records wait in the ring buffers until the readers
         # start, below, once the store and the span path are up to take them.
+        # The store (its engine's library loaded, its schema checked) starts
+        # in a thread once the compiles are done (the engine's start changes
+        # the process's directory, which a BCC compile then works in), beside
+        # the attaches: it takes no record before the readers start.
         t0 = time.monotonic()
         self.nvml.start()                    # its own thread (NVML may hang in the driver)
         starter = self._starter or ProbeStarter(self.cfg, self.clock)
+        store_start = None
+        if self.store is not None:
+            def start_store(store=self.store, done=starter.compiles_done) -> None:
+                done.wait()
+                t = time.monotonic()
+                store.start()
+                log.info("store started in %.2f s, beside the probes' attaches", time.monotonic() - t)
+            store_start = ThreadPoolExecutor(1, thread_name_prefix="store-start")
+            started = store_start.submit(start_store)
         try:
             starter.finish(sink=self.sink)
         finally:
             self.probes.extend(starter.probes)   # what was started, for stop() to detach
+            if store_start is not None:
+                store_start.shutdown()
+                started.result()                 # what it raised, raised here
         statuses = starter.statuses()
         t1 = time.monotonic()
         log.info("probes compiled and attached %.2f s after the daemon's start (%s)", t1 - t0, "; ".join(
             f"{st.name} compile {st.compile_s:.2f} s{' (cached)' if st.cached else ''}, attach {st.attach_s:.2f} s" for st in statuses))
-        if self.store is not None:
-            self.store.start()
         self.spans.start()
-        log.info("store and span path started in %.2f s", time.monotonic() - t1)
+        log.info("span path started in %.2f s", time.monotonic() - t1)
         released = release_startup_memory()
         log.info("start-up memory given back: %.0f MB of LLVM/clang/chdb mappings paged out, heap trimmed",
                  released / 2**20)

@@ -38,7 +38,9 @@ from processes import free_port  # noqa: E402
 
 GOAL_S = 2.0
 PHASES = re.compile(r"probes compiled and attached (?:in )?([\d.]+) s(?: after the daemon's start)?(?: \((.*)\))?")
-REST = re.compile(r"store and span path started in ([\d.]+) s")
+# the span path after the probes; the store with it (trees before) or beside the probes (now)
+REST = re.compile(r"(store and )?span path started in ([\d.]+) s")
+STORE = re.compile(r"store started in ([\d.]+) s, beside")
 
 
 def tree_at(ref: str, into: Path) -> Path:
@@ -96,7 +98,9 @@ def phases(log: list[str]) -> str:
         if m := PHASES.search(line):
             out.append(f"probes {float(m.group(1)):.2f} s" + (f" ({m.group(2)})" if m.group(2) else ""))
         elif m := REST.search(line):
-            out.append(f"store + span path {float(m.group(1)):.2f} s")
+            out.append(f"{'store + ' if m.group(1) else ''}span path {float(m.group(2)):.2f} s")
+        elif m := STORE.search(line):
+            out.append(f"store beside the probes {float(m.group(1)):.2f} s")
     return "; ".join(out)
 
 

@@ -67,6 +67,10 @@ class ProbeStarter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._taken: list[Probe] | None = None
+        # set when no compile runs in this process any more: BCC chdir()s the
+        # process into the headers folder while it compiles, and what else
+        # the process starts meanwhile must not depend on its directory
+        self.compiles_done = threading.Event()
 
     def begin(self) -> None:
         if self._thread is None:
@@ -95,6 +99,7 @@ class ProbeStarter:
         finally:
             if self.cfg.compile_cache:
                 compile_cache.cache_of(self.cfg).abandon_aside()
+            self.compiles_done.set()
             self._compiled.put(None)
 
     def _compile_aside(self, owner, rest: list[Probe]) -> None:

@@ -111,6 +111,7 @@ def test_the_others_compiles_begin_aside_with_the_owners_pin_folder_before_it_co
     for (_, flags, _), probe in zip(jobs, s.probes[1:]):
         assert flags == probe.compile_flags("/pins")
     assert aside.abandoned == 1           # what nobody waited for is ended
+    assert s.compiles_done.is_set()       # what waits for the compiles to end (the store's start) goes on
     # begun before the owner's compile, so that they run beside it
     assert Fake.seen[0][:2] == ("span_ctx", "compile")
 
