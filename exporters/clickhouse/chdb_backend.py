@@ -36,6 +36,11 @@ _SESSION_SETTINGS = ("session_timezone = 'UTC'",
                      "optimize_on_insert = 0")
 
 
+# The spans' inserts: their bloom-filter indexes built at the first merge (schema.py).
+_SPAN_INSERT_SETTINGS = ("exclude_materialize_skip_indexes_on_insert = "
+                         + schema.quote_string(", ".join(schema.TRACES_INSERT_DEFERRED_INDEXES)))
+
+
 # The embedded server's own configuration, given to chdb as its config file
 # (written into the data directory at open; chdb reads it when the process's
 # one embedded server starts). Removing outdated parts (those merged away):
@@ -239,13 +244,14 @@ class ChdbBackend:
             self._insert_from_file_locked(data, lambda path: metric_native.insert_sql(
                 self.target.database, table, path))
 
-    def _insert_from_file_locked(self, data: bytes, sql) -> None:
+    def _insert_from_file_locked(self, data: bytes, sql, settings: str = "") -> None:
         """Run the INSERT ... SELECT sql(path) that reads `data` from
         INCOMING_FILE, with a deduplication token of the statement and the
         data: the engine deduplicates an INSERT SELECT only with one (it
         cannot tell that the file's rows come in the same order again), and
         a batch retried or replayed from the spool must be dropped as the
         same block, as the tables' deduplication window (schema v3) means.
+        `settings`: more of the INSERT's SETTINGS ("name = value, ...").
         The token is the data's XXH3 128-bit hash: 0.04 us a row of 700 bytes,
         against 0.9 us for blake2b, which it replaced."""
         path = os.path.join(self.path, INCOMING_FILE)
@@ -256,7 +262,8 @@ class ChdbBackend:
         head, select, rest = statement.partition(") SELECT ")
         if not select:
             raise ValueError("not an INSERT INTO ... (columns) SELECT")
-        statement = f"{head}) SETTINGS insert_deduplication_token = '{token}' SELECT {rest}"
+        more = f", {settings}" if settings else ""
+        statement = f"{head}) SETTINGS insert_deduplication_token = '{token}'{more} SELECT {rest}"
         try:
             with open(path, "wb") as f:
                 f.write(data)
@@ -279,7 +286,7 @@ class ChdbBackend:
             with self._lock:
                 self._check_open()
                 self._insert_from_file_locked(data, lambda path: span_protos.insert_sql(
-                    self.target.database, table, path))
+                    self.target.database, table, path), _SPAN_INSERT_SETTINGS)
         if skip:
             self.insert(table, rows_mod.TRACE_COLUMNS, rows_mod.rows_from_span_protos(proto_rows[i] for i in skip))
 

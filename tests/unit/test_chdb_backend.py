@@ -12,11 +12,12 @@ import threading
 import time
 
 import pytest
+import store_load
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from spanlet import events, join
 from spanlet.metrics import Family, HistogramSample, Sample, labels
-from spanlet.exporters.clickhouse import BackendError, queries, rows, schema
+from spanlet.exporters.clickhouse import BackendError, queries, rows, schema, span_protos
 from spanlet.exporters.clickhouse.chdb_backend import OLD_SCHEMA_FILE, ChdbBackend
 
 DB = "spanlet"
@@ -481,3 +482,32 @@ def test_otel_traces_parts_are_lz4_while_small_and_zstd_once_large(tmp_path):
     out = subprocess.run([sys.executable, "-c", _CODECS], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["['LZ4', 'LZ4']", "[('ZSTD(1)',)]"], out.stdout
+
+
+def test_the_spans_bloom_filters_are_built_at_a_parts_first_merge(backend):
+    """The agent's span insert (the Native block) leaves the attribute maps'
+    bloom-filter indexes (schema.TRACES_INSERT_DEFERRED_INDEXES) to the
+    part's first merge: before it, a query for a key no span has reads every
+    part; after it, the index skips the part. A query by attribute finds the
+    same rows before and after."""
+    indexes = dict(backend.query("SELECT name, type FROM system.data_skipping_indices "
+                                 "WHERE database = 'spanlet' AND table = 'otel_traces'"))
+    assert {indexes[n] for n in schema.TRACES_INSERT_DEFERRED_INDEXES} == {"bloom_filter"}
+    for start in (0, 20):                    # two parts, merged into one below
+        given = rows.span_proto_rows(store_load.resource_spans(start, 20))
+        assert span_protos.native(given)[1] == []         # all through the Native block
+        backend.insert(schema.TRACES, rows.SPAN_PROTO_COLUMNS, given)
+    by_attribute = ("SELECT SpanId FROM spanlet.otel_traces WHERE SpanAttributes['http.method'] = 'POST' "
+                    "AND ResourceAttributes['k8s.pod.name'] = 'web-0' ORDER BY SpanId")
+    ids = [store_load.span_id_hex(n) for n in range(40)]
+
+    def parts_read() -> str:
+        plan = [r[0].strip("│└─ ") for r in backend.query(
+            "EXPLAIN indexes = 1 SELECT count() FROM spanlet.otel_traces "
+            "WHERE mapContains(SpanAttributes, 'no.such.key')")]
+        return plan[plan.index("ReadFromMergeTree (spanlet.otel_traces)") + 2]
+    assert [r[0] for r in backend.query(by_attribute)] == ids
+    assert parts_read() == "Parts: 2 | Granules: 2"
+    backend.query("OPTIMIZE TABLE spanlet.otel_traces FINAL")
+    assert parts_read() == "Parts: 0 | Granules: 0"
+    assert [r[0] for r in backend.query(by_attribute)] == ids
