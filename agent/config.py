@@ -584,7 +584,10 @@ class Config(_Section):
     # them at a later start with the same program, flags, kernel, headers and
     # BCC instead of compiling again (probes/compile_cache.py).
     compile_cache: bool = True
-    ringbuf_pages: int = Field(default=256, ge=1, le=65536)
+    # Each probe's ring buffer (4 MB: ~35,000 GPU launch records, ~70 ms at
+    # 500,000 a second): room for a reader that a busy node runs late
+    # (bench/ringbuf_bench.py --busy); 256 pages dropped below 500,000/s there.
+    ringbuf_pages: int = Field(default=1024, ge=1, le=65536)
     # Records a cgroup may send a second through the sampled GPU stream and the
     # sandbox's records (one pod cannot fill the ring the others' go through);
     # refusals counted per pod. 0: no bound. launch_events "all" is not bounded.

@@ -7,12 +7,17 @@ With --before, the same for the Python walk with a ctypes decode per record
 (the reader before the C walk, still the one where spanlet._ring is not
 built), in the same run.
 
-Run as root: .venv/bin/python bench/ringbuf_bench.py [--window S] [--before]
+--pages N (repeatable) measures the rates for each ring size in the same run;
+--busy N keeps N processes spinning beside the reader, as a busy node's other
+work (the drops of a small ring come when the reader is not run in time).
+
+Run as root: .venv/bin/python bench/ringbuf_bench.py [--window S] [--before] [--pages N ...] [--busy N]
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 import threading
@@ -122,10 +127,25 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=0.5, help="seconds of launches per rate")
     ap.add_argument("--before", action="store_true",
                     help="also the Python walk with a ctypes decode per record, in the same run")
+    ap.add_argument("--pages", type=int, action="append", default=[],
+                    help="the ring's pages (repeatable: each size's rates in the same run; default: the agent's)")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="processes spinning beside the reader all along (a busy node's other work)")
     args = ap.parse_args()
     t_start = time.monotonic()
     cfg = config.load(env={})
     cfg.gpu.launch_events = "all"
+    sizes = args.pages or [cfg.ringbuf_pages]
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        return _run(args, cfg, sizes, t_start)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+
+def _run(args, cfg, sizes: list[int], t_start: float) -> int:
     with tempfile.TemporaryDirectory(prefix="spanlet-ringbuf-bench-") as tmp:
         standin = cuda_standin.build(Path(tmp))
         with cuda_standin.Workload(standin.workload) as w:
@@ -141,9 +161,14 @@ def main() -> int:
                                    ceiling(cfg, w, cls, full, sink=_reads_payload))
             if args.before:
                 callback_only = ceiling(cfg, w, CallbackOnly, full)
-            tables = {label: rate_table(cfg, w, cls, args.window) for label, cls in readers}
-    print(f"GPU launch records through the ring buffer ({cfg.ringbuf_pages} pages, "
-          f"~{capacity:,} records), reader = Probe.poll -> sink, {args.window} s per rate")
+            tables = {}
+            for pages in sizes:
+                sized = config.load(env={}, overrides=[f"ringbuf_pages={pages}", "gpu.launch_events=all"])
+                for label, cls in readers:
+                    tables[f"{label}, {pages} pages (~{pages * 4096 // 120:,} records)"] = \
+                        rate_table(sized, w, cls, args.window)
+    print(f"GPU launch records through the ring buffer, reader = Probe.poll -> sink, {args.window} s per rate"
+          + (f", {args.busy} process(es) spinning beside it" if args.busy else ""))
     for label, rows in tables.items():
         print(f"\n{label}:")
         print(f"{'target':>12}{'offered/s':>14}{'decoded/s':>14}{'decoded':>10}{'dropped':>10}")
@@ -158,7 +183,7 @@ def main() -> int:
         print(f"highest decoded rate with zero drops: {best:,.0f}/s")
         print("drops begin at an offered rate of " + (f"{first_drop:,.0f}/s" if first_drop else
               "(none: the producer's uprobe cost limits the offered rate first)"))
-    print("\nreader ceiling (draining a full ring, producer idle), records/s:")
+    print(f"\nreader ceiling (draining a full ring of {cfg.ringbuf_pages} pages, producer idle), records/s:")
     for label, (top, header, payload) in ceilings.items():
         print(f"  {label}: {top:,.0f} to a consumer that keeps each record; "
               f"{header:,.0f} to one that reads each record's header (ev.hdr.span_id); "

@@ -38,7 +38,7 @@
 /* cgroups listed in a span's span_facts_index entry */
 #define SPANLET_FACTS_INDEX_CGROUPS 4
 #ifndef SPANLET_RINGBUF_PAGES
-#define SPANLET_RINGBUF_PAGES 256
+#define SPANLET_RINGBUF_PAGES 1024
 #endif
 
 /* Header of every ring-buffer record. ts_ns is CLOCK_MONOTONIC. */

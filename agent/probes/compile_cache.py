@@ -661,7 +661,6 @@ class CompileCache:
         self.write(key, image)
         return bpf, False
 
-
     # -- compiles in processes of their own --------------------------------------
     def compile_aside(self, jobs: list[tuple[str, list[str], dict[str, str]]], pin_root: str | Path) -> int:
         """Begin, each in a process of its own, the compiles of the jobs
@@ -683,6 +682,7 @@ class CompileCache:
                 continue
             if len(templates) > 1:
                 continue
+            stderr = None
             try:
                 with tempfile.TemporaryFile() as request:
                     request.write(json.dumps({"folder": str(self.folder), "pin_root": str(pin_root),
@@ -695,6 +695,8 @@ class CompileCache:
                                             stdout=subprocess.DEVNULL, stderr=stderr, env=env)
             except OSError as e:
                 log.warning("compile cache: no process of its own for a compile: %s", e)
+                if stderr is not None:
+                    stderr.close()
                 continue
             self._aside[key] = (proc, os.path.join(pin_root, f"{proc.pid}-compile"), stderr)
             begun += 1
