@@ -2,9 +2,11 @@
 every probe compiled and attached in a thread of its own while the rest of
 the agent is imported and built (a BCC compile runs in libbcc without the
 GIL). The span-context owner is started first and whole (the others share
-its pinned maps); the others are compiled one after another (BCC compiles
-one at a time: base.BCC_LOCK) and each is attached by whoever takes it
-(finish()), beside the compile of the next."""
+its pinned maps); the others' compiles that the compile cache does not hold
+begin first, each in a process of its own, beside the owner's (BCC compiles
+one module at a time in a process: base.BCC_LOCK), and each is then loaded
+in turn and attached by whoever takes it (finish()), beside the next one's
+load. compiles_done is set when no compile runs in this process any more."""
 
 from __future__ import annotations
 
