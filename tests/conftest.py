@@ -5,6 +5,7 @@ where those are missing they skip, except under SPANLET_REQUIRE_KERNEL=1
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,15 @@ def _kernel_missing() -> str | None:
 
 
 _MISSING = _kernel_missing()
+
+
+def pytest_configure(config):
+    # A shell without job control starts its background commands with SIGINT
+    # ignored, and every process they start inherits that: the tests that send
+    # SIGINT (Ctrl-C, as a terminal sends it to a foreground command) need it
+    # delivered, as in a foreground run.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
