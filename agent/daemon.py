@@ -20,7 +20,8 @@ from spanlet.pipeline.spans import SpanPath
 from spanlet.pipeline.store import StorePath
 from spanlet.scheduler import Scheduler, WindowInputs
 from spanlet.nvml import NvmlPoller
-from spanlet.probes.base import Probe, ProbeStatus, release_startup_memory, trim_heap
+from spanlet.memory import release_startup_memory, trim_heap
+from spanlet.probes.base import Probe, ProbeStatus
 from spanlet.probes.starter import ProbeStarter, check_node, probe_classes  # noqa: F401 (probe_classes: cli)
 
 from spanlet.exporters.otlp.metric_exporter import OtlpMetricsExporter

@@ -1,5 +1,5 @@
 """What compiling leaves resident is given back after the start
-(probes.base.release_startup_memory): the compiler libraries' file pages
+(memory.release_startup_memory): the compiler libraries' file pages
 paged out, the freed heap trimmed. Shown in a child process on a library
 file only it maps, read in full first."""
 
@@ -11,7 +11,7 @@ import textwrap
 
 CHILD = textwrap.dedent("""
     import mmap, os, sys
-    from spanlet.probes.base import release_startup_memory
+    from spanlet.memory import release_startup_memory
 
     def rss_kb(name):
         total, cur = 0, None
