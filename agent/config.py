@@ -377,6 +377,13 @@ class StoreConfig(_Section):
     queue_rows: int = Field(default=200_000, ge=1, le=100_000_000)
     # On-disk spool (data_dir/spool) for what the store cannot take now.
     spool_max_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
+    # chdb: the engine in a process of its own (its memory not the agent's; a
+    # crash of it costs a restart, with back-off, and the rows wait meanwhile),
+    # or in the agent's process.
+    engine_process: bool = True
+    # chdb: the engine's bound on the memory it tracks (queries, inserts,
+    # merges); a statement past it fails and is retried. 0: the engine's default.
+    engine_memory_mb: int = Field(default=1024, ge=0)
 
     @field_validator("url")
     @classmethod

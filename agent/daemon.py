@@ -165,6 +165,8 @@ class Daemon:
         self.spans.start()
         log.info("span path started in %.2f s", time.monotonic() - t1)
         released = release_startup_memory()
+        if self.store is not None:
+            self.store.release_memory()
         log.info("start-up memory given back: %.0f MB of LLVM/clang/chdb mappings paged out, heap trimmed",
                  released / 2**20)
         for st in statuses:

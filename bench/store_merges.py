@@ -87,7 +87,7 @@ def main() -> int:
 
     from spanlet.exporters.clickhouse import chdb_backend, rows
     chdb_backend._ENGINE_CONFIG = chdb_backend._ENGINE_CONFIG.replace(
-        f"<min_part_size>{schema.TRACES_ZSTD_PART_BYTES}<", f"<min_part_size>{a.zstd_above << 20}<").replace(
+        "<min_part_size>%(zstd)d<", f"<min_part_size>{a.zstd_above << 20}<").replace(
         "</clickhouse>", _part_log())
     from store_bench import Inputs, other_database
 

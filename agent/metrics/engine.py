@@ -141,10 +141,14 @@ def store_metrics(store: StoreStats | None) -> list[Family]:
     drops = family("spanlet_store_dropped_rows_total")
     drops.samples = [Sample(labels(table=t, reason=r), by_table.get(t, {}).get(r, 0))
                      for t, r in sorted(keys)]
-    return [drops,
-            _single("spanlet_store_queue_rows", st["queued_rows"]),
-            _single("spanlet_store_spool_bytes", st["spooled_bytes"]),
-            _single("spanlet_store_events_overflow_total", store.events_overflow)]
+    out = [drops,
+           _single("spanlet_store_queue_rows", st["queued_rows"]),
+           _single("spanlet_store_spool_bytes", st["spooled_bytes"]),
+           _single("spanlet_store_events_overflow_total", store.events_overflow)]
+    if "engine_rss_bytes" in st:        # the embedded engine in its own process
+        out += [_single("spanlet_store_engine_resident_bytes", st["engine_rss_bytes"]),
+                _single("spanlet_store_engine_restarts_total", st["engine_restarts"])]
+    return out
 
 
 class MetricEngine:

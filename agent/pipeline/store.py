@@ -23,6 +23,7 @@ class StorePath:
         self.cfg = cfg
         self.enricher = enricher
         self.sink = None
+        self._engine = None          # the embedded backend (chdb), for its engine's stats
         # decoded events wait here (reader threads append) until the next refresh
         self._events: deque = deque(maxlen=cfg.store.queue_rows)
         self.events_overflow = 0
@@ -37,8 +38,11 @@ class StorePath:
             if st.backend == "chdb":
                 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
                 (data / "chdb").mkdir(parents=True, exist_ok=True)
-                backend = ChdbBackend(str(data / "chdb"), database=st.database, ttl_days=st.ttl_days)
-                where = f"embedded chdb in {data / 'chdb'}"
+                backend = ChdbBackend(str(data / "chdb"), database=st.database, ttl_days=st.ttl_days,
+                                      own_process=st.engine_process, memory_mb=st.engine_memory_mb)
+                where = f"embedded chdb in {data / 'chdb'}" + (
+                    f" (engine process {backend.engine.pid})" if backend.engine is not None else "")
+                self._engine = backend
             else:
                 from spanlet.exporters.clickhouse.http_backend import HttpBackend
                 backend = HttpBackend(st.url, database=st.database, user=st.user or None,
@@ -55,8 +59,23 @@ class StorePath:
         log.info("store: %s, database %s", where, st.database)
 
     def stats(self) -> dict | None:
-        """The sink's queue, spool and drops; None while there is no sink."""
-        return self.sink.stats() if self.sink is not None else None
+        """The sink's queue, spool and drops, and the engine process's memory
+        and restarts where it has one; None while there is no sink."""
+        if self.sink is None:
+            return None
+        out = self.sink.stats()
+        engine = self._engine.engine_stats() if self._engine is not None else None
+        if engine is not None:
+            out["engine_rss_bytes"], out["engine_restarts"] = engine["rss_bytes"], engine["restarts"]
+        return out
+
+    def release_memory(self) -> None:
+        """What the engine process's start left resident, given back (the agent's own: daemon.py)."""
+        if self._engine is not None:
+            try:
+                self._engine.release_engine_memory()
+            except Exception as e:     # noqa: BLE001 - only memory left resident
+                log.warning("store engine: start-up memory not given back: %s", e)
 
     def _resolve(self, cgroup_id: int) -> tuple[str, str, str]:
         a = self.enricher.attributes(cgroup_id) if cgroup_id else {}

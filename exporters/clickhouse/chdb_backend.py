@@ -1,5 +1,7 @@
-"""The embedded store: ClickHouse in-process through chdb, with its data
-directory on the node's disk, behind the Backend interface.
+"""The embedded store: ClickHouse through chdb, with its data directory on the
+node's disk, behind the Backend interface; the engine in this process or, as
+the agent runs it, in a process of its own (engine_process.py), the rows
+encoded here either way.
 
 chdb runs one embedded server per process: a second ChdbBackend on another
 path can only be opened after the first was closed."""
@@ -19,6 +21,7 @@ import xxhash
 from spanlet.exporters.clickhouse import BackendError, BackendUnavailable
 from spanlet.exporters.clickhouse import kernel_records, metric_native, schema, span_protos
 from spanlet.exporters.clickhouse import rows as rows_mod
+from spanlet.exporters.clickhouse.engine_process import EngineProcess
 from spanlet.exporters.clickhouse.http_backend import RETRYABLE_CLICKHOUSE_CODES
 
 _DT64 = re.compile(r"^(?:LowCardinality\()?(?:Nullable\()?DateTime64\((\d)")
@@ -66,7 +69,11 @@ OLD_SCHEMA_FILE = "spanlet-spans.proto"
 # than schema.TRACES_ZSTD_PART_BYTES, ZSTD(1) in larger ones (schema
 # migration 7: otel_traces' columns, whose frequent small merges this makes
 # cheaper).
+# The engine's own bound on the memory it tracks (its queries, inserts and
+# merges; 0: the engine's default, 90% of the machine's): past it a statement
+# fails with MEMORY_LIMIT_EXCEEDED, which the sink retries.
 _ENGINE_CONFIG = """<clickhouse>
+    <max_server_memory_usage>%(memory)d</max_server_memory_usage>
     <memory_worker_period_ms>5000</memory_worker_period_ms>
     <background_processing_pool_thread_sleep_seconds_if_nothing_to_do>5</background_processing_pool_thread_sleep_seconds_if_nothing_to_do>
     <background_processing_pool_task_sleep_seconds_when_no_work_multiplier>1.5</background_processing_pool_task_sleep_seconds_when_no_work_multiplier>
@@ -76,14 +83,14 @@ _ENGINE_CONFIG = """<clickhouse>
     </merge_tree>
     <compression>
         <case>
-            <min_part_size>%d</min_part_size>
+            <min_part_size>%(zstd)d</min_part_size>
             <min_part_size_ratio>0</min_part_size_ratio>
             <method>zstd</method>
             <level>1</level>
         </case>
     </compression>
 </clickhouse>
-""" % schema.TRACES_ZSTD_PART_BYTES
+"""
 
 
 def _utc_text(ns: int) -> str:
@@ -125,24 +132,36 @@ class ChdbBackend:
 
     name = "chdb"
 
-    def __init__(self, path: str, database: str = "spanlet", ttl_days: int = 7):
+    def __init__(self, path: str, database: str = "spanlet", ttl_days: int = 7, *,
+                 own_process: bool = False, memory_mb: int = 0):
+        """`own_process`: the engine in a process of its own (engine_process.py),
+        as the agent's store runs it; in this process otherwise. `memory_mb`:
+        the engine's bound on the memory it tracks (0: the engine's default)."""
         self.target = schema.Target(database=database, ttl_days=ttl_days, embedded=True)
         self.path = os.path.abspath(path)
         os.makedirs(self.path, exist_ok=True)
         self._lock = threading.Lock()
         self._types: dict[str, dict[str, str]] = {}
+        self.engine: EngineProcess | None = None
         try:
-            from chdb import session as chdb_session
             config = os.path.join(self.path, ENGINE_CONFIG_FILE)
             with open(config, "w") as f:
-                f.write(_ENGINE_CONFIG)
+                f.write(_ENGINE_CONFIG % {"memory": memory_mb << 20, "zstd": schema.TRACES_ZSTD_PART_BYTES})
             try:                 # the spans' ProtobufList schema of agents before the Native block
                 os.unlink(os.path.join(self.path, OLD_SCHEMA_FILE))
             except FileNotFoundError:
                 pass
-            self._session = chdb_session.Session(f"{self.path}?config-file={config}")
-            for setting in _SESSION_SETTINGS:
-                self._session.query(f"SET {setting}")
+            uri = f"{self.path}?config-file={config}"
+            setup = tuple(f"SET {setting}" for setting in _SESSION_SETTINGS)
+            if own_process:
+                self.engine = self._session = EngineProcess(uri, setup)
+            else:
+                from chdb import session as chdb_session
+                self._session = chdb_session.Session(uri)
+                for stmt in setup:
+                    self._session.query(stmt)
+        except BackendError as e:
+            raise BackendError(f"cannot open chdb at {self.path}: {e}") from e
         except Exception as e:   # chdb raises RuntimeError/ChdbError
             raise BackendError(f"cannot open chdb at {self.path}: {e}") from e
         self._closed = False
@@ -294,6 +313,20 @@ class ChdbBackend:
         with self._lock:
             return self._query_locked(sql)
 
+    def release_engine_memory(self) -> int:
+        """The engine process gives back what its start left resident (bytes
+        paged out); 0 in process, where the agent's own release does it."""
+        with self._lock:
+            self._check_open()
+            return self.engine.release_memory() if self.engine is not None else 0
+
+    def engine_stats(self) -> dict[str, int] | None:
+        """The engine process's resident memory and restarts; None in process."""
+        engine = self.engine
+        if engine is None:
+            return None
+        return {"rss_bytes": engine.rss_bytes(), "restarts": engine.restarts}
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -314,6 +347,8 @@ class ChdbBackend:
         self._check_open()
         try:
             return self._session.query(sql, fmt)
+        except BackendUnavailable:      # the engine's process ended (engine_process.py)
+            raise
         except Exception as e:
             raise _classify(e) from e
 

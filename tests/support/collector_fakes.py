@@ -108,7 +108,8 @@ def every_source():
     d.scheduler = Scheduler()
     d.scheduler.update(WindowInputs(), time.time())
     d.store = SimpleNamespace(events_overflow=1, stats=lambda: {
-        "dropped_rows_by_table": {}, "queued_rows": 2, "spooled_bytes": 3})
+        "dropped_rows_by_table": {}, "queued_rows": 2, "spooled_bytes": 3,
+        "engine_rss_bytes": 4 << 20, "engine_restarts": 1})
     join_one_span(d.join)
     return d
 

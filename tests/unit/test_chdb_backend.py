@@ -437,7 +437,7 @@ from spanlet.exporters.clickhouse import chdb_backend, rows, schema
 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
 # the rule's threshold made 1 byte: every merged part is past it
 chdb_backend._ENGINE_CONFIG = chdb_backend._ENGINE_CONFIG.replace(
-    f"<min_part_size>{schema.TRACES_ZSTD_PART_BYTES}<", "<min_part_size>1<")
+    "<min_part_size>%(zstd)d<", "<min_part_size>1<")
 path = tempfile.mkdtemp(prefix="spanlet-codecs-")
 b = ChdbBackend(path)
 try:
