@@ -23,6 +23,36 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def engine_pid(agent_pid: int) -> int | None:
+    """The agent's store engine process (store.engine_process), if it has one now."""
+    for task in Path(f"/proc/{agent_pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spanlet.exporters.clickhouse.engine_process" in cmdline:
+                return int(child)
+    return None
+
+
+def agent_cpu_s(agent_pid: int) -> float:
+    """CPU seconds of the agent and of its store engine process so far (the
+    engine's from /proc while it runs: a restarted one starts again from 0)."""
+    total = cpu_s(agent_pid)
+    pid = engine_pid(agent_pid)
+    if pid is not None:
+        try:
+            total += cpu_s(pid)
+        except OSError:
+            pass
+    return total
+
+
 def spans_request(n: int, rnd: random.Random, service: str,
                   modality: str) -> ExportTraceServiceRequest:
     """`n` SERVER spans of 5 ms ending now, of one service and one mm.modality."""

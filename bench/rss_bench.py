@@ -2,9 +2,11 @@
 side by side in one run, each on an empty data_dir (its first start on a node)
 and with the compile cache that start left: VmRSS, its anonymous and
 file-backed parts, and the mappings that hold most of it. After its start the agent gives back what
-compiling left resident (probes.base.release_compiler_memory): the kernel
+compiling left resident (memory.release_startup_memory): the kernel
 pages out LLVM's and clang's file pages only where no other process maps
-them, so the bench says how many other processes map them now.
+them, so the bench says how many other processes map them now. With the
+store on, the embedded engine runs in a process of its own by default
+(store.engine_process): its RSS is printed beside the agent's, and the sum.
 
     sudo .venv/bin/python bench/rss_bench.py [--settle 8] [--set KEY=VALUE]
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 
-from common import Agent, agent_bench_args  # noqa: E402
+from common import Agent, agent_bench_args, engine_pid  # noqa: E402
 from processes import free_port  # noqa: E402
 from soak import rss_mb  # noqa: E402
 
@@ -74,7 +76,10 @@ def measure(store: bool, settle_s: float, extra: list[str], cache: Path,
             if not agent.wait_running():
                 raise SystemExit("the agent did not start:\n" + "".join(agent.tail))
             time.sleep(settle_s)
-            return rss_mb(agent.proc.pid), biggest(agent.proc.pid)
+            m = rss_mb(agent.proc.pid)
+            engine = engine_pid(agent.proc.pid)
+            m["engine"] = rss_mb(engine)["rss"] if engine is not None else 0.0
+            return m, biggest(agent.proc.pid)
         finally:
             agent.proc.terminate()
             agent.proc.wait(30)
@@ -90,14 +95,15 @@ def main() -> int:
           f"other processes mapping LLVM now: {others_mapping_llvm()}")
     print("  first start: an empty data_dir (every probe compiled); cached: the compile cache a "
           "first start left (data_dir/bpf-cache), nothing else of it")
-    print(f"  {'':22}{'RSS MB':>8}{'anon':>8}{'file':>8}   goal    biggest mappings (MB)")
+    print(f"  {'':22}{'RSS MB':>8}{'anon':>8}{'file':>8}   goal    {'engine':>7}{'both':>7}   biggest mappings (MB)")
     with tempfile.TemporaryDirectory(prefix="spanlet-rss-bench-cache-") as keep:
         cache = Path(keep) / "bpf-cache"
         for label, store in (("store off", False), ("store on", True)):
             for start in ("first start", "cached"):
                 m, top = measure(store, a.settle, a.agent_set, cache, start == "cached")
                 print(f"  {label + ', ' + start:22}{m['rss']:>8.0f}{m['anon']:>8.0f}{m['file']:>8.0f}   "
-                      f"<= {GOALS[label]:<4} " + ", ".join(f"{n} {v:.0f}" for n, v in top))
+                      f"<= {GOALS[label]:<4} {m['engine']:>7.0f}{m['rss'] + m['engine']:>7.0f}   "
+                      + ", ".join(f"{n} {v:.0f}" for n, v in top))
     return 0
 
 

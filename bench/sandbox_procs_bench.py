@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 
 import fd_holders  # noqa: E402
-from common import Agent, agent_bench_args, cpu_s  # noqa: E402
+from common import Agent, agent_bench_args, agent_cpu_s as cpu_s  # noqa: E402
 from processes import free_port  # noqa: E402
 from spanlet import config  # noqa: E402
 from spanlet.probes.sandbox.probe import SandboxProbe  # noqa: E402

@@ -39,7 +39,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noq
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import cuda_standin  # noqa: E402
-from common import Agent, agent_bench_args, cpu_s, spans_request  # noqa: E402
+from common import Agent, agent_bench_args, agent_cpu_s, engine_pid, spans_request  # noqa: E402
 from processes import free_port, stop_process  # noqa: E402
 from spanlet.config import OtlpConfig  # noqa: E402
 from spanlet.demo.standin import DRIVER, RUNTIME  # noqa: E402
@@ -191,14 +191,15 @@ def summarize(samples: list[dict], warmup_s: float) -> None:
           f"{'slope/min':>11s}{'± 2 SE':>9s}")
     verdicts = []
     for key, label, unit in (("rss", "RSS (MB)", "MB"), ("anon", "  anonymous (MB)", "MB"),
-                             ("file", "  file pages (MB)", "MB"), ("cpu", "CPU (% of a core)", "pts")):
+                             ("file", "  file pages (MB)", "MB"), ("engine", "engine process RSS", "MB"),
+                             ("total", "agent + engine RSS", "MB"), ("cpu", "CPU (% of a core)", "pts")):
         ys = [s[key] * (100 if key == "cpu" else 1) for s in steady]
         slope, se, sd = fit(xs, ys)
         first, last = quarter_means(ys)
         print(f"{label:22s}{min(ys):9.1f}{sum(ys) / len(ys):9.1f}{max(ys):9.1f}{first:9.1f}{last:9.1f}"
               f"{last / first if first else float('nan'):11.3f}{slope:+11.3f}{2 * se:9.3f}")
-        if key == "rss":
-            verdicts.append("RSS: " + rss_trend(xs, ys))
+        if key in ("rss", "engine"):
+            verdicts.append(("RSS: " if key == "rss" else "engine RSS: ") + rss_trend(xs, ys))
         elif key == "cpu":
             within = abs(slope) <= 2 * se
             trend = "no trend" if within else ("GROWTH TREND" if slope > 0 else "falling")
@@ -297,13 +298,16 @@ def main() -> int:
 def sample(pid: int, http_port: int, seconds: float, interval: float) -> list[dict]:
     out = []
     t0 = time.monotonic()
-    c_prev, t_prev = cpu_s(pid), t0
+    c_prev, t_prev = agent_cpu_s(pid), t0
     next_at = t0 + interval
     while True:
         time.sleep(max(0.0, next_at - time.monotonic()))
         now = time.monotonic()
-        c = cpu_s(pid)
+        c = agent_cpu_s(pid)
         row = {"t": now - t0, **rss_mb(pid), "cpu": (c - c_prev) / (now - t_prev)}
+        engine = engine_pid(pid)
+        row["engine"] = rss_mb(engine)["rss"] if engine is not None else 0.0
+        row["total"] = row["rss"] + row["engine"]
         c_prev, t_prev = c, now
         try:
             metrics = scrape(http_port)
@@ -312,7 +316,7 @@ def sample(pid: int, http_port: int, seconds: float, interval: float) -> list[di
             pass
         out.append(row)
         print(f"  t={row['t']:6.0f}s  rss {row['rss']:7.1f} MB (anon {row['anon']:7.1f}, file {row['file']:6.1f})"
-              f"  cpu {row['cpu']:6.1%}", flush=True)
+              f"  engine {row['engine']:7.1f} MB  cpu {row['cpu']:6.1%}", flush=True)
         next_at += interval
         if now - t0 >= seconds:
             return out
