@@ -384,6 +384,9 @@ class StoreConfig(_Section):
     # chdb: the engine's bound on the memory it tracks (queries, inserts,
     # merges); a statement past it fails and is retried. 0: the engine's default.
     engine_memory_mb: int = Field(default=1024, ge=0)
+    # chdb in its own process: the wait for a statement's answer; past it the
+    # engine's process is killed and started again, and the rows retried.
+    engine_timeout_s: float = Field(default=600.0, gt=0, le=86400)
 
     @field_validator("url")
     @classmethod

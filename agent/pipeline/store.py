@@ -39,7 +39,8 @@ class StorePath:
                 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
                 (data / "chdb").mkdir(parents=True, exist_ok=True)
                 backend = ChdbBackend(str(data / "chdb"), database=st.database, ttl_days=st.ttl_days,
-                                      own_process=st.engine_process, memory_mb=st.engine_memory_mb)
+                                      own_process=st.engine_process, memory_mb=st.engine_memory_mb,
+                                      statement_timeout_s=st.engine_timeout_s)
                 where = f"embedded chdb in {data / 'chdb'}" + (
                     f" (engine process {backend.engine.pid})" if backend.engine is not None else "")
                 self._engine = backend

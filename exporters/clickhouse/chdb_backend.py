@@ -21,7 +21,7 @@ import xxhash
 from spanlet.exporters.clickhouse import BackendError, BackendUnavailable
 from spanlet.exporters.clickhouse import kernel_records, metric_native, schema, span_protos
 from spanlet.exporters.clickhouse import rows as rows_mod
-from spanlet.exporters.clickhouse.engine_process import EngineProcess
+from spanlet.exporters.clickhouse.engine_process import STATEMENT_TIMEOUT_S, EngineProcess
 from spanlet.exporters.clickhouse.http_backend import RETRYABLE_CLICKHOUSE_CODES
 
 _DT64 = re.compile(r"^(?:LowCardinality\()?(?:Nullable\()?DateTime64\((\d)")
@@ -133,10 +133,13 @@ class ChdbBackend:
     name = "chdb"
 
     def __init__(self, path: str, database: str = "spanlet", ttl_days: int = 7, *,
-                 own_process: bool = False, memory_mb: int = 0):
+                 own_process: bool = False, memory_mb: int = 0,
+                 statement_timeout_s: float = STATEMENT_TIMEOUT_S):
         """`own_process`: the engine in a process of its own (engine_process.py),
         as the agent's store runs it; in this process otherwise. `memory_mb`:
-        the engine's bound on the memory it tracks (0: the engine's default)."""
+        the engine's bound on the memory it tracks (0: the engine's default).
+        `statement_timeout_s`: own_process only, the wait for a statement's
+        answer before the engine's process is killed (and started again)."""
         self.target = schema.Target(database=database, ttl_days=ttl_days, embedded=True)
         self.path = os.path.abspath(path)
         os.makedirs(self.path, exist_ok=True)
@@ -154,7 +157,7 @@ class ChdbBackend:
             uri = f"{self.path}?config-file={config}"
             setup = tuple(f"SET {setting}" for setting in _SESSION_SETTINGS)
             if own_process:
-                self.engine = self._session = EngineProcess(uri, setup)
+                self.engine = self._session = EngineProcess(uri, setup, statement_timeout_s)
             else:
                 from chdb import session as chdb_session
                 self._session = chdb_session.Session(uri)

@@ -12,7 +12,9 @@ the statement and its answer. A process that ended (killed, out of memory, a
 crash in the engine) is noticed by the statement that finds it gone:
 BackendUnavailable, so that the sink keeps the rows and retries; the process is
 started again at the next statement, at most once per back-off (1 s, doubling
-to 60 s while starts fail or the process keeps ending within a minute). The
+to 60 s while starts fail or the process keeps ending within a minute). A
+statement with no answer within `timeout_s` (a hung engine) has the process
+killed and is BackendUnavailable as well: the sink's worker is not held. The
 child ends when the agent closes the pipe, as its end closes when the agent
 dies: its pipe's ends are passed to it alone (never inherited by the agent's
 other children), so it ends at the EOF that follows.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import struct
 import subprocess
@@ -48,6 +51,7 @@ _OK, _FAILED = 0, 1
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 60.0
 STABLE_S = 60.0          # a process that lived this long restarts the back-off
 START_TIMEOUT_S = 120.0
+STATEMENT_TIMEOUT_S = 600.0  # the default wait for a statement's answer (then the process is killed)
 TRIM_EVERY_S = 60.0       # the engine's freed heap given back (as the agent's own, daemon.py)
 RELEASE = "release"
 
@@ -87,8 +91,8 @@ class EngineProcess:
     """A chdb session at `uri` in a child process; `setup` statements (SET ...)
     run at each start. Not thread-safe: its caller (ChdbBackend) holds a lock."""
 
-    def __init__(self, uri: str, setup: tuple[str, ...] = ()):
-        self.uri, self.setup = uri, tuple(setup)
+    def __init__(self, uri: str, setup: tuple[str, ...] = (), timeout_s: float = STATEMENT_TIMEOUT_S):
+        self.uri, self.setup, self.timeout_s = uri, tuple(setup), timeout_s
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
         self._rfd = self._wfd = -1
@@ -193,11 +197,28 @@ class EngineProcess:
             if sql is not None:
                 f, s = fmt.encode(), sql.encode()
                 _write_all(self._wfd, _REQUEST.pack(len(f), len(s)) + f + s)
+            if sql is not None and not self._answers_within(self.timeout_s):
+                self._proc.kill()
+                raise TimeoutError(f"no answer within {self.timeout_s:g} s, the process killed")
             status, size = _ANSWER.unpack(_read_exact(self._rfd, _ANSWER.size))
             return status, _read_exact(self._rfd, size)
         except (OSError, EOFError, struct.error) as e:
             code = self._ended()
             raise BackendUnavailable(f"the store engine's process ended ({code}): {e}") from e
+
+    def _answers_within(self, timeout_s: float) -> bool:
+        poller = select.poll()
+        poller.register(self._rfd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                if poller.poll(left * 1000):
+                    return True
+            except InterruptedError:
+                continue
 
     def _ended(self) -> str:
         """The child is gone or its pipe broke: reap it and plan the next start."""

@@ -109,6 +109,26 @@ def test_a_killed_engine_is_unavailable_then_restarted_after_the_backoff_with_ev
     assert backend.query("SELECT getSetting('session_timezone')") == [("UTC",)]
 
 
+def test_a_statement_with_no_answer_in_time_has_the_engine_killed_and_restarted(tmp_path):
+    b = ChdbBackend(str(tmp_path / "store"), own_process=True, statement_timeout_s=1.0)
+    try:
+        b.ensure_schema()
+        b.query("CREATE TABLE spanlet.kept (n UInt64) ENGINE = MergeTree ORDER BY n")
+        b.query("INSERT INTO spanlet.kept SELECT number FROM numbers(300)")
+        first = b.engine.pid
+        t = time.monotonic()
+        with pytest.raises(BackendUnavailable, match=r"killed by signal 9.*no answer within 1 s"):
+            b.query("SELECT sleep(3)")                 # the engine is busy past the wait
+        assert time.monotonic() - t < 2.5
+        assert _wait_gone(first)
+        time.sleep(engine_process.BACKOFF_FIRST_S + 0.1)
+        assert b.query("SELECT count() FROM spanlet.kept") == [(300,)]
+        assert b.engine.pid != first and b.engine_stats()["restarts"] == 1
+        assert b.query("SELECT sleep(0.2)") == [(0,)]  # an answer within the wait is the answer
+    finally:
+        b.close()
+
+
 def test_the_backoff_doubles_while_the_engine_keeps_ending_and_is_bounded(backend):
     delays = []
     for _ in range(3):
