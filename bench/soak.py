@@ -190,9 +190,12 @@ def summarize(samples: list[dict], warmup_s: float) -> None:
     print(f"{'':22s}{'min':>9s}{'mean':>9s}{'max':>9s}{'first q':>9s}{'last q':>9s}{'last/first':>11s}"
           f"{'slope/min':>11s}{'± 2 SE':>9s}")
     verdicts = []
+    apart = any(s["engine"] for s in steady)          # the store's engine in a process of its own
     for key, label, unit in (("rss", "RSS (MB)", "MB"), ("anon", "  anonymous (MB)", "MB"),
                              ("file", "  file pages (MB)", "MB"), ("engine", "engine process RSS", "MB"),
                              ("total", "agent + engine RSS", "MB"), ("cpu", "CPU (% of a core)", "pts")):
+        if key in ("engine", "total") and not apart:
+            continue
         ys = [s[key] * (100 if key == "cpu" else 1) for s in steady]
         slope, se, sd = fit(xs, ys)
         first, last = quarter_means(ys)
