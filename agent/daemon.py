@@ -166,7 +166,7 @@ class Daemon:
         log.info("span path started in %.2f s", time.monotonic() - t1)
         released = release_startup_memory()
         if self.store is not None:
-            self.store.release_memory()
+            released += self.store.release_memory()     # the engine's process, where it has one
         log.info("start-up memory given back: %.0f MB of LLVM/clang/chdb mappings paged out, heap trimmed",
                  released / 2**20)
         for st in statuses:

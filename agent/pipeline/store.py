@@ -70,13 +70,15 @@ class StorePath:
             out["engine_rss_bytes"], out["engine_restarts"] = engine["rss_bytes"], engine["restarts"]
         return out
 
-    def release_memory(self) -> None:
-        """What the engine process's start left resident, given back (the agent's own: daemon.py)."""
+    def release_memory(self) -> int:
+        """What the engine process's start left resident, given back (the agent's
+        own: daemon.py); the bytes of mappings paged out."""
         if self._engine is not None:
             try:
-                self._engine.release_engine_memory()
+                return self._engine.release_engine_memory()
             except Exception as e:     # noqa: BLE001 - only memory left resident
                 log.warning("store engine: start-up memory not given back: %s", e)
+        return 0
 
     def _resolve(self, cgroup_id: int) -> tuple[str, str, str]:
         a = self.enricher.attributes(cgroup_id) if cgroup_id else {}

@@ -36,7 +36,6 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -167,11 +166,8 @@ class EngineProcess:
         os.close(from_child_w)
         self._proc, self._rfd, self._wfd = proc, from_child_r, to_child_w
         self._started_at = time.monotonic()
-        timer = threading.Timer(START_TIMEOUT_S, self._kill_if, (proc,))
-        timer.daemon = True
-        timer.start()
         try:
-            status, payload = self._ask(None, None)       # its first answer: the session is open
+            status, payload = self._ask(None, None, START_TIMEOUT_S)   # its first answer: the session is open
             if status != _OK:
                 raise BackendError(f"the store engine's process could not open its store: "
                                    f"{payload.decode('utf-8', 'replace')}")
@@ -182,43 +178,26 @@ class EngineProcess:
         except (BackendError, BackendUnavailable) as e:
             self._stop(5.0)
             raise BackendError(str(e)) from e
-        finally:
-            timer.cancel()
         log.info("store engine: process %d", proc.pid)
 
-    @staticmethod
-    def _kill_if(proc: subprocess.Popen) -> None:
-        if proc.poll() is None:
-            proc.kill()
-
-    def _ask(self, sql: str | None, fmt: str | None) -> tuple[int, bytes]:
-        """One exchange (sql None: read the start's answer only)."""
+    def _ask(self, sql: str | None, fmt: str | None, timeout_s: float | None = None) -> tuple[int, bytes]:
+        """One exchange (sql None: read the start's answer only); no answer
+        within timeout_s (default: the statement timeout) has the process killed."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
             if sql is not None:
                 f, s = fmt.encode(), sql.encode()
                 _write_all(self._wfd, _REQUEST.pack(len(f), len(s)) + f + s)
-            if sql is not None and not self._answers_within(self.timeout_s):
+            poller = select.poll()           # not select(): the agent's fds pass 1,024 (BPF maps, sockets)
+            poller.register(self._rfd, select.POLLIN)
+            if not poller.poll(timeout_s * 1000):
                 self._proc.kill()
-                raise TimeoutError(f"no answer within {self.timeout_s:g} s, the process killed")
+                raise TimeoutError(f"no answer within {timeout_s:g} s, the process killed")
             status, size = _ANSWER.unpack(_read_exact(self._rfd, _ANSWER.size))
             return status, _read_exact(self._rfd, size)
         except (OSError, EOFError, struct.error) as e:
             code = self._ended()
             raise BackendUnavailable(f"the store engine's process ended ({code}): {e}") from e
-
-    def _answers_within(self, timeout_s: float) -> bool:
-        poller = select.poll()
-        poller.register(self._rfd, select.POLLIN | select.POLLHUP | select.POLLERR)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                if poller.poll(left * 1000):
-                    return True
-            except InterruptedError:
-                continue
 
     def _ended(self) -> str:
         """The child is gone or its pipe broke: reap it and plan the next start."""
