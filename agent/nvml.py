@@ -87,6 +87,7 @@ class NvmlPoller:
         self._status = NvmlStatus(False, "not started")
         self._nvml: Any = None               # pynvml, once nvmlInit succeeded
         self._devices: list[_Device] = []
+        self._memory_v2 = True               # until the driver refuses nvmlDeviceGetMemoryInfo_v2
         self._opened = False
         self._logged: set[tuple[str, str]] = set()   # (call, gpu) said once
         self._stop = threading.Event()
@@ -214,7 +215,7 @@ class NvmlPoller:
 
     def _sample(self, d: _Device) -> GpuSample:
         util = self._call("nvmlDeviceGetUtilizationRates", d.uuid, d.handle)
-        mem = self._call("nvmlDeviceGetMemoryInfo", d.uuid, d.handle)
+        mem = self._memory(d)
         tx, rx = self._pcie_ratios(d)
         return GpuSample(
             gpu=d.uuid, index=d.index, name=d.name,
@@ -223,6 +224,21 @@ class NvmlPoller:
             memory_total_bytes=None if mem is None else mem.total,
             memory_free_bytes=None if mem is None else mem.free,
             pcie_tx_ratio=tx, pcie_rx_ratio=rx)
+
+    def _memory(self, d: _Device) -> Any:
+        """The device's memory as nvidia-smi shows it: version 2 of the call,
+        whose `used` leaves out what the driver reserves (616 MiB on an H200
+        with driver 580; version 1 counts it as used, and as not free). A
+        driver without version 2 (before 510) is asked version 1 from then on."""
+        version = getattr(self._nvml, "nvmlMemory_v2", None)
+        if self._memory_v2 and version is not None:
+            try:
+                return self._nvml.nvmlDeviceGetMemoryInfo(d.handle, version=version)
+            except Exception as e:      # NVMLError: FunctionNotFound, NotSupported, a version mismatch
+                self._memory_v2 = False
+                log.info("NVML nvmlDeviceGetMemoryInfo_v2 unavailable (%s: %s): GPU memory used "
+                         "includes what the driver reserves", type(e).__name__, e)
+        return self._call("nvmlDeviceGetMemoryInfo", d.uuid, d.handle)
 
     def _pcie_ratios(self, d: _Device) -> tuple[float | None, float | None]:
         # Read every poll: an idle GPU drops its link to a lower generation.

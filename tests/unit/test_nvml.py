@@ -21,6 +21,7 @@ GIB = 1024 ** 3
 GPU0 = "GPU-00000000-1111-2222-3333-444444444444"
 GPU1 = "GPU-55555555-6666-7777-8888-999999999999"
 TOTAL = {GPU0: 80 * GIB, GPU1: 24 * GIB}
+RESERVED = 616 * 1024 ** 2     # the driver's own share: version 1 of the memory call counts it used
 USED = {GPU0: [20 * GIB, 60 * GIB, 40 * GIB], GPU1: [6 * GIB, 3 * GIB, 9 * GIB]}  # per call
 SM_PERCENT = {GPU0: 73, GPU1: 12}
 # (TX KB/s, RX KB/s, link bytes/s per direction); GPU1's RX counter fails.
@@ -61,8 +62,9 @@ def test_device_values_exact(standin):
         used = USED[gpu][2]                     # the third call's value
         assert s["gpu"] == gpu
         assert s["sm_utilization_ratio"] == SM_PERCENT[gpu] / 100
+        # version 2 of the memory call, as nvidia-smi shows it: the reserved part is neither
         assert (s["memory_used_bytes"], s["memory_total_bytes"], s["memory_free_bytes"]) == \
-            (used, TOTAL[gpu], TOTAL[gpu] - used)
+            (used, TOTAL[gpu], TOTAL[gpu] - RESERVED - used)
         assert s["memory_used_ratio"] == used / TOTAL[gpu]
     assert (snap[GPU0]["index"], snap[GPU1]["index"]) == (0, 1)
     assert snap[GPU0]["name"] == "Stand-in H200"
@@ -70,6 +72,18 @@ def test_device_values_exact(standin):
     assert snap[GPU0]["pcie_tx_ratio"] == pytest.approx(tx * 1000 / link, rel=1e-12)
     assert snap[GPU0]["pcie_rx_ratio"] == pytest.approx(rx * 1000 / link, rel=1e-12)
     assert snap[GPU0]["pcie_tx_ratio"] == pytest.approx(0.190452, abs=1e-6)  # 12 GB/s of 63 GB/s
+
+
+def test_a_driver_without_memory_v2_is_asked_version_1_without_a_warning(standin):
+    (_, _, snap, errors), logs = drive("poll", "poll", "snapshot", "errors", lib_dir=standin,
+                                       env={"STANDIN_NVML_NO_MEMORY_V2": "1"})
+    for gpu, s in snap.items():
+        used = USED[gpu][1] + RESERVED          # version 1: the reserved part counted as used
+        assert (s["memory_used_bytes"], s["memory_free_bytes"]) == (used, TOTAL[gpu] - used)
+    assert errors == {"nvmlDeviceGetPcieThroughput": 2}        # nothing counted for memory
+    assert [m for m in warnings(logs) if "Memory" in m] == []
+    (line,) = [m for level, m in logs if "nvmlDeviceGetMemoryInfo_v2" in m]   # said once
+    assert "Function Not Found" in line and "includes what the driver reserves" in line
 
 
 def test_window_is_the_peak_since_the_last_window(standin):

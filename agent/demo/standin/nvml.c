@@ -15,6 +15,13 @@ enum { NVML_PCIE_UTIL_TX_BYTES = 0, NVML_PCIE_UTIL_RX_BYTES = 1 };
 /* Layouts as pynvml declares them (c_nvmlUtilization_t, c_nvmlMemory_t). */
 typedef struct { unsigned int gpu, memory; } nvmlUtilization_t;
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
+#define NVML_ERROR_FUNCTION_NOT_FOUND 13
+#define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
+#define NVML_MEMORY_V2 0x02000028   /* nvml.h: NVML_STRUCT_VERSION(Memory, 2) */
+/* What the driver keeps for itself on each GPU: version 1 of the memory call
+ * counts it as used, version 2 apart (616 MiB, an H200's with driver 580). */
+#define RESERVED (616ULL * 1024 * 1024)
 
 #define GIB (1024ULL * 1024 * 1024)
 #define MEM_STEPS 3
@@ -126,8 +133,25 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m)
     if (!valid(d) || !m)
         return NVML_ERROR_INVALID_ARGUMENT;
     m->total = d->mem_total;
-    m->used = d->mem_used[d->mem_calls++ % MEM_STEPS];
+    m->used = d->mem_used[d->mem_calls++ % MEM_STEPS] + RESERVED;
     m->free = m->total - m->used;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m)
+{
+    /* STANDIN_NVML_NO_MEMORY_V2=1: a driver from before version 2 */
+    const char *old = getenv("STANDIN_NVML_NO_MEMORY_V2");
+    if (old && *old == '1')
+        return NVML_ERROR_FUNCTION_NOT_FOUND;
+    if (!valid(d) || !m)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (m->version != NVML_MEMORY_V2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    m->total = d->mem_total;
+    m->reserved = RESERVED;
+    m->used = d->mem_used[d->mem_calls++ % MEM_STEPS];
+    m->free = m->total - m->reserved - m->used;
     return NVML_SUCCESS;
 }
 
