@@ -53,6 +53,7 @@ class Entry(enum.IntEnum):
     cuEventSynchronize = 23
     cudaStreamSynchronize_ptsz = 24
     cudaEventSynchronize = 25
+    cuCtxSynchronize_v2 = 26
 
 
 class Rule(enum.IntEnum):

@@ -5,9 +5,12 @@ each inside its own span with the spanlet span processor, and side by side per
 span: spanlet's launches, graph launches and graph kernels against
 torch.profiler's count of CUDA kernels for the same region, spanlet's sync
 wait against the wall time of the syncs, then the NVML metrics against
-nvidia-smi.
+nvidia-smi. With --costs, instead: what the probes add to the host time of a
+launch, a graph replay and a synchronize (loops timed with the agent attached
+and not, alternating, in a process without torch.profiler).
 
     sudo .venv/bin/python bench/gpu_check.py [--iters N] [--replays R] [--no-compile] [--json]
+    sudo .venv/bin/python bench/gpu_check.py --costs [--calls N] [--rounds R]
 
 The agent's span_ctx and GPU probes run in this process, with the default GPU
 settings (one entry-only uprobe per driver launch) unless --set says
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -54,6 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile region")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="agent config override, e.g. gpu.runtime_hooks=true (repeatable)")
+    ap.add_argument("--costs", action="store_true",
+                    help="only the cost table: host time per call with the agent attached and "
+                         "not, alternating, in a process that never starts torch.profiler "
+                         "(its CUPTI callbacks stay on after it stops and slow every launch)")
+    ap.add_argument("--calls", type=int, default=20000, help="calls per timed loop (default 20000)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="cost table: attached rounds, each between two unattached ones (default 2)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
     return ap.parse_args(argv)
 
@@ -184,6 +195,63 @@ def run_region(agent: Agent, tracer, name: str, setup, body) -> Region:
     return r
 
 
+def call_costs(tracer, calls: int, rounds: int = 3) -> dict[str, float]:
+    """Host time per call (ns, the median of `rounds` loops of `calls`) of a
+    one-launch op, a one-kernel graph replay and an idle-GPU synchronize, in a
+    span: what the probes add to each is the difference between this taken
+    with the agent attached and without."""
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        x.add_(1.0)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        x.add_(1.0)
+    ops = {"launch (x.add_)": lambda: x.add_(1.0), "graph replay": graph.replay,
+           "synchronize": torch.cuda.synchronize}
+    out = {}
+    with tracer.start_as_current_span("call costs"):
+        for name, op in ops.items():
+            times = []
+            for _ in range(rounds):
+                for _ in range(min(calls, 500)):
+                    op()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter_ns()
+                for _ in range(calls):
+                    op()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter_ns() - t0) / calls)
+            out[name] = sorted(times)[rounds // 2]
+    return out
+
+
+def costs(args: argparse.Namespace, tracer) -> None:
+    """The cost table: unattached and attached loops alternating (a fresh
+    agent each time), medians side by side."""
+    off, on = [call_costs(tracer, args.calls)], []
+    for _ in range(args.rounds):
+        agent = Agent(args.set)
+        try:
+            on.append(call_costs(tracer, args.calls))
+        finally:
+            agent.stop()
+        off.append(call_costs(tracer, args.calls))
+    print(f"{'host ns per call':<20}{'not attached':>14}{'attached':>10}{'added':>9}{'ratio':>8}   each run")
+    for name in on[0]:
+        base = statistics.median(r[name] for r in off)
+        with_agent = statistics.median(r[name] for r in on)
+        runs = " ".join(f"{r[name]:.0f}" for pair in zip(off, on + [None]) for r in pair if r)
+        print(f"{name:<20}{base:>14.0f}{with_agent:>10.0f}{with_agent - base:>9.0f}"
+              f"{with_agent / base:>8.3f}   {runs}")
+    print("medians of the runs (unattached first, alternating); a launch is one entry-only "
+          "uprobe, a replay one, a synchronize an entry and a return probe")
+
+
 def nvidia_smi() -> list[dict]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
@@ -228,7 +296,9 @@ def print_table(results: list[Region]) -> None:
               + ("  " + "; ".join(r.notes) if r.notes else ""))
     print("sum = launches + graph kernels, to compare with the profiler's kernels; spanlet counts "
           "launch calls (memset/memcpy kernels of the profiler left out), the capture region's "
-          "launches are recorded, not run (0 expected on both sides)")
+          "launches are recorded, not run (0 expected on both sides); syncs: the region's "
+          "torch.cuda.synchronize and the profiler's own when it stops, both in the span "
+          "(wall ms times the first alone)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     provider = TracerProvider()
     provider.add_span_processor(SpanletSpanProcessor())   # the marker mapped before they attach
     tracer = provider.get_tracer("spanlet.gpu_check")
+    if args.costs:
+        costs(args, tracer)
+        return 0
     agent = Agent(args.set)
     try:
         print("hooked:", *agent.attached(), sep="\n  ")

@@ -2,8 +2,10 @@
 calls per second of the stand-in cuLaunchKernel (and cudaLaunchKernel, which
 reaches it) in a tight C loop, with no agent and with the span_ctx and GPU
 programs in several settings (default: one entry-only driver uprobe), side by
-side, and with an empty uprobe program on the driver's cuLaunchKernel (the trap
-alone, which no program goes below); the default entry program's own time a run
+side, and with an empty uprobe program on the driver's cuLaunchKernel where the
+agent probes it (the trap alone, which no program goes below) and on its first
+instruction (a RIP-relative compare in the driver's trampolines, which the
+kernel single-steps: a second trap); the default entry program's own time a run
 by BPF statistics (kernel.bpf_stats_enabled, on only for that pass: it adds its
 own clock reads); then, with no agent, with the defaults (uprobe_multi links) and with a
 perf-event uprobe per hook (gpu.uprobe_multi=false), every launch entry point and
@@ -32,15 +34,20 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
 import cuda_standin  # noqa: E402
 from spanlet import config, events  # noqa: E402
 from spanlet.demo.standin import DRIVER  # noqa: E402
-from spanlet.probes.gpu import ENTRY as ENTRY_PROGRAM, GpuProbe  # noqa: E402
+from spanlet.probes.gpu import ENTRY as ENTRY_PROGRAM, GpuProbe, probe_sites  # noqa: E402
 from spanlet.probes.span_ctx import SpanCtxProbe  # noqa: E402
 
 LOOPS = {"cuLaunchKernel": "bench", "cudaLaunchKernel": "benchrt"}
 # label → config overrides (None: no agent at all)
-TRAP_ONLY = "trap only"   # an empty program on the driver's entry: the trap's own cost
+TRAP_ONLY = "trap only"   # an empty program where the agent probes cuLaunchKernel: the trap's own cost
+# the same on the function's first instruction, a RIP-relative compare in the
+# driver's trampolines: run out of line and single-stepped, a second trap
+# (where the agent probed before it went to the jump after the compare)
+TRAP_AT_ENTRY = "trap at entry"
 MODES = {
     "no agent": None,
     TRAP_ONLY: None,
+    TRAP_AT_ENTRY: None,
     "default": [],
     "sampled": ["gpu.launch_events=sampled"],
     "timed+runtime": ["gpu.launch_timing=true", "gpu.runtime_hooks=true"],
@@ -101,14 +108,19 @@ def loops_of(entries: bool) -> dict[str, str]:
     return {name: f"benchx {name}" for name in ENTRIES} | {GRAPH: "benchgraph cuGraphLaunch {exec}"}
 
 
-def trap_only(w, standin, calls: dict[str, int], repeat: int) -> dict[str, float]:
+def trap_only(w, standin, calls: dict[str, int], repeat: int, at_entry: bool) -> dict[str, float]:
     """ns per call of each loop with an empty program on the driver's
-    cuLaunchKernel (which the runtime's cudaLaunchKernel reaches): one trap."""
+    cuLaunchKernel (which the runtime's cudaLaunchKernel reaches), at the
+    agent's probe site or at the entry."""
     from bcc import BPF
 
+    path = str(standin.lib_dir / DRIVER)
+    (addr,) = {a for _, a in BPF.get_user_functions_and_addresses(path.encode(), b"^cuLaunchKernel$")}
+    if not at_entry:
+        ((_, addr),) = probe_sites(path, [(None, addr)])
     b = BPF(text="int spanlet_bench_empty(struct pt_regs *ctx) { return 0; }")
     try:
-        b.attach_uprobe(name=str(standin.lib_dir / DRIVER), sym="cuLaunchKernel", fn_name="spanlet_bench_empty")
+        b.attach_uprobe(name=path.encode(), addr=addr, fn_name="spanlet_bench_empty")
         return {label: ns_per_call(w, loop, calls[label], repeat) for label, loop in LOOPS.items()}
     finally:
         b.cleanup()
@@ -212,7 +224,9 @@ def print_main(results: dict, args: argparse.Namespace, expected: int) -> None:
           f"({args.calls} driver / {args.runtime_calls} runtime calls each)")
     print("every call inside one span; ratio: calls/s with the agent over calls/s without")
     table(results, LOOPS, MODES, 18)
-    for mode in list(MODES)[2:]:
+    for mode, overrides in MODES.items():
+        if overrides is None:
+            continue
         r = results[mode]
         print(f"{mode}: span row {r['row_launches']} launches of {expected} made; "
               f"{r['read']} records decoded, {r['dropped']} dropped")
@@ -237,7 +251,8 @@ def main() -> int:
             w.load(standin.lib_dir)
             ns_per_call(w, "bench", 10_000, 1)  # warm up (page faults, PLT binding)
             results = {} if args.only_entries else {
-                mode: trap_only(w, standin, calls, args.repeat) if mode == TRAP_ONLY
+                mode: trap_only(w, standin, calls, args.repeat, mode == TRAP_AT_ENTRY)
+                if mode in (TRAP_ONLY, TRAP_AT_ENTRY)
                 else measure(w, standin, overrides, calls, args.repeat)
                 for mode, overrides in MODES.items()}
             prog_ns = {} if args.only_entries else program_time(w, standin, calls, args.repeat)

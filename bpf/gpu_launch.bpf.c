@@ -889,6 +889,13 @@ int gpu_cuCtxSynchronize(struct pt_regs *ctx)
     return gpu_sync_begin(ctx, SPANLET_API_DRIVER, SPANLET_ENTRY_CU_CTX_SYNC, 0);
 }
 
+/* CUresult cuCtxSynchronize_v2(CUcontext ctx): CUDA 13's runtime reaches this one
+ * for cudaDeviceSynchronize (seen on an H200 with driver 580), not cuCtxSynchronize */
+int gpu_cuCtxSynchronize_v2(struct pt_regs *ctx)
+{
+    return gpu_sync_begin(ctx, SPANLET_API_DRIVER, SPANLET_ENTRY_CU_CTX_SYNC_V2, 0);
+}
+
 /* CUresult cuEventSynchronize(CUevent hEvent): the event is recorded as the stream */
 int gpu_cuEventSynchronize(struct pt_regs *ctx)
 {

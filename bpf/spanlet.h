@@ -135,6 +135,7 @@ struct span_facts_val {
 #define SPANLET_ENTRY_CU_EVENT_SYNC 23
 #define SPANLET_ENTRY_CUDA_STREAM_SYNC_PTSZ 24
 #define SPANLET_ENTRY_CUDA_EVENT_SYNC 25
+#define SPANLET_ENTRY_CU_CTX_SYNC_V2 26
 
 struct gpu_launch_event {
     struct spanlet_hdr hdr;

@@ -96,6 +96,7 @@ DRIVER_GRAPH_HOOKS = (
 DRIVER_SYNC_HOOKS = (
     *_twins("cuStreamSynchronize", SYNC, "call"),
     Hook("cuCtxSynchronize", SYNC, "call", True),
+    Hook("cuCtxSynchronize_v2", SYNC, "call"),   # CUDA 13's cudaDeviceSynchronize; not in 535
     Hook("cuEventSynchronize", SYNC, "call", True),
 )
 DRIVER_HOOKS = DRIVER_LAUNCH_HOOKS + DRIVER_GRAPH_HOOKS + DRIVER_SYNC_HOOKS
@@ -181,6 +182,43 @@ def _functions(path: str, hooks: tuple[Hook, ...]) -> dict[str, int]:
     pattern = "^(" + "|".join(re.escape(h.symbol) for h in hooks) + ")$"
     return {name.decode(): addr for name, addr in
             BPF.get_user_functions_and_addresses(os.fsencode(path), pattern.encode())}
+
+
+def probe_skip(code: bytes) -> int:
+    """Bytes from a function's entry to where its uprobe goes: past a leading
+    compare of a RIP-relative operand with an immediate, when a conditional
+    jump follows; else 0. The driver's exports are trampolines of that shape
+    (`cmpl $imm32, disp32(%rip); je <return 4>; jmp *disp32(%rip)`): the
+    kernel runs a probed instruction with a RIP-relative operand out of line
+    and single-steps it, a second trap per call (17 µs a call on the
+    development VM; within the noise on an H200 VM's kernel), while it
+    emulates a conditional jump in the first (0.45 µs on that VM). The
+    compare writes only the flags, so on the jump the arguments, the stack
+    and the return address are the entry's."""
+    i = 1 if code[:1] == b"\x48" else 0                       # REX.W
+    op, modrm = code[i:i + 1], code[i + 1:i + 2]
+    if modrm != b"\x3d" or op not in (b"\x80", b"\x81", b"\x83"):   # cmp /7, [rip + disp32]
+        return 0
+    n = i + 2 + 4 + (4 if op == b"\x81" else 1)
+    jump = code[n:n + 2]
+    if len(jump) == 2 and (0x70 <= jump[0] <= 0x7F or (jump[0] == 0x0F and 0x80 <= jump[1] <= 0x8F)):
+        return n
+    return 0
+
+
+def probe_sites(path: str, todo: list[tuple[Hook, int]]) -> list[tuple[Hook, int]]:
+    """Each (hook, function address) with the address of its probe site
+    (probe_skip past the entry) in its place."""
+    try:
+        offsets = uprobe_multi.file_offsets(path, [a for _, a in todo])
+        with open(path, "rb") as f:
+            skips = []
+            for off in offsets:
+                f.seek(off)
+                skips.append(probe_skip(f.read(16)))
+    except OSError:
+        return todo          # unreadable: attaching there fails and says so
+    return [(h, a + skip) for (h, a), skip in zip(todo, skips)]
 
 
 def _close_links(att: AttachedLibrary) -> None:
@@ -308,11 +346,12 @@ class GpuProbe(Probe):
             elif addr not in hooked_at:  # an alias of a hooked function: one probe per address
                 hooked_at.add(addr)
                 todo.append((hook, addr))
+        todo = probe_sites(lib.open_path, todo)
         if self._multi:
             self._attach_links(att, todo)
         else:
-            for hook, _ in todo:
-                names, err = self._attach_hook(lib.open_path, hook)
+            for hook, addr in todo:
+                names, err = self._attach_hook(lib.open_path, hook, addr)
                 att.probe_events += names
                 if err is None:
                     att.hooks.append(hook)
@@ -329,7 +368,8 @@ class GpuProbe(Probe):
 
     def _attach_links(self, att: AttachedLibrary, todo: list[tuple[Hook, int]]) -> None:
         """uprobe_multi: one link per program and direction for the whole file
-        (the return links first, as _attach_hook orders its probes)."""
+        (the return links first, as _attach_hook orders its probes), at the
+        probe sites of `todo`."""
         path = att.library.open_path
         try:
             offsets = dict(zip((h.symbol for h, _ in todo),
@@ -337,6 +377,7 @@ class GpuProbe(Probe):
         except OSError as e:
             att.missing += [f"{h.symbol} ({e})" for h, _ in todo]
             return
+        sites = {h.symbol: a for h, a in todo}
         groups: dict[tuple[str, bool], list[Hook]] = {}
         for hook, _ in todo:
             groups.setdefault((ENTRY, False), []).append(hook)
@@ -365,7 +406,8 @@ class GpuProbe(Probe):
             for h in members:
                 if self._link(att, prog.fd, path, [h], offsets, fn, ret) is None:
                     continue
-                names, perr = self._attach_perf(path, h.symbol, h.entry_fn if fn == ENTRY else fn, ret)
+                names, perr = self._attach_perf(path, sites[h.symbol],
+                                                h.entry_fn if fn == ENTRY else fn, ret)
                 att.probe_events += names
                 if perr is not None:
                     failed[h.symbol] = perr
@@ -386,8 +428,8 @@ class GpuProbe(Probe):
         except OSError as e:
             return e
 
-    def _attach_perf(self, path: str, sym: str, fn: str, ret: bool) -> tuple[list[bytes], str | None]:
-        """One perf-event uprobe of `fn`, a program loaded for perf events (BCC
+    def _attach_perf(self, path: str, addr: int, fn: str, ret: bool) -> tuple[list[bytes], str | None]:
+        """One perf-event uprobe of `fn` at `addr`, a program loaded for perf events (BCC
         caches one program per name: the uprobe_multi one is set aside while
         BCC attaches this one)."""
         name = fn.encode()
@@ -397,7 +439,7 @@ class GpuProbe(Probe):
         before = set(self.bpf.uprobe_fds)
         try:
             attach = self.bpf.attach_uretprobe if ret else self.bpf.attach_uprobe
-            attach(name=os.fsencode(path), sym=sym.encode(), fn_name=name)
+            attach(name=os.fsencode(path), addr=addr, fn_name=name)
             err = None
         except Exception as e:  # BCC raises bare Exception
             err = str(e)
@@ -429,18 +471,19 @@ class GpuProbe(Probe):
             return self.cfg.gpu.launch_timing
         return hook.kind == "call"
 
-    def _attach_hook(self, path: str, hook: Hook) -> tuple[list[bytes], str | None]:
-        """Attach one function's return then entry probe. Returns BCC's names
-        of the probes attached (to detach them by name later, when the path
-        may no longer resolve) and None, or why not. The return probe goes
+    def _attach_hook(self, path: str, hook: Hook, addr: int) -> tuple[list[bytes], str | None]:
+        """Attach one function's return then entry probe at its probe site
+        `addr`. Returns BCC's names of the probes attached (to detach them by
+        name later, when the path may no longer resolve) and None, or why
+        not. The return probe goes
         first so that every call whose entry is seen also has its return seen
         (an entry without a return would leave the thread "inside" a call)."""
         before = set(self.bpf.uprobe_fds)
-        path_b, sym = os.fsencode(path), hook.symbol.encode()
+        path_b = os.fsencode(path)
         try:
             if self._needs_return(hook):
-                self.bpf.attach_uretprobe(name=path_b, sym=sym, fn_name=hook.return_fn.encode())
-            self.bpf.attach_uprobe(name=path_b, sym=sym, fn_name=hook.entry_fn.encode())
+                self.bpf.attach_uretprobe(name=path_b, addr=addr, fn_name=hook.return_fn.encode())
+            self.bpf.attach_uprobe(name=path_b, addr=addr, fn_name=hook.entry_fn.encode())
         except Exception as e:  # BCC raises bare Exception
             self._close_probes(set(self.bpf.uprobe_fds) - before)
             return [], str(e)

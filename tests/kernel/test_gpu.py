@@ -18,6 +18,7 @@ import pytest
 
 from spanlet import config, events
 from spanlet.events import Api, Entry, Modality
+from spanlet.probes.gpu import probe_sites
 
 import cuda_standin
 from gpu_harness import cgroup_id, counts, launch_line, launches, mine, read_events
@@ -290,17 +291,17 @@ def _prog_ids(bpf) -> set[int]:
 @pytest.mark.skipif(shutil.which("bpftool") is None, reason="bpftool missing")
 @pytest.mark.parametrize("multi", [True, False], ids=["uprobe_multi", "perf-events"])
 @pytest.mark.parametrize("timed, programs, uprobes, uretprobes, links", [
-    # default: on the driver only, 32 functions: an entry-only uprobe on each
+    # default: on the driver only, 33 functions: an entry-only uprobe on each
     # of the 9 launch, 2 graph-launch, 2 graph-node and 2 destroy calls; entry
-    # and return on the 4 syncs and on the 13 capture, create and instantiate
-    # calls. Perf-event uprobes: 25 entry programs (some shared by a call's
+    # and return on the 5 syncs and on the 13 capture, create and instantiate
+    # calls. Perf-event uprobes: 26 entry programs (some shared by a call's
     # variants) and 2 return ones. uprobe_multi: 3 links (gpu_entry, which
     # tells the function by the attach cookie, and the 2 return programs).
-    (False, 27, 32, 17, 3),
+    (False, 28, 33, 18, 3),
     # timing and runtime hooks: the 9 driver launches get their return probe,
     # and 10 runtime calls (6 launches, 4 syncs) are hooked on both ends;
     # links: 4 on the driver, 3 on the runtime, of 4 programs
-    (True, 38, 42, 36, 4 + 3)], ids=["default", "timed-runtime"])
+    (True, 39, 43, 37, 4 + 3)], ids=["default", "timed-runtime"])
 def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, programs, uprobes,
                                            uretprobes, links, multi):
     w = spawn(standin.workload)
@@ -346,18 +347,27 @@ FOREIGN_PROBE = """
 import sys
 from bcc import BPF
 b = BPF(text="int other(struct pt_regs *ctx) { return 0; }")
-b.attach_uprobe(name=sys.argv[1].encode(), sym=b"cuLaunchKernel", fn_name=b"other")
+b.attach_uprobe(name=sys.argv[1].encode(), addr=int(sys.argv[2]), fn_name=b"other")
 print("attached", flush=True)
 sys.stdin.read()
 """
 
 
-def test_a_function_another_tool_probes_gets_its_own_uprobe(standin, spawn, probes, tmp_path):
+@pytest.mark.parametrize("where", ["probe site", "entry"])
+def test_a_function_another_tool_probes_gets_its_own_uprobe(standin, spawn, probes, tmp_path, where):
     # The kernel refuses a uprobe_multi link at an offset that already has
     # another tool's perf-event uprobe: that function is hooked on its own,
-    # the others stay in links, and every launch still counts once.
+    # the others stay in links, and every launch still counts once. Another
+    # tool's uprobe on the entry (ours is on the jump after the trampoline's
+    # compare) is at another offset: no conflict.
     lib_dir = standin.copy_libs(tmp_path / "probed")
-    other = subprocess.Popen([sys.executable, "-c", FOREIGN_PROBE, str(lib_dir / "libcuda.so.1")],
+    lib_path = str(lib_dir / "libcuda.so.1")
+    from bcc import BPF
+    (addr,) = {a for _, a in BPF.get_user_functions_and_addresses(lib_path.encode(), b"^cuLaunchKernel$")}
+    ((_, site),) = probe_sites(lib_path, [(None, addr)])
+    assert site == addr + 10
+    other = subprocess.Popen([sys.executable, "-c", FOREIGN_PROBE, lib_path,
+                              str(site if where == "probe site" else addr)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "attached"
@@ -365,8 +375,11 @@ def test_a_function_another_tool_probes_gets_its_own_uprobe(standin, spawn, prob
         w.load(lib_dir)
         gpu = probes("off", timing=False, runtime_hooks=False)
         (lib,) = mine(gpu.libraries(), lib_dir)
-        assert lib.missing == [] and len(lib.symbols) == 32
-        assert lib.links and lib.probe_events   # the rest in links, cuLaunchKernel on its own
+        assert lib.missing == [] and len(lib.symbols) == 33
+        if where == "probe site":
+            assert lib.links and lib.probe_events   # the rest in links, cuLaunchKernel on its own
+        else:
+            assert lib.links and not lib.probe_events
         w.run(launches("cuLaunchKernel", 4), launches("cuLaunchKernelEx", 3),
               launches("cuLaunchCooperativeKernel", 2))
         cg = cgroup_id(w.pid)

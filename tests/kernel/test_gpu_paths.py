@@ -309,6 +309,7 @@ SYNCS = [
     ("cuStreamSynchronize", 20_000, Entry.cuStreamSynchronize, 20_000),
     ("cuStreamSynchronize_ptsz", 21_000, Entry.cuStreamSynchronize_ptsz, 21_000),
     ("cuCtxSynchronize", 22_000, Entry.cuCtxSynchronize, 0),
+    ("cuCtxSynchronize_v2", 22_500, Entry.cuCtxSynchronize_v2, 0),
     ("cuEventSynchronize", 23_000, Entry.cuEventSynchronize, 23_000),
     ("cudaStreamSynchronize", 24_000, Entry.cuStreamSynchronize, 24_000),
     ("cudaStreamSynchronize_ptsz", 25_000, Entry.cuStreamSynchronize_ptsz, 25_000),

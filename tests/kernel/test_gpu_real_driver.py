@@ -19,7 +19,8 @@ import pytest
 
 from spanlet import events
 from spanlet.events import Api, Entry, Modality
-from spanlet.probes.gpu import DRIVER_HOOKS
+from spanlet.probes import uprobe_multi
+from spanlet.probes.gpu import DRIVER_HOOKS, probe_sites
 
 import real_cuda
 from gpu_harness import cgroup_id, counts, launch_line, launches, mine, read_events
@@ -57,6 +58,25 @@ LAUNCHES = [  # (entry point, count, grid, block, shared mem, stream)
 SYNCS = ["cuStreamSynchronize", "cuStreamSynchronize_ptsz", "cuCtxSynchronize", "cuEventSynchronize"]
 
 
+def test_the_real_driver_is_probed_on_the_jump_after_each_trampolines_compare(libcuda):
+    # Each export is `cmpl $imm32, disp32(%rip); je; jmp *disp32(%rip)`: a
+    # uprobe on the compare (RIP-relative) is single-stepped, a second trap;
+    # the kernel emulates the je. Every hooked function's probe site is 10
+    # bytes in, where the arguments, stack and return address are the entry's.
+    from bcc import BPF
+
+    path = str(libcuda / "libcuda.so.1")
+    pattern = "^(" + "|".join(h.symbol for h in DRIVER_HOOKS) + ")$"
+    funcs = {a for _, a in BPF.get_user_functions_and_addresses(path.encode(), pattern.encode())}
+    assert len(funcs) == len(DRIVER_HOOKS) - 2       # 535: no ...CaptureToGraph, no cuCtxSynchronize_v2
+    sites = probe_sites(path, [(None, a) for a in sorted(funcs)])
+    assert [site - a for a, (_, site) in zip(sorted(funcs), sites)] == [10] * len(funcs)
+    with open(path, "rb") as f:                      # a je (0x74) at each
+        for off in uprobe_multi.file_offsets(path, [site for _, site in sites]):
+            f.seek(off)
+            assert f.read(1) == b"\x74"
+
+
 @pytest.mark.parametrize("rep", range(3))
 def test_the_real_driver_symbols_are_hooked_and_what_reaches_them_counted(libcuda, standin, spawn,
                                                                           probes, rep):
@@ -68,9 +88,11 @@ def test_the_real_driver_symbols_are_hooked_and_what_reaches_them_counted(libcud
                  runtime_hooks=False)
     (lib,) = mine(gpu.libraries(), libcuda)
     # every hook the driver of this release exports (535 has no
-    # cuStreamBeginCaptureToGraph), each its own function: nothing required missing
+    # cuStreamBeginCaptureToGraph, no cuCtxSynchronize_v2), each its own
+    # function: nothing required missing
     assert lib.missing == []
-    assert set(lib.symbols) == {h.symbol for h in DRIVER_HOOKS} - {"cuStreamBeginCaptureToGraph"}
+    assert set(lib.symbols) == {h.symbol for h in DRIVER_HOOKS} - {"cuStreamBeginCaptureToGraph",
+                                                                   "cuCtxSynchronize_v2"}
 
     trace_id, span_id = real = (bytes(range(1, 17)), 0x5EED + rep)
     span.set(w.tid, trace_id, span_id, Modality.audio)

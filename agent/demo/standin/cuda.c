@@ -16,6 +16,7 @@ typedef int CUresult;
 typedef void *CUfunction;
 typedef void *CUevent;
 typedef void *CUgraphNode;
+typedef void *CUcontext;
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_INVALID_VALUE 1
@@ -78,68 +79,80 @@ static CUresult launch(CUfunction f, CUstream s)
     return CUDA_SUCCESS;
 }
 
-#define EXPORT __attribute__((noinline, visibility("default")))
+/* The driver's exports are trampolines, as NVIDIA's are (../shared/CUDA.md,
+ * 30 bytes each): a compare of the driver's state with its "deinitialised"
+ * value, a conditional jump to `return CUDA_ERROR_DEINITIALIZED`, an indirect
+ * jump into the function. DRIVER_EXPORT(name) makes the export `name` that
+ * trampoline into impl_<name>, the C function below, hidden. */
+#define EXPORT __attribute__((noinline, used, visibility("hidden")))
+static volatile unsigned int driver_state __attribute__((used));   /* never deinitialised */
+#define DRIVER_EXPORT(n)                                                                      \
+    static void *const n##_impl __attribute__((used)) = (void *)impl_##n;                     \
+    __asm__(".pushsection .text\n.p2align 4\n.globl " #n "\n.type " #n ", @function\n" #n ":\n"          \
+            "    cmpl $0x321cba00, driver_state(%rip)\n    je 1f\n    jmp *" #n "_impl(%rip)\n"  \
+            "    nopw 0(%rax,%rax,1)\n1:  mov $4, %eax\n    ret\n.size " #n ", .-" #n "\n"      \
+            ".popsection\n");
 
 /* -- launches ------------------------------------------------------------------ */
-EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                               unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
-                               unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
-                               void **kernelParams, void **extra)
+EXPORT CUresult impl_cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                    unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                    unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                    void **kernelParams, void **extra)
 {
     return launch(f, hStream);
 }
 
-EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                                    unsigned int gridDimZ, unsigned int blockDimX,
-                                    unsigned int blockDimY, unsigned int blockDimZ,
-                                    unsigned int sharedMemBytes, CUstream hStream,
-                                    void **kernelParams, void **extra)
+EXPORT CUresult impl_cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                         unsigned int gridDimZ, unsigned int blockDimX,
+                                         unsigned int blockDimY, unsigned int blockDimZ,
+                                         unsigned int sharedMemBytes, CUstream hStream,
+                                         void **kernelParams, void **extra)
 {
     return launch(f, ptsz(hStream));
 }
 
-EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
-                                 void **extra)
+EXPORT CUresult impl_cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                      void **extra)
 {
     return config ? launch(f, config->hStream) : CUDA_ERROR_INVALID_VALUE;
 }
 
-EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f,
-                                      void **kernelParams, void **extra)
+EXPORT CUresult impl_cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f,
+                                           void **kernelParams, void **extra)
 {
     return config ? launch(f, ptsz(config->hStream)) : CUDA_ERROR_INVALID_VALUE;
 }
 
-EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX,
-                                          unsigned int gridDimY, unsigned int gridDimZ,
-                                          unsigned int blockDimX, unsigned int blockDimY,
-                                          unsigned int blockDimZ, unsigned int sharedMemBytes,
-                                          CUstream hStream, void **kernelParams)
-{
-    return launch(f, hStream);
-}
-
-EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX,
+EXPORT CUresult impl_cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX,
                                                unsigned int gridDimY, unsigned int gridDimZ,
                                                unsigned int blockDimX, unsigned int blockDimY,
                                                unsigned int blockDimZ, unsigned int sharedMemBytes,
                                                CUstream hStream, void **kernelParams)
 {
+    return launch(f, hStream);
+}
+
+EXPORT CUresult impl_cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX,
+                                                    unsigned int gridDimY, unsigned int gridDimZ,
+                                                    unsigned int blockDimX, unsigned int blockDimY,
+                                                    unsigned int blockDimZ, unsigned int sharedMemBytes,
+                                                    CUstream hStream, void **kernelParams)
+{
     return launch(f, ptsz(hStream));
 }
 
 /* The legacy launches (block shape set before with cuFuncSetBlockShape). */
-EXPORT CUresult cuLaunch(CUfunction f)
+EXPORT CUresult impl_cuLaunch(CUfunction f)
 {
     return launch(f, 0);
 }
 
-EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
+EXPORT CUresult impl_cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
 {
     return launch(f, 0);
 }
 
-EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
+EXPORT CUresult impl_cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
 {
     return launch(f, hStream);
 }
@@ -160,29 +173,29 @@ static CUresult begin_capture(CUstream s, CUgraph into)
     return CUDA_ERROR_INVALID_VALUE;
 }
 
-EXPORT CUresult cuStreamBeginCapture(CUstream hStream)
+EXPORT CUresult impl_cuStreamBeginCapture(CUstream hStream)
 {
     return begin_capture(hStream, NULL);
 }
 
-EXPORT CUresult cuStreamBeginCapture_v2(CUstream hStream, int mode)
+EXPORT CUresult impl_cuStreamBeginCapture_v2(CUstream hStream, int mode)
 {
     return begin_capture(hStream, NULL);
 }
 
-EXPORT CUresult cuStreamBeginCapture_ptsz(CUstream hStream)
+EXPORT CUresult impl_cuStreamBeginCapture_ptsz(CUstream hStream)
 {
     return begin_capture(ptsz(hStream), NULL);
 }
 
-EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, int mode)
+EXPORT CUresult impl_cuStreamBeginCapture_v2_ptsz(CUstream hStream, int mode)
 {
     return begin_capture(ptsz(hStream), NULL);
 }
 
-EXPORT CUresult cuStreamBeginCaptureToGraph(CUstream hStream, CUgraph hGraph,
-                                            const CUgraphNode *dependencies, const void *edgeData,
-                                            size_t numDependencies, int mode)
+EXPORT CUresult impl_cuStreamBeginCaptureToGraph(CUstream hStream, CUgraph hGraph,
+                                                 const CUgraphNode *dependencies, const void *edgeData,
+                                                 size_t numDependencies, int mode)
 {
     return hGraph ? begin_capture(hStream, hGraph) : CUDA_ERROR_INVALID_VALUE;
 }
@@ -197,18 +210,18 @@ static CUresult end_capture(CUstream s, CUgraph *phGraph)
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
+EXPORT CUresult impl_cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
 {
     return end_capture(hStream, phGraph);
 }
 
-EXPORT CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
+EXPORT CUresult impl_cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
 {
     return end_capture(ptsz(hStream), phGraph);
 }
 
 /* -- graphs -------------------------------------------------------------------- */
-EXPORT CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags)
+EXPORT CUresult impl_cuGraphCreate(CUgraph *phGraph, unsigned int flags)
 {
     *phGraph = calloc(1, sizeof(struct CUgraph_st));
     return CUDA_SUCCESS;
@@ -223,16 +236,16 @@ static CUresult add_kernel_node(CUgraphNode *phGraphNode, CUgraph hGraph)
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuGraphAddKernelNode(CUgraphNode *phGraphNode, CUgraph hGraph,
-                                     const CUgraphNode *dependencies, size_t numDependencies,
-                                     const void *nodeParams)
+EXPORT CUresult impl_cuGraphAddKernelNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                          const CUgraphNode *dependencies, size_t numDependencies,
+                                          const void *nodeParams)
 {
     return add_kernel_node(phGraphNode, hGraph);
 }
 
-EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph,
-                                        const CUgraphNode *dependencies, size_t numDependencies,
-                                        const void *nodeParams)
+EXPORT CUresult impl_cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                             const CUgraphNode *dependencies, size_t numDependencies,
+                                             const void *nodeParams)
 {
     return add_kernel_node(phGraphNode, hGraph);
 }
@@ -247,32 +260,32 @@ static CUresult instantiate(CUgraphExec *phGraphExec, CUgraph hGraph)
 }
 
 /* CUDA < 12's signature, still exported (and so the _v2 one). */
-EXPORT CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
-                                   char *logBuffer, size_t bufferSize)
+EXPORT CUresult impl_cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                        char *logBuffer, size_t bufferSize)
 {
     return instantiate(phGraphExec, hGraph);
 }
 
-EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph,
-                                      CUgraphNode *phErrorNode, char *logBuffer, size_t bufferSize)
+EXPORT CUresult impl_cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                           CUgraphNode *phErrorNode, char *logBuffer, size_t bufferSize)
 {
     return instantiate(phGraphExec, hGraph);
 }
 
-EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph,
-                                            unsigned long long flags)
+EXPORT CUresult impl_cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                 unsigned long long flags)
 {
     return instantiate(phGraphExec, hGraph);
 }
 
-EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
-                                             void *instantiateParams)
-{
-    return instantiate(phGraphExec, hGraph);
-}
-
-EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
+EXPORT CUresult impl_cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
                                                   void *instantiateParams)
+{
+    return instantiate(phGraphExec, hGraph);
+}
+
+EXPORT CUresult impl_cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                       void *instantiateParams)
 {
     return instantiate(phGraphExec, hGraph);
 }
@@ -291,23 +304,23 @@ static CUresult graph_launch(CUgraphExec hGraphExec, CUstream s)
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+EXPORT CUresult impl_cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
 {
     return graph_launch(hGraphExec, hStream);
 }
 
-EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+EXPORT CUresult impl_cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
 {
     return graph_launch(hGraphExec, ptsz(hStream));
 }
 
-EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
+EXPORT CUresult impl_cuGraphExecDestroy(CUgraphExec hGraphExec)
 {
     free(hGraphExec);
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
+EXPORT CUresult impl_cuGraphDestroy(CUgraph hGraph)
 {
     free(hGraph);
     return CUDA_SUCCESS;
@@ -315,19 +328,19 @@ EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
 
 /* -- synchronisation ------------------------------------------------------------- */
 /* The stream (and event) handle's value is how long to "wait", in microseconds. */
-EXPORT CUresult cuStreamSynchronize(CUstream hStream)
+EXPORT CUresult impl_cuStreamSynchronize(CUstream hStream)
 {
     usleep((useconds_t)(uintptr_t)hStream);
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuStreamSynchronize_ptsz(CUstream hStream)
+EXPORT CUresult impl_cuStreamSynchronize_ptsz(CUstream hStream)
 {
     usleep((useconds_t)(uintptr_t)hStream);
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuEventSynchronize(CUevent hEvent)
+EXPORT CUresult impl_cuEventSynchronize(CUevent hEvent)
 {
     usleep((useconds_t)(uintptr_t)hEvent);
     return CUDA_SUCCESS;
@@ -340,8 +353,51 @@ void standin_set_ctx_sync_us(unsigned int us)
     ctx_sync_us = us;
 }
 
-EXPORT CUresult cuCtxSynchronize(void)
+EXPORT CUresult impl_cuCtxSynchronize(void)
 {
     usleep(ctx_sync_us);
     return CUDA_SUCCESS;
 }
+
+/* CUDA 13's (driver 580): the context to wait for, NULL for the current one. */
+EXPORT CUresult impl_cuCtxSynchronize_v2(CUcontext ctx)
+{
+    (void)ctx;
+    usleep(ctx_sync_us);
+    return CUDA_SUCCESS;
+}
+
+/* -- the exports ---------------------------------------------------------------- */
+DRIVER_EXPORT(cuLaunchKernel)
+DRIVER_EXPORT(cuLaunchKernel_ptsz)
+DRIVER_EXPORT(cuLaunchKernelEx)
+DRIVER_EXPORT(cuLaunchKernelEx_ptsz)
+DRIVER_EXPORT(cuLaunchCooperativeKernel)
+DRIVER_EXPORT(cuLaunchCooperativeKernel_ptsz)
+DRIVER_EXPORT(cuLaunch)
+DRIVER_EXPORT(cuLaunchGrid)
+DRIVER_EXPORT(cuLaunchGridAsync)
+DRIVER_EXPORT(cuStreamBeginCapture)
+DRIVER_EXPORT(cuStreamBeginCapture_v2)
+DRIVER_EXPORT(cuStreamBeginCapture_ptsz)
+DRIVER_EXPORT(cuStreamBeginCapture_v2_ptsz)
+DRIVER_EXPORT(cuStreamBeginCaptureToGraph)
+DRIVER_EXPORT(cuStreamEndCapture)
+DRIVER_EXPORT(cuStreamEndCapture_ptsz)
+DRIVER_EXPORT(cuGraphCreate)
+DRIVER_EXPORT(cuGraphAddKernelNode)
+DRIVER_EXPORT(cuGraphAddKernelNode_v2)
+DRIVER_EXPORT(cuGraphInstantiate)
+DRIVER_EXPORT(cuGraphInstantiate_v2)
+DRIVER_EXPORT(cuGraphInstantiateWithFlags)
+DRIVER_EXPORT(cuGraphInstantiateWithParams)
+DRIVER_EXPORT(cuGraphInstantiateWithParams_ptsz)
+DRIVER_EXPORT(cuGraphLaunch)
+DRIVER_EXPORT(cuGraphLaunch_ptsz)
+DRIVER_EXPORT(cuGraphExecDestroy)
+DRIVER_EXPORT(cuGraphDestroy)
+DRIVER_EXPORT(cuStreamSynchronize)
+DRIVER_EXPORT(cuStreamSynchronize_ptsz)
+DRIVER_EXPORT(cuEventSynchronize)
+DRIVER_EXPORT(cuCtxSynchronize)
+DRIVER_EXPORT(cuCtxSynchronize_v2)

@@ -251,14 +251,18 @@ static void sync_call(const char *name, unsigned long us)
     if (!fn)
         return;
     uint64_t t0 = now_ns();
-    if (!strcmp(sym, "cudaDeviceSynchronize") || !strcmp(sym, "cuCtxSynchronize")) {
+    int v2 = !strcmp(sym, "cuCtxSynchronize_v2");   /* its argument: NULL, the current context */
+    if (v2 || !strcmp(sym, "cudaDeviceSynchronize") || !strcmp(sym, "cuCtxSynchronize")) {
         if (!set_device_sync_us && rt_lib)   /* stand-ins only: a real driver has no setter */
             set_device_sync_us = dlsym(rt_lib, "standin_set_device_sync_us");
         if (!set_device_sync_us && cu_lib)
             set_device_sync_us = dlsym(cu_lib, "standin_set_ctx_sync_us");
         if (set_device_sync_us)
             set_device_sync_us(us);
-        ((void_fn)fn)();
+        if (v2)
+            ((handle_fn)fn)(NULL);
+        else
+            ((void_fn)fn)();
     } else {
         ((handle_fn)fn)((void *)(uintptr_t)us);
     }
