@@ -113,7 +113,8 @@ class EngineProcess:
             try:
                 self._start()
             except BackendError as e:
-                self._schedule_start()
+                if self._next_start <= time.monotonic():   # not planned yet (_ended plans its own)
+                    self._schedule_start()
                 raise BackendUnavailable(str(e)) from e
             self.restarts += 1
         status, payload = self._ask(sql, fmt)

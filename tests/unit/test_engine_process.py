@@ -145,6 +145,27 @@ def test_the_backoff_doubles_while_the_engine_keeps_ending_and_is_bounded(backen
     assert backend.engine._backoff <= engine_process.BACKOFF_MAX_S
 
 
+def test_a_restart_that_fails_doubles_the_backoff_once(backend, monkeypatch):
+    pid = backend.engine.pid
+    os.kill(pid, signal.SIGKILL)
+    assert _wait_gone(pid)
+    with pytest.raises(BackendUnavailable, match="ended"):
+        backend.query("SELECT 1")                      # next start in 1 s
+    monkeypatch.setattr(engine_process.sys, "executable", "/bin/false")   # a process that ends at once
+    delays = []
+    for _ in range(3):
+        time.sleep(max(0.0, backend.engine._next_start - time.monotonic()) + 0.05)
+        t = time.monotonic()
+        with pytest.raises(BackendUnavailable, match="ended"):
+            backend.query("SELECT 1")
+        delays.append(backend.engine._next_start - t)
+    assert [round(d) for d in delays] == [2, 4, 8]
+    monkeypatch.undo()
+    time.sleep(max(0.0, backend.engine._next_start - time.monotonic()) + 0.05)
+    assert backend.query("SELECT 1") == [(1,)]
+    assert backend.engine_stats()["restarts"] == 1
+
+
 def test_a_sink_keeps_every_row_across_a_killed_engine(tmp_path):
     from spanlet import events
     from spanlet.exporters.clickhouse import rows
