@@ -216,3 +216,31 @@ def test_a_first_start_compiles_the_probes_after_the_owner_in_processes_of_their
         for p in reversed(starter.probes):
             p.stop()
     assert not list(probes[0].pin_dir.parent.glob("*-compile"))
+
+
+OWN_KALLSYMS = """
+import sys
+from spanlet.probes import compile_cache
+made = compile_cache._own_kallsyms(sys.argv[1])
+print(made)
+print(open("/proc/kallsyms").read(), end="")
+"""
+
+
+def test_a_compile_in_its_own_process_reads_only_the_kallsyms_lines_it_needs():
+    """The symbols a compile asks for are read from the kernel's BTF, and the
+    process compiling aside sees them alone as /proc/kallsyms (a mount
+    namespace of its own): not the node's whole table, which stays as it is."""
+    import subprocess
+    import sys
+
+    lines = compile_cache.compile_ksyms()
+    real = {line.split()[2] for line in open("/proc/kallsyms") if line.split()[2] in compile_cache.COMPILE_KSYMS}
+    assert lines is not None and {line.split()[2] for line in lines.splitlines()} == real
+    assert real == set(compile_cache.COMPILE_KSYMS)    # this kernel has both
+    out = subprocess.run([sys.executable, "-c", OWN_KALLSYMS, lines], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    assert out == f"True\n{lines}"
+    with open("/proc/kallsyms") as f:
+        assert len(f.readlines()) > 10_000             # the node's own, untouched
+    assert compile_cache.compile_ksyms("/nonexistent") is None
