@@ -16,6 +16,7 @@ from spanlet.probes import node_check
 
 EXIT_OK = 0
 EXIT_START_REFUSED = 2  # bad config, not root, missing headers or mounts
+ASIDE_BEGIN_WAIT_S = 5.0   # at most, for the probe starter to begin its compiling processes
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -117,6 +118,7 @@ def _run(args: argparse.Namespace) -> int:
     # The probes compile in a thread while the rest of the agent is imported and built.
     starter = ProbeStarter(cfg)
     starter.begin()
+    starter.aside_begun.wait(ASIDE_BEGIN_WAIT_S)   # the compiling processes first, then the imports
     try:
         from spanlet.daemon import Daemon
 

@@ -73,6 +73,10 @@ class ProbeStarter:
         # process into the headers folder while it compiles, and what else
         # the process starts meanwhile must not depend on its directory
         self.compiles_done = threading.Event()
+        # set once the compiles in processes of their own are begun (or none
+        # is): the agent's imports wait for it, so that those processes start
+        # while the second core is still idle, not behind the imports (GIL)
+        self.aside_begun = threading.Event()
 
     def begin(self) -> None:
         if self._thread is None:
@@ -87,6 +91,7 @@ class ProbeStarter:
             self.probes.append(owner)
             rest = [cls(self.cfg, clock=self.clock) for cls in probe_classes(self.cfg)[1:]]
             self._compile_aside(owner, rest)
+            self.aside_begun.set()
             self._run(owner, owner.start)   # compiled and attached here (finish() skips it)
             self.probes += rest
             for probe in rest:
@@ -101,6 +106,7 @@ class ProbeStarter:
         finally:
             if self.cfg.compile_cache:
                 compile_cache.cache_of(self.cfg).abandon_aside()
+            self.aside_begun.set()
             self.compiles_done.set()
             self._compiled.put(None)
 

@@ -116,6 +116,29 @@ def test_the_others_compiles_begin_aside_with_the_owners_pin_folder_before_it_co
     assert Fake.seen[0][:2] == ("span_ctx", "compile")
 
 
+def test_the_aside_compiles_are_begun_before_the_owners_compile_ends(fakes, cfg):
+    # the agent waits for aside_begun before its own imports: it is set once
+    # the processes are begun, while the owner still compiles
+    release = threading.Event()
+    seen_while_compiling = []
+
+    class SlowOwner(Owner):
+        def compile(self, pin_dir=None):
+            seen_while_compiling.append(s.aside_begun.is_set())
+            release.wait(10)
+
+    fakes.setattr(span_ctx, "SpanCtxProbe", SlowOwner)
+    fakes.setattr(starter, "probe_classes", lambda c: [SlowOwner, _fake("a")])
+    s = starter.ProbeStarter(cfg)
+    assert not s.aside_begun.is_set()
+    s.begin()
+    assert s.aside_begun.wait(10) and not s.compiles_done.is_set()
+    release.set()
+    s.finish()
+    assert seen_while_compiling == [True]
+    assert len(compile_cache.cache_of(cfg).given) == 1
+
+
 def test_without_the_compile_cache_nothing_is_compiled_aside(fakes, cfg):
     from spanlet import config
 
@@ -142,6 +165,7 @@ def test_a_probe_that_cannot_be_made_is_raised_and_abandon_stops_the_rest(fakes,
     fakes.setattr(starter, "probe_classes", lambda c: [Owner, broken])
     s = starter.ProbeStarter(cfg)
     s.begin()
+    assert s.aside_begun.wait(10)         # the agent, waiting for it, goes on
     with pytest.raises(RuntimeError, match="no such probe"):
         s.finish()
     assert not s.probes[0].status.attached       # the others are made before the owner starts
