@@ -164,11 +164,6 @@ class Daemon:
             f"{st.name} compile {st.compile_s:.2f} s{' (cached)' if st.cached else ''}, attach {st.attach_s:.2f} s" for st in statuses))
         self.spans.start()
         log.info("span path started in %.2f s", time.monotonic() - t1)
-        released = release_startup_memory()
-        if self.store is not None:
-            released += self.store.release_memory()     # the engine's process, where it has one
-        log.info("start-up memory given back: %.0f MB of LLVM/clang/chdb mappings paged out, heap trimmed",
-                 released / 2**20)
         for st in statuses:
             if st.attached:
                 extra = f" ({len(st.failed_attachments)} failed: " \
@@ -196,6 +191,12 @@ class Daemon:
         self.metrics_exporter = OtlpMetricsExporter(self.cfg.otlp, source=self.metrics.families,
                                                     node=self.cfg.node_name,
                                                     interval_s=self.cfg.window_s)
+        # once the agent serves (/readyz answers meanwhile): 0.1 s of a start
+        released = release_startup_memory()
+        if self.store is not None:
+            released += self.store.release_memory()     # the engine's process, where it has one
+        log.info("start-up memory given back: %.0f MB of LLVM/clang/chdb mappings paged out, heap trimmed",
+                 released / 2**20)
         return statuses
 
     def _start_http(self) -> None:

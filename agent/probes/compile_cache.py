@@ -539,6 +539,11 @@ def cache_key(text: str, flags: list[str], templates: dict[str, str]) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
+def _job(text: str, flags: list[str], templates: dict[str, str]) -> str:
+    """A compile by what it was given (no libbcc needed, unlike cache_key)."""
+    return hashlib.sha256(json.dumps([text, flags, templates]).encode()).hexdigest()
+
+
 def compile_ksyms(btf: str = BTF_VMLINUX) -> str | None:
     """The lines of /proc/kallsyms that a compile reads (COMPILE_KSYMS), for
     the symbols the kernel's BTF names (a read of 8 ms where the kallsyms
@@ -581,7 +586,8 @@ class CompileCache:
         self.folder = Path(folder)
         self.hits = 0
         self.misses = 0
-        self._aside: dict[str, tuple[subprocess.Popen, str, object]] = {}   # key → (process, pin folder, stderr)
+        # job → (process, pin folder, stderr); a job is its text, flags and templates (_job)
+        self._aside: dict[str, tuple[subprocess.Popen, str, object]] = {}
         self._ksyms: str | None = None       # compile_ksyms(), read at the first compile_aside
 
     @staticmethod
@@ -681,8 +687,8 @@ class CompileCache:
         what BCC raises for a compile that fails."""
         from bcc import BPF
         templates = templates or {}
+        self._await_aside(_job(text, flags, templates))
         key = cache_key(text, flags, templates)
-        self._await_aside(key)
         image = self.read(key)
         if image is not None:
             try:
@@ -720,11 +726,14 @@ class CompileCache:
         begun = 0
         if self._ksyms is None:
             self._ksyms = compile_ksyms() or ""
+        # an empty cache (a node's first start) holds none of them: the keys,
+        # which load libbcc (0.1 s), are then not needed before the processes begin
+        empty = not any(self.folder.glob("*.json"))
         for text, flags, templates in jobs:
-            key = cache_key(text, flags, templates)
-            if key in self._aside or (self.folder / f"{key}.json").exists():
+            job = _job(text, flags, templates)
+            if job in self._aside or len(templates) > 1:
                 continue
-            if len(templates) > 1:
+            if not empty and (self.folder / f"{cache_key(text, flags, templates)}.json").exists():
                 continue
             stderr = None
             try:
@@ -742,14 +751,14 @@ class CompileCache:
                 if stderr is not None:
                     stderr.close()
                 continue
-            self._aside[key] = (proc, os.path.join(pin_root, f"{proc.pid}-compile"), stderr)
+            self._aside[job] = (proc, os.path.join(pin_root, f"{proc.pid}-compile"), stderr)
             begun += 1
         return begun
 
-    def _await_aside(self, key: str, timeout_s: float = ASIDE_TIMEOUT_S) -> None:
-        """Wait for the process compiling `key`, if one was begun; where it
+    def _await_aside(self, job: str, timeout_s: float = ASIDE_TIMEOUT_S) -> None:
+        """Wait for the process compiling `job`, if one was begun; where it
         failed its reason is logged (the caller compiles)."""
-        entry = self._aside.pop(key, None)
+        entry = self._aside.pop(job, None)
         if entry is None:
             return
         proc, pins, stderr = entry
@@ -778,8 +787,8 @@ class CompileCache:
     def abandon_aside(self) -> None:
         """End the compiles in processes of their own nobody waited for (a
         probe that failed before its compile)."""
-        for key in list(self._aside):
-            proc, pins, stderr = self._aside.pop(key)
+        for job in list(self._aside):
+            proc, pins, stderr = self._aside.pop(job)
             self._end_aside(proc, pins)
             stderr.close()
 

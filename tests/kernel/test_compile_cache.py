@@ -244,3 +244,25 @@ def test_a_compile_in_its_own_process_reads_only_the_kallsyms_lines_it_needs():
     with open("/proc/kallsyms") as f:
         assert len(f.readlines()) > 10_000             # the node's own, untouched
     assert compile_cache.compile_ksyms("/nonexistent") is None
+
+
+def test_an_empty_cache_begins_its_compiles_before_any_key_and_a_filled_one_skips_what_it_holds(
+        tmp_path, monkeypatch):
+    """A node's first start (an empty cache) begins the compiling processes
+    without computing the cache keys (they load libbcc, 0.1 s); the probe's
+    compile then waits for its process and loads the image it wrote."""
+    cache = compile_cache.CompileCache(tmp_path / "bpf-cache")
+    text = "int one(void *ctx) { return 0; }"
+
+    def no_key(*args):
+        raise AssertionError("a cache key computed before the processes began")
+    monkeypatch.setattr(compile_cache, "cache_key", no_key)
+    assert cache.compile_aside([(text, [], {})], tmp_path) == 1
+    monkeypatch.undo()
+    bpf, hit = cache.compile(text, [])
+    try:
+        assert hit                               # the image the process wrote
+    finally:
+        bpf.cleanup()
+    again = compile_cache.CompileCache(tmp_path / "bpf-cache")
+    assert again.compile_aside([(text, [], {})], tmp_path) == 0    # held: no process for it
