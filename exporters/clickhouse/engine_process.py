@@ -251,6 +251,10 @@ def _control(what: str) -> bytes:
 
 def serve(uri: str, rfd: int, wfd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the agent's Ctrl-C is the agent's: it closes the pipe
+    # chdb imports pyarrow where it can (numpy and OpenBLAS with it: 0.07 s
+    # of a start's CPU, ~40 MB resident) for Arrow results, which the store
+    # never asks for; None in sys.modules makes that import fail, as chdb expects
+    sys.modules.setdefault("pyarrow", None)
     try:
         from chdb import session as chdb_session
         sess = chdb_session.Session(uri)

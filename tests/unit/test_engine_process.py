@@ -82,6 +82,17 @@ def test_the_agent_process_never_loads_the_engine_and_reads_back_what_it_wrote(t
     assert _wait_gone(int(pid)), "close() left the engine process running"
 
 
+def test_the_engine_process_loads_neither_arrow_nor_numpy(backend):
+    """chdb imports pyarrow (and with it numpy and OpenBLAS) where it can:
+    0.07 s of CPU at each start and tens of MB resident, for Arrow results
+    the store never asks for (it reads CSV, writes RowBinary and Native)."""
+    assert backend.query("SELECT 1") == [(1,)]
+    with open(f"/proc/{backend.engine.pid}/maps") as f:
+        maps = f.read()
+    assert "_chdb" in maps                       # the engine is loaded, and nothing of these
+    assert not [name for name in ("libarrow", "pyarrow", "numpy", "openblas") if name in maps]
+
+
 def test_a_refusal_is_the_engines_word_as_in_process(backend, tmp_path):
     with pytest.raises(BackendError, match=r"Code: 47\b"):
         backend.query("SELECT no_such_column FROM spanlet.otel_traces")
