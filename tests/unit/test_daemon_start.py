@@ -5,6 +5,8 @@ directory too), beside the probes' attaches, and before the readers start."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -78,3 +80,14 @@ def test_what_the_store_start_raises_is_raised_by_the_daemons_start(tmp_path, mo
             d.start()
     finally:
         d.stop()
+
+
+def test_the_agent_imports_no_library_its_defaults_do_not_use():
+    """What the agent imports while its probes compile is CPU a node's first
+    start shares with the compiles: with the defaults, no HTTP client (no
+    OTLP upstream), no store engine (it runs in a process of its own), no Arrow."""
+    code = ("import sys; import spanlet.cli, spanlet.probes.starter, spanlet.daemon; "
+            "print(sorted(m for m in ('requests', 'urllib3', 'chdb', 'pyarrow', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
