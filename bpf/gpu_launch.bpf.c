@@ -67,8 +67,12 @@ struct gpu_count_key {
 };
 
 /* Metric 1: outermost launch calls (attempts, counted at entry), and with
- * api graph the kernels run by replays of known graphs. */
-BPF_PERCPU_HASH(spanlet_gpu_kernel_launches_total, struct gpu_count_key, __u64, SPANLET_GPU_KEYS_MAX);
+ * api graph the kernels run by replays of known graphs. The per-CPU hashes
+ * here are not preallocated: a node has a few keys (cgroup, modality, api)
+ * and many CPUs, and a preallocated one would hold max_entries values per CPU
+ * (2.7 MiB per CPU for the sync waits) from the start, made at each load. */
+BPF_F_TABLE("percpu_hash", struct gpu_count_key, __u64, spanlet_gpu_kernel_launches_total,
+            SPANLET_GPU_KEYS_MAX, BPF_F_NO_PREALLOC);
 
 /* Metric 2. Named after the metric (seconds) but kept in nanoseconds: sum_ns
  * and the log2 buckets are converted to seconds by the agent at scrape time. */
@@ -77,7 +81,8 @@ struct gpu_wait_val {
     __u64 sum_ns;
     __u64 bucket[SPANLET_GPU_WAIT_BUCKETS];
 };
-BPF_PERCPU_HASH(spanlet_gpu_sync_wait_seconds, struct gpu_count_key, struct gpu_wait_val, SPANLET_GPU_KEYS_MAX);
+BPF_F_TABLE("percpu_hash", struct gpu_count_key, struct gpu_wait_val, spanlet_gpu_sync_wait_seconds,
+            SPANLET_GPU_KEYS_MAX, BPF_F_NO_PREALLOC);
 /* Never written: the zero value new sync-wait keys start from (too big for the stack). */
 BPF_PERCPU_ARRAY(gpu_wait_zero, struct gpu_wait_val, 1);
 
@@ -332,8 +337,10 @@ BPF_ARRAY(gpu_captures_reaped, __u64, 1);
 
 /* Metric 1's companion (graph replays) and the replays of graphs whose making
  * the agent did not see (their kernels are unknown: a self-metric). */
-BPF_PERCPU_HASH(spanlet_gpu_graph_launches_total, struct gpu_count_key, __u64, SPANLET_GPU_KEYS_MAX);
-BPF_PERCPU_HASH(spanlet_gpu_unknown_graph_launches_total, struct gpu_count_key, __u64, SPANLET_GPU_KEYS_MAX);
+BPF_F_TABLE("percpu_hash", struct gpu_count_key, __u64, spanlet_gpu_graph_launches_total,
+            SPANLET_GPU_KEYS_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("percpu_hash", struct gpu_count_key, __u64, spanlet_gpu_unknown_graph_launches_total,
+            SPANLET_GPU_KEYS_MAX, BPF_F_NO_PREALLOC);
 
 static __always_inline void gpu_stream_key_of(struct gpu_stream_key *k, __u64 stream, int ptsz)
 {

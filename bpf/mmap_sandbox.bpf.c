@@ -77,8 +77,10 @@ BPF_RINGBUF_OUTPUT(sandbox_notices, SANDBOX_NOTICE_PAGES);
 BPF_PERCPU_ARRAY(sandbox_lost_notices, __u64, 1);
 /* Opens of a path under a prefix with a '..' component (not tracked). */
 BPF_PERCPU_ARRAY(spanlet_sandbox_unresolved_opens_total, __u64, 1);
-/* Metric 5, keyed by the offender's cgroup, rule and action. */
-BPF_PERCPU_HASH(spanlet_sandbox_violations_total, struct sandbox_violation_key, __u64, 16384);
+/* Metric 5, keyed by the offender's cgroup, rule and action; not
+ * preallocated: a value per CPU for each key seen, not 16384 from the start. */
+BPF_F_TABLE("percpu_hash", struct sandbox_violation_key, __u64, spanlet_sandbox_violations_total,
+            16384, BPF_F_NO_PREALLOC);
 /* Pool fds that could not be remembered because sandbox_pool_fds was full. */
 BPF_PERCPU_ARRAY(spanlet_sandbox_untracked_fds_total, __u64, 1);
 
