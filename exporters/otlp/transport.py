@@ -168,7 +168,6 @@ class _HttpTransport:
         self._url = up.endpoint
         self._gzip = up.compression == "gzip"
         import requests     # here: an agent with no HTTP upstream (the default) never loads it (35 ms of a start)
-        self._requests = requests
         self._session = requests.Session()
         self._session.headers.update({"Content-Type": PROTOBUF, "User-Agent": USER_AGENT})
         if self._gzip:
@@ -185,7 +184,7 @@ class _HttpTransport:
         body = _wire(request)
         if self._gzip:
             body = gzip.compress(body, compresslevel=6)
-        requests = self._requests
+        import requests     # loaded by __init__ already
         try:
             r = self._session.post(self._url, data=body, timeout=timeout_s)
         except (requests.ConnectionError, requests.Timeout) as e:
