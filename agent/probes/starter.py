@@ -84,6 +84,9 @@ class ProbeStarter:
             self._thread.start()
 
     def _compile_all(self) -> None:
+        # this thread's compiles read two lines of /proc/kallsyms, not the node's table
+        if not compile_cache.own_kallsyms_in_this_thread():
+            log.debug("the compiles read the node's /proc/kallsyms")
         try:
             from spanlet.probes.span_ctx import SpanCtxProbe
 

@@ -246,6 +246,35 @@ def test_a_compile_in_its_own_process_reads_only_the_kallsyms_lines_it_needs():
     assert compile_cache.compile_ksyms("/nonexistent") is None
 
 
+def test_the_compiles_in_the_agents_process_read_only_the_kallsyms_lines_they_need(tmp_path, monkeypatch):
+    """The starter's compile thread (the owner's compile at a node's first
+    start) sees compile_ksyms()' lines as /proc/kallsyms, in a mount
+    namespace of the thread's own: the process's other threads, and the
+    node, keep the whole table."""
+    from spanlet.probes.starter import ProbeStarter
+
+    seen = []
+    real_compile = SpanCtxProbe.compile
+
+    def compile_and_look(self, *args, **kwargs):
+        with open("/proc/kallsyms") as f:
+            seen.append(f.read())
+        return real_compile(self, *args, **kwargs)
+    monkeypatch.setattr(SpanCtxProbe, "compile", compile_and_look)
+    cfg = config.load(env={}, overrides=[f"data_dir={tmp_path}", "tc.enabled=false",
+                                         "sandbox.enabled=false", "gpu.enabled=false"])
+    starter = ProbeStarter(cfg)
+    try:
+        probes = starter.finish()
+        assert [(p.name, p.status.attached, p.status.cached) for p in probes] == [("span_ctx", True, False)]
+    finally:
+        for p in reversed(starter.probes):
+            p.stop()
+    assert seen == [compile_cache.compile_ksyms()]
+    with open("/proc/kallsyms") as f:
+        assert len(f.readlines()) > 10_000             # this thread's: the node's own
+
+
 def test_an_empty_cache_begins_its_compiles_before_any_key_and_a_filled_one_skips_what_it_holds(
         tmp_path, monkeypatch):
     """A node's first start (an empty cache) begins the compiling processes
