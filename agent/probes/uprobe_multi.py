@@ -13,7 +13,9 @@ import os
 import platform
 import struct
 
+BPF_PROG_LOAD = 5
 BPF_LINK_CREATE = 28
+BPF_PROG_TYPE_KPROBE = 2
 BPF_TRACE_UPROBE_MULTI = 48          # enum bpf_attach_type
 BPF_F_UPROBE_MULTI_RETURN = 1
 _SYS_BPF = {"x86_64": 321, "aarch64": 280}
@@ -31,6 +33,49 @@ class _LinkAttr(C.Structure):
                 ("multi_flags", C.c_uint32), ("pid", C.c_uint32), ("_pad", C.c_uint8 * 44)]
 
 
+class _ProgLoadAttr(C.Structure):
+    """The prog_load member of union bpf_attr, up to expected_attach_type."""
+    _fields_ = [("prog_type", C.c_uint32), ("insn_cnt", C.c_uint32), ("insns", C.c_uint64),
+                ("license", C.c_uint64), ("log_level", C.c_uint32), ("log_size", C.c_uint32),
+                ("log_buf", C.c_uint64), ("kern_version", C.c_uint32), ("prog_flags", C.c_uint32),
+                ("prog_name", C.c_char * 16), ("prog_ifindex", C.c_uint32),
+                ("expected_attach_type", C.c_uint32), ("_pad", C.c_uint8 * 56)]
+
+
+def _bpf(cmd: int, attr: C.Structure) -> int:
+    return _syscall(_SYS_BPF[platform.machine()], cmd, C.addressof(attr), C.sizeof(attr))
+
+
+_supported: bool | None = None
+
+
+def supported() -> bool:
+    """Whether this kernel makes uprobe_multi links: as libbpf tells
+    (probe_uprobe_multi_link), a two-instruction program loaded for them,
+    whose link on "/" the kernel refuses with EBADF (a kernel without them:
+    EINVAL). Asked once a process; a millisecond."""
+    global _supported
+    if _supported is None:
+        insns = (C.c_uint64 * 2)(0xB7, 0x95)      # r0 = 0; exit
+        license_ = C.create_string_buffer(b"GPL")
+        prog = _bpf(BPF_PROG_LOAD, _ProgLoadAttr(
+            prog_type=BPF_PROG_TYPE_KPROBE, insn_cnt=2, insns=C.addressof(insns),
+            license=C.addressof(license_), expected_attach_type=BPF_TRACE_UPROBE_MULTI))
+        if prog < 0:
+            _supported = False
+        else:
+            try:
+                fd = link(prog, "/", [0], retprobe=False)
+            except OSError as e:
+                _supported = e.errno == errno.EBADF
+            else:
+                os.close(fd)
+                _supported = False
+            finally:
+                os.close(prog)
+    return _supported
+
+
 def link(prog_fd: int, path: str, offsets: list[int], retprobe: bool,
          cookies: list[int] | None = None) -> int:
     """A link of `prog_fd` at the file offsets of `path` (every process that
@@ -43,7 +88,7 @@ def link(prog_fd: int, path: str, offsets: list[int], retprobe: bool,
                      path=C.addressof(path_b), offsets=C.addressof(offs), cnt=len(offsets),
                      cookies=C.addressof(cks) if cookies else 0,
                      multi_flags=BPF_F_UPROBE_MULTI_RETURN if retprobe else 0)
-    fd = _syscall(_SYS_BPF[platform.machine()], BPF_LINK_CREATE, C.addressof(attr), C.sizeof(attr))
+    fd = _bpf(BPF_LINK_CREATE, attr)
     if fd < 0:
         err = C.get_errno()
         raise OSError(err, f"uprobe_multi link on {path}: {os.strerror(err)}")

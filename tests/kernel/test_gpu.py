@@ -18,7 +18,7 @@ import pytest
 
 from spanlet import config, events
 from spanlet.events import Api, Entry, Modality
-from spanlet.probes.gpu import probe_sites
+from spanlet.probes.gpu import ENTRY_FNS, probe_sites
 
 import cuda_standin
 from gpu_harness import cgroup_id, counts, launch_line, launches, mine, read_events
@@ -343,6 +343,25 @@ def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, progra
     print(f"stop with {'links' if multi else 'perf-event uprobes'}: {stop_s:.2f} s")
 
 
+@pytest.mark.parametrize("multi", [True, False], ids=["uprobe_multi", "perf-events"])
+def test_with_uprobe_multi_each_functions_code_is_compiled_once(probes, multi):
+    """With uprobe_multi links every hooked function's code is compiled once,
+    inside gpu_entry; the program of its own each has (for a perf-event
+    uprobe where the kernel refuses a link) is a small one that hands the
+    call to gpu_entry. Without links each of those is the function's whole
+    code (and gpu_entry is called by nothing)."""
+    gpu = probes("all", timing=True, runtime_hooks=True, uprobe_multi=multi)
+    size = lambda fn: len(gpu.bpf.dump_func(fn.encode())) // 8   # noqa: E731 (instructions)
+    sizes = {fn: size(fn) for fn in ENTRY_FNS}
+    assert gpu.uses_multi() == multi
+    if multi:    # one small program, the function's cookie apart
+        assert len(set(sizes.values())) == 1 and max(sizes.values()) < 40
+        assert size("gpu_entry") > sum(sizes.values())
+    else:        # each function's code twice: in its program, and in gpu_entry
+        assert sum(sizes.values()) > size("gpu_entry") > 1000
+        assert "gpu_perf_hooks" not in gpu.source_text()
+
+
 FOREIGN_PROBE = """
 import sys
 from bcc import BPF
@@ -380,10 +399,13 @@ def test_a_function_another_tool_probes_gets_its_own_uprobe(standin, spawn, prob
             assert lib.links and lib.probe_events   # the rest in links, cuLaunchKernel on its own
         else:
             assert lib.links and not lib.probe_events
-        w.run(launches("cuLaunchKernel", 4), launches("cuLaunchKernelEx", 3),
-              launches("cuLaunchCooperativeKernel", 2))
         cg = cgroup_id(w.pid)
-        assert counts(gpu.launches(), cg) == {(cg, OTHER, DRIVER): 9}
+        for n in range(1, 11):
+            w.run(launches("cuLaunchKernel", 4), launches("cuLaunchKernelEx", 3),
+                  launches("cuLaunchCooperativeKernel", 2))
+            assert counts(gpu.launches(), cg) == {(cg, OTHER, DRIVER): 9 * n}
+        # cuLaunchKernel's perf-event uprobe named it for gpu_entry, per call, and gpu_entry took each
+        assert len(gpu.bpf[b"gpu_perf_hooks"]) == 0
     finally:
         other.stdin.close()
         other.wait(10)
