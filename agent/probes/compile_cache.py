@@ -64,7 +64,7 @@ _NAME_PREFIXES = ("kprobe__", "kretprobe__", "tracepoint__", "raw_tracepoint__",
 # 0.1 to 0.2 s of a compile's CPU on the 2-core development VM.
 COMPILE_KSYMS = ("bpf_probe_read_kernel", "bpf_probe_read_user")
 BTF_VMLINUX = "/sys/kernel/btf/vmlinux"
-_CLONE_NEWNS, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x00020000, 4096, 0x4000, 1 << 18
+_CLONE_NEWNS, _MS_BIND, _MS_REC, _MS_PRIVATE, _MNT_DETACH = 0x00020000, 4096, 0x4000, 1 << 18, 2
 
 _libc = C.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
@@ -572,6 +572,9 @@ def _own_kallsyms(lines: str) -> bool:
         return False
     if _libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
         return False
+    # the lines the thread that started this process bound there, if it did
+    # (a file deleted since: nothing can be mounted on it)
+    _libc.umount2(b"/proc/kallsyms", _MNT_DETACH)
     with tempfile.NamedTemporaryFile("w", prefix="spanlet-kallsyms-") as f:
         f.write(lines)
         f.flush()
