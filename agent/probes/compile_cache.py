@@ -771,6 +771,11 @@ class CompileCache:
             begun += 1
         return begun
 
+    def aside_running(self, text: str, flags: list[str], templates: dict[str, str]) -> bool:
+        """Whether a process begun by compile_aside still compiles this job."""
+        entry = self._aside.get(_job(text, flags, templates))
+        return entry is not None and entry[0].poll() is None
+
     def _await_aside(self, job: str, timeout_s: float = ASIDE_TIMEOUT_S) -> None:
         """Wait for the process compiling `job`, if one was begun; where it
         failed its reason is logged (the caller compiles)."""

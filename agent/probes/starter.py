@@ -5,8 +5,8 @@ GIL). The span-context owner is started first and whole (the others share
 its pinned maps); the others' compiles that the compile cache does not hold
 begin first, each in a process of its own, beside the owner's (BCC compiles
 one module at a time in a process: base.BCC_LOCK), and each is then loaded
-in turn and attached by whoever takes it (finish()), beside the next one's
-load. compiles_done is set when no compile runs in this process any more."""
+in the order those processes end and attached by whoever takes it
+(finish()), beside the next one's load. compiles_done is set when no compile runs in this process any more."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import importlib
 import logging
 import queue
 import threading
+import time
 
 from spanlet import events
 from spanlet.config import Config
@@ -21,6 +22,7 @@ from spanlet.probes import compile_cache, node_check, privileges
 from spanlet.probes.base import Probe, ProbeStatus
 
 log = logging.getLogger("spanlet")
+ASIDE_POLL_S = 0.005   # how often the compile thread looks for an ended compiling process
 
 # (config section, module, class): the order is the start order; the span
 # context owner comes first so the others can share its map.
@@ -77,6 +79,8 @@ class ProbeStarter:
         # is): the agent's imports wait for it, so that those processes start
         # while the second core is still idle, not behind the imports (GIL)
         self.aside_begun = threading.Event()
+        self._aside_jobs: dict[Probe, tuple] = {}   # probe → its job in compile_aside
+        self._aside_at = 0.0                         # when compile_aside began them
 
     def begin(self) -> None:
         if self._thread is None:
@@ -102,7 +106,10 @@ class ProbeStarter:
                 if finder is not None and owner.maps_watch is not None:
                     finder.watch = owner.maps_watch.subscribe()   # discovery from the kernel's changes
             pin_dir = owner.shared_pin_dir()
-            for probe in rest:
+            pending = list(rest)
+            while pending:
+                probe = self._next_compiled(pending)
+                pending.remove(probe)
                 self._run(probe, lambda: probe.start_compile(pin_dir=pin_dir))
         except BaseException as e:  # a probe that could not be made: finish() raises it
             self._error = e
@@ -113,6 +120,23 @@ class ProbeStarter:
             self.compiles_done.set()
             self._compiled.put(None)
 
+    def _next_compiled(self, pending: list[Probe]) -> Probe:
+        """The first of `pending` (in start order) whose compile no longer runs
+        in a process of its own: each is loaded and attached as soon as it can
+        be, not behind a longer compile (TC's, on a node with the cores to run
+        them all side by side)."""
+        if not self._aside_jobs:
+            return pending[0]
+        cache = compile_cache.cache_of(self.cfg)
+        deadline = self._aside_at + compile_cache.ASIDE_TIMEOUT_S   # then its compile() ends it
+        while time.monotonic() < deadline:
+            for probe in pending:
+                job = self._aside_jobs.get(probe)
+                if job is None or not cache.aside_running(*job):
+                    return probe
+            time.sleep(ASIDE_POLL_S)
+        return pending[0]
+
     def _compile_aside(self, owner, rest: list[Probe]) -> None:
         """The compiles of the probes after the owner that the compile cache
         does not hold, begun in processes of their own while the owner
@@ -121,11 +145,12 @@ class ProbeStarter:
         if not self.cfg.compile_cache or not rest:
             return
         try:
-            jobs = []
+            jobs = {}
             for probe in rest:
                 flags = probe.compile_flags(str(owner.pin_dir))
-                jobs.append((probe.source_text(), flags, compile_cache.pin_templates(flags)))
-            begun = compile_cache.cache_of(self.cfg).compile_aside(jobs, owner.pin_dir.parent)
+                jobs[probe] = (probe.source_text(), flags, compile_cache.pin_templates(flags))
+            begun = compile_cache.cache_of(self.cfg).compile_aside(list(jobs.values()), owner.pin_dir.parent)
+            self._aside_jobs, self._aside_at = jobs, time.monotonic()
         except Exception:        # each probe still compiles as without it
             log.exception("compiles in processes of their own: not begun")
             return

@@ -55,10 +55,14 @@ class Aside:
 
     def __init__(self):
         self.given, self.abandoned = [], 0
+        self.running: set[str] = set()     # the texts whose process has not ended
 
     def compile_aside(self, jobs, pin_root):
         self.given.append((jobs, pin_root))
         return len(jobs)
+
+    def aside_running(self, text, flags, templates):
+        return text in self.running
 
     def abandon_aside(self):
         self.abandoned += 1
@@ -114,6 +118,24 @@ def test_the_others_compiles_begin_aside_with_the_owners_pin_folder_before_it_co
     assert s.compiles_done.is_set()       # what waits for the compiles to end (the store's start) goes on
     # begun before the owner's compile, so that they run beside it
     assert Fake.seen[0][:2] == ("span_ctx", "compile")
+
+
+def test_each_is_loaded_once_its_process_has_ended_whatever_the_start_order(fakes, cfg):
+    # "a" compiles longer in its process than "b": "b" is loaded and attached first
+    aside = compile_cache.cache_of(cfg)
+    aside.running.add("// a")
+
+    class B(_fake("b")):
+        def compile(self, pin_dir=None):
+            super().compile(pin_dir)
+            aside.running.discard("// a")          # "a"'s process ends after "b"'s
+    fakes.setattr(starter, "probe_classes", lambda c: [Owner, _fake("a"), B])
+    s = starter.ProbeStarter(cfg)
+    probes = s.finish()
+    assert [p.name for p in probes] == ["span_ctx", "b", "a"]
+    assert [n for n, step, _, _ in Fake.seen if step == "compile"] == ["span_ctx", "b", "a"]
+    assert [p.name for p in s.probes] == ["span_ctx", "a", "b"]    # the start order, for the stop
+    assert all(p.status.attached for p in probes)
 
 
 def test_the_aside_compiles_are_begun_before_the_owners_compile_ends(fakes, cfg):
