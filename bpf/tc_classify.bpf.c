@@ -33,11 +33,12 @@
 BPF_PERCPU_ARRAY(spanlet_network_bytes_total, struct class_traffic, TC_CLASSES);
 /* Metric 4 (spanlet_jitter_sensitivity_score): media and late packets per class. */
 BPF_PERCPU_ARRAY(spanlet_jitter_sensitivity_score, struct jitter_counters, TC_CLASSES);
-/* The same per flow, for inspection (spanlet inspect flows) and idle flows. */
+/* Metric 3 per flow, for inspection (spanlet inspect flows) and idle flows.
+ * (Media and late packets are kept per class only: nothing reads them per
+ * flow, and a per-CPU map of max_flows rows for them was 1 MiB of kernel
+ * memory per possible CPU.) */
 BPF_TABLE("lru_percpu_hash", struct flow_key, struct flow_counters,
           tc_flow_counters, SPANLET_TC_MAX_FLOWS);
-BPF_TABLE("lru_percpu_hash", struct flow_key, struct jitter_counters,
-          tc_flow_jitter, SPANLET_TC_MAX_FLOWS);
 BPF_TABLE("lru_hash", struct flow_key, struct flow_info, flow_info, SPANLET_TC_MAX_FLOWS);
 /* TCP flows counted before their class is known (struct pending_traffic). */
 BPF_TABLE("lru_hash", struct flow_key, struct pending_traffic, tc_pending,
@@ -585,8 +586,8 @@ static __always_inline __s64 ipdv_deviation(struct jitter_state *js, __u64 now)
     return dev;
 }
 
-/* MEDIA_*: whether the packet is media, and late; its flow's counters
- * have it, its class's get it in account(). */
+/* MEDIA_*: whether the packet is media, and late; its class's counters get
+ * it in account(). */
 static __always_inline int media_packet(struct __sk_buff *skb, const struct pkt *p,
                                         struct flow_info *fi, int dir)
 {
@@ -598,16 +599,7 @@ static __always_inline int media_packet(struct __sk_buff *skb, const struct pkt 
     __s64 dev = rtp ? rtp_deviation(skb, p, fi, js, now) : ipdv_deviation(js, now);
     if (dev < 0)
         return MEDIA_NONE;
-    int late = (__u64)dev > SPANLET_TC_LATE_NS;
-    struct jitter_counters zero = {};
-    struct jitter_counters *jc =
-        tc_flow_jitter.lookup_or_try_init((struct flow_key *)&p->key, &zero);
-    if (jc) {
-        jc->media_packets += 1;
-        if (late)
-            jc->late_packets += 1;
-    }
-    return late ? MEDIA_LATE : MEDIA_ON_TIME;
+    return (__u64)dev > SPANLET_TC_LATE_NS ? MEDIA_LATE : MEDIA_ON_TIME;
 }
 
 /* ---- entry points -------------------------------------------------------- */

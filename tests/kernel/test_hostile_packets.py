@@ -15,7 +15,6 @@ import time
 import pytest
 
 from spanlet import config, events
-from spanlet.probes.maps import dump_table
 from spanlet.probes.tc.attach import FILTER_NAME
 from spanlet.probes.tc.probe import Method, Rejected, TcProbe, path_hash
 from netns import Capture, eth, ipv4, ipv6, linked, socket_in, tcp, udp
@@ -378,6 +377,7 @@ class RtpFlow:
 
     def __init__(self, env: Env, port: int):
         self.port = port
+        self.media_late_before = media_late(env.probe)   # the flows are sent one after another
         self.rx = socket_in(env.srv.name, type=socket.SOCK_DGRAM)
         self.tx = socket_in(env.cli.name, type=socket.SOCK_DGRAM)
         self.rx.bind((SERVER_IP, port))
@@ -426,14 +426,18 @@ def expected_late(frames, sent) -> tuple[int, list[int]]:
     return late, ds
 
 
-def jitter_of(probe: TcProbe) -> dict[int, tuple[int, int]]:
-    """{server port: (media, late)} straight from the kernel's per-flow map."""
-    out = {}
-    for key, leaf in dump_table(probe.bpf["tc_flow_jitter"]).items():
-        k = events.FlowKey.from_buffer_copy(key)
-        port = k.dport if k.addresses()[0] == CLIENT_IP else k.sport
-        out[port] = (sum(c.media_packets for c in leaf), sum(c.late_packets for c in leaf))
-    return out
+def media_late(probe: TcProbe) -> tuple[int, int]:
+    """(media, late) packets so far, all classes, straight from the kernel's
+    class counters (what the Jitter Sensitivity Score is made of)."""
+    rows = probe._class_rows("spanlet_jitter_sensitivity_score")
+    return sum(v[0] for _, v in rows), sum(v[1] for _, v in rows)
+
+
+def jitter_of(probe: TcProbe, flows: list[RtpFlow]) -> dict[int, tuple[int, int]]:
+    """{server port: (media, late)} of flows sent one after another: what the
+    kernel counted from each one's start to the next one's."""
+    marks = [f.media_late_before for f in flows] + [media_late(probe)]
+    return {f.port: (m1 - m0, l1 - l0) for f, (m0, l0), (m1, l1) in zip(flows, marks, marks[1:])}
 
 
 def test_hostile_rtp(env, capture):
@@ -512,7 +516,7 @@ def test_hostile_rtp(env, capture):
     # own timestamps say.
     kinds = {fl["dport"]: (fl["protocol"], fl["modality"]) for fl in env.probe.flows()
              if fl["src"] == CLIENT_IP}
-    jitter = jitter_of(env.probe)
+    jitter = jitter_of(env.probe, list(flows.values()))
     capture.drain()
     for name, flow in flows.items():
         frames = [fr for fr in capture.frames if fr.dport == flow.port and not fr.egress]

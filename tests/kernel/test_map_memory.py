@@ -2,7 +2,7 @@
 agent's memory cgroup) as it grows with its CPUs: a per-CPU hash keyed by
 what a node has few of is not preallocated (a value per CPU for each key
 used, not max_entries of them made at each load); the per-CPU maps that are
-preallocated with more than a few entries are the two per-flow maps of the
+preallocated with more than a few entries is the per-flow counters map of the
 TC probe, named in the README's limits."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_per_cpu_hashes_are_not_preallocated(maps):
         {k: BPF_F_NO_PREALLOC for k in hashes}
 
 
-def test_the_only_large_preallocated_per_cpu_maps_are_the_per_flow_ones(maps):
+def test_the_only_large_preallocated_per_cpu_map_is_the_per_flow_one(maps):
     large = {k for k, info in maps.items()
              if info.type in (PERCPU_ARRAY, LRU_PERCPU_HASH) and info.max_entries > FEW}
-    assert large == {("tc_classify", "tc_flow_counters"), ("tc_classify", "tc_flow_jitter")}
+    assert large == {("tc_classify", "tc_flow_counters")}

@@ -344,7 +344,7 @@ class TcProbe(Probe):
                        zip(*(last[c::ncpu] for c in range(ncpu))))
         idle = idle_flows(counters, time.monotonic_ns(),
                           int(self.cfg.tc.flow_idle_timeout_s * 1e9))
-        for name in ("tc_flow_counters", "flow_info", "tc_flow_jitter"):
+        for name in ("tc_flow_counters", "flow_info"):
             t = self.bpf[name]
             for key in idle:
                 try:
