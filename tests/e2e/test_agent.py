@@ -26,6 +26,30 @@ pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parents[2]
 
 
+HEAP_MAX = 64 << 20        # glibc's heap of a thread's arena (64-bit): reserved whole, aligned to its size
+
+
+def malloc_heaps(pid: int) -> int:
+    """The heaps of glibc's thread arenas that `pid` maps (the main arena's is not one):
+    anonymous mappings at a multiple of HEAP_MAX, readable and writable at the start,
+    HEAP_MAX long with the reserved rest that follows them."""
+    maps = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        f = line.split()
+        start, end = (int(x, 16) for x in f[0].split("-"))
+        maps.append((start, end, f[1], f[5] if len(f) > 5 else ""))
+    heaps = 0
+    for i, (start, end, perms, path) in enumerate(maps):
+        if path or start % HEAP_MAX or not perms.startswith("rw"):
+            continue
+        for nxt_start, nxt_end, _, nxt_path in maps[i + 1:]:
+            if end - start >= HEAP_MAX or nxt_start != end or nxt_path:
+                break
+            end = nxt_end
+        heaps += end - start == HEAP_MAX
+    return heaps
+
+
 def lines_of(stream, q: queue.Queue) -> None:
     for line in iter(stream.readline, ""):
         q.put(line.rstrip("\n"))
@@ -37,7 +61,8 @@ class Agent:
     by threads so that neither pipe fills."""
 
     def __init__(self, ns: Namespace, config: Path, *extra: str):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPANLET_")}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("SPANLET_") and k not in ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES")}
         self.proc = subprocess.Popen(
             # nsenter switches only the network namespace (ip netns exec would
             # also remount /sys, hiding tracefs and bpffs)
@@ -148,6 +173,8 @@ def test_run_attaches_reads_and_detaches(tmp_path, node, pool_prefix, sig):
             assert len(progs) >= 8 and progs <= bpftool_ids("prog")
             pins = list(Path("/sys/fs/bpf/spanlet").glob(f"{agent.proc.pid}-*/span_ctx"))
             assert len(pins) == 1
+            # its threads share two malloc arenas (memory.cap_malloc_arenas): one heap besides the main one
+            assert malloc_heaps(agent.proc.pid) == 1
 
             # kernel → ring buffer → decoder → stdout, end to end
             w.run("cu 3 4 2 1 128 1 1 256 0")
