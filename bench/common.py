@@ -3,10 +3,13 @@ process, OTLP span batches to load it with, and a process's CPU time."""
 
 from __future__ import annotations
 
+import io
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -104,3 +107,24 @@ def agent_bench_args(ap, what: str, more_set_help: str = ""):
     if os.geteuid() != 0:
         sys.exit(f"{what} runs the whole agent: run it as root")
     return a
+
+
+def tree_at(ref: str, into: Path) -> Path:
+    """A folder to put on PYTHONPATH whose `spanlet` is the package of `ref` (its files, from
+    `git archive`, with this tree's built native extensions)."""
+    src = into / "src"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", ref, "agent", "exporters", "bpf"], cwd=REPO,
+                             capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as t:
+        t.extractall(src, filter="data")
+    pkg = into / "pkg" / "spanlet"
+    shutil.copytree(src / "agent", pkg)
+    shutil.copytree(src / "exporters", pkg / "exporters")
+    shutil.copytree(src / "bpf", pkg / "bpf")
+    for built in list((REPO / "agent").glob("*.so")) + [REPO / "agent" / "_native"]:
+        if built.is_dir():
+            shutil.copytree(built, pkg / built.name, dirs_exist_ok=True)
+        elif built.exists():
+            shutil.copy2(built, pkg / built.name)
+    return into / "pkg"

@@ -8,6 +8,9 @@ least-squares slope of RSS (MB/min) and of CPU (points of one core per minute)
 with their noise (two standard errors), and where every span and launch ended
 up (store, upstream, drops). --set KEY=VALUE (repeatable) adds an agent
 setting, e.g. --set store.enabled=false to soak the agent without its store.
+--at REF soaks the agent of another commit (its files, this tree's built native
+extensions); two soaks can run at once, e.g. this tree beside --at main, each
+on stand-in libraries named for its own run.
 
 "No growth trend" means the RSS slope lies within its noise, or the drift it
 would make over the whole run is under 2% of the mean RSS. The fit starts after
@@ -15,13 +18,15 @@ would make over the whole run is under 2% of the mean RSS. The fit starts after
 store engine's first merges, which raise its working set by ~10 MB to the level
 it then keeps; the RSS of that ramp is printed next to the fitted part's.
 
-    sudo .venv/bin/python bench/soak.py [--minutes 10] [--interval 5] [--set KEY=VALUE]   (or: make soak)
+    sudo .venv/bin/python bench/soak.py [--minutes 10] [--interval 5] [--set KEY=VALUE] [--at REF]
+    (or: make soak)
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import shutil
 import sys
@@ -39,7 +44,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noq
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import cuda_standin  # noqa: E402
-from common import Agent, agent_bench_args, agent_cpu_s, engine_pid, spans_request  # noqa: E402
+from common import Agent, agent_bench_args, agent_cpu_s, engine_pid, spans_request, tree_at  # noqa: E402
 from processes import free_port, stop_process  # noqa: E402
 from spanlet.config import OtlpConfig  # noqa: E402
 from spanlet.demo.standin import DRIVER, RUNTIME  # noqa: E402
@@ -54,11 +59,11 @@ WATCHED = {
 }
 
 
-# The soak's stand-in libraries under names of their own (the workload still opens
-# libcuda.so.1 / libcudart.so.12, links to them), and the agent told to trace only
-# these: the GPU load is the soak's alone, whatever else on the node launches
-# kernels through a CUDA library (another test's stand-in, a real GPU job).
-SOAK_DRIVER, SOAK_RUNTIME = "libsoakcuda.so", "libsoakcudart.so"
+# The soak's stand-in libraries under names of this run's own (the workload still
+# opens libcuda.so.1 / libcudart.so.12, links to them), and the agent told to trace
+# only these: the GPU load is the run's alone, whatever else on the node launches
+# kernels through a CUDA library (another soak, another test's stand-in, a real GPU job).
+SOAK_DRIVER, SOAK_RUNTIME = f"libsoak{os.getpid()}cuda.so", f"libsoak{os.getpid()}cudart.so"
 
 
 def soak_libraries(lib_dir: Path, dest: Path) -> Path:
@@ -238,6 +243,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=120.0, help="seconds left out of the fit")
     ap.add_argument("--spans", type=float, default=200.0, help="spans per second over OTLP/gRPC")
     ap.add_argument("--launches", type=int, default=1000, help="GPU launches per second (each one stored)")
+    ap.add_argument("--at", metavar="REF", help="soak the agent of this commit, not this tree's")
     a = agent_bench_args(ap, "the soak", ", after the soak's own, e.g. store.enabled=false")
     seconds = a.minutes * 60
     grpc_port, http_port = free_port(), free_port()
@@ -256,7 +262,8 @@ def main() -> int:
                 f"otlp.grpc_port={grpc_port}", f"otlp.http_port={free_port()}",
                 f"otlp.upstream_endpoint=http://127.0.0.1:{upstream.rx.grpc_port}",
                 "otlp.upstream_protocol=grpc",
-                f"http_port={http_port}", "http_address=127.0.0.1", *a.agent_set])
+                f"http_port={http_port}", "http_address=127.0.0.1", *a.agent_set],
+                env=dict(os.environ, PYTHONPATH=str(tree_at(a.at, tmp_path / "tree"))) if a.at else None)
             try:
                 if not agent.wait_running():
                     print("the agent did not start:\n" + "".join(agent.tail), file=sys.stderr)
@@ -278,7 +285,7 @@ def main() -> int:
                   else {"spans": 0, "span_ids": 0, "launches": 0, "events": 0})
     upstream.rx.stop(0)
 
-    print(f"soak: {a.minutes:g} min of {a.spans:g} spans/s (OTLP/gRPC) and {a.launches:,} GPU launches/s "
+    print(f"soak of {f'the agent at {a.at}' if a.at else 'this tree'}: {a.minutes:g} min of {a.spans:g} spans/s (OTLP/gRPC) and {a.launches:,} GPU launches/s "
           f"(launch_events=all, every launch stored), store chdb, export to an upstream")
     summarize(samples, a.warmup)
     ring_drops = final.get("spanlet_events_dropped_total:gpu_launch", 0)

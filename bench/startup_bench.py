@@ -21,9 +21,7 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import urllib.request
@@ -32,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 
-from common import Agent, agent_bench_args  # noqa: E402
+from common import Agent, agent_bench_args, tree_at  # noqa: E402
 from netns import Namespace  # noqa: E402
 from processes import free_port  # noqa: E402
 
@@ -41,26 +39,6 @@ PHASES = re.compile(r"probes compiled and attached (?:in )?([\d.]+) s(?: after t
 # the span path after the probes; the store with it (trees before) or beside the probes (now)
 REST = re.compile(r"(store and )?span path started in ([\d.]+) s")
 STORE = re.compile(r"store started in ([\d.]+) s, beside")
-
-
-def tree_at(ref: str, into: Path) -> Path:
-    """A folder to put on PYTHONPATH whose `spanlet` is the package of `ref`."""
-    src = into / "src"
-    src.mkdir()
-    archive = subprocess.run(["git", "archive", ref, "agent", "exporters", "bpf"], cwd=REPO,
-                             capture_output=True, check=True).stdout
-    with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as t:
-        t.extractall(src, filter="data")
-    pkg = into / "pkg" / "spanlet"
-    shutil.copytree(src / "agent", pkg)
-    shutil.copytree(src / "exporters", pkg / "exporters")
-    shutil.copytree(src / "bpf", pkg / "bpf")
-    for built in list((REPO / "agent").glob("*.so")) + [REPO / "agent" / "_native"]:
-        if built.is_dir():
-            shutil.copytree(built, pkg / built.name, dirs_exist_ok=True)
-        elif built.exists():
-            shutil.copy2(built, pkg / built.name)
-    return into / "pkg"
 
 
 def start_once(settings: list[str], env: dict | None, tmp: str) -> tuple[float, list[str]]:
