@@ -30,9 +30,9 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 import cuda_standin  # noqa: E402
 from facts_child import FactsChild  # noqa: E402
 from otlp_upstream import Upstream, kernel_attrs  # noqa: E402
-from common import TICK, Agent, agent_bench_args, agent_cpu_s as cpu_s  # noqa: E402
+from common import TICK, Agent, agent_bench_args, agent_cpu_s as cpu_s, rss_trend  # noqa: E402
 from processes import free_port  # noqa: E402
-from soak import SOAK_DRIVER, SOAK_RUNTIME, rss_mb, rss_trend, scrape, soak_libraries  # noqa: E402
+from soak import SOAK_DRIVER, SOAK_RUNTIME, rss_mb, scrape, soak_libraries  # noqa: E402
 from spanlet import config  # noqa: E402
 
 

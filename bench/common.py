@@ -4,6 +4,7 @@ process, OTLP span batches to load it with, and a process's CPU time."""
 from __future__ import annotations
 
 import io
+import math
 import os
 import random
 import shutil
@@ -128,3 +129,37 @@ def tree_at(ref: str, into: Path) -> Path:
         elif built.exists():
             shutil.copy2(built, pkg / built.name)
     return into / "pkg"
+
+
+# -- trends ----------------------------------------------------------------------------------------
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least-squares slope, its standard error, and the residuals' standard deviation."""
+    n = len(xs)
+    if n < 3:
+        return float("nan"), float("nan"), float("nan")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    res = [y - (my + slope * (x - mx)) for x, y in zip(xs, ys)]
+    var = sum(r * r for r in res) / (n - 2)
+    return slope, math.sqrt(var / sxx), math.sqrt(var)
+
+
+def rss_trend(minutes: list[float], mb: list[float]) -> str:
+    """The verdict on RSS samples (MB at minutes): no growth trend when the
+    least-squares slope lies within two standard errors or the drift it makes
+    over the samples is under 2% of their mean."""
+    slope, se, sd = fit(minutes, mb)
+    mean = sum(mb) / len(mb)
+    drift = slope * (minutes[-1] - minutes[0])
+    within = abs(slope) <= 2 * se or abs(drift) < 0.02 * mean
+    trend = "no growth trend" if within else ("GROWTH TREND" if slope > 0 else "falling")
+    return (f"{trend} (slope {slope:+.3f} MB/min, noise ±{2 * se:.3f}; drift over the fitted "
+            f"{minutes[-1] - minutes[0]:.1f} min {drift:+.1f} MB = {drift / mean:+.1%} of the mean; "
+            f"residual sd {sd:.2f} MB)")
+
+
+def quarter_means(ys: list[float]) -> tuple[float, float]:
+    q = max(1, len(ys) // 4)
+    return sum(ys[:q]) / q, sum(ys[-q:]) / q

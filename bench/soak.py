@@ -25,7 +25,6 @@ it then keeps; the RSS of that ramp is printed next to the fitted part's.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import shutil
@@ -44,7 +43,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noq
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import cuda_standin  # noqa: E402
-from common import Agent, agent_bench_args, agent_cpu_s, engine_pid, spans_request, tree_at  # noqa: E402
+from common import (Agent, agent_bench_args, agent_cpu_s, engine_pid, fit, quarter_means, rss_trend,  # noqa: E402
+                    spans_request, tree_at)
 from processes import free_port, stop_process  # noqa: E402
 from spanlet.config import OtlpConfig  # noqa: E402
 from spanlet.demo.standin import DRIVER, RUNTIME  # noqa: E402
@@ -146,38 +146,6 @@ class Upstream:
 
 
 # -- statistics ------------------------------------------------------------------------------------
-
-def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
-    """Least-squares slope, its standard error, and the residuals' standard deviation."""
-    n = len(xs)
-    if n < 3:
-        return float("nan"), float("nan"), float("nan")
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    res = [y - (my + slope * (x - mx)) for x, y in zip(xs, ys)]
-    var = sum(r * r for r in res) / (n - 2)
-    return slope, math.sqrt(var / sxx), math.sqrt(var)
-
-
-def rss_trend(minutes: list[float], mb: list[float]) -> str:
-    """The verdict on RSS samples (MB at minutes): no growth trend when the
-    least-squares slope lies within two standard errors or the drift it makes
-    over the samples is under 2% of their mean."""
-    slope, se, sd = fit(minutes, mb)
-    mean = sum(mb) / len(mb)
-    drift = slope * (minutes[-1] - minutes[0])
-    within = abs(slope) <= 2 * se or abs(drift) < 0.02 * mean
-    trend = "no growth trend" if within else ("GROWTH TREND" if slope > 0 else "falling")
-    return (f"{trend} (slope {slope:+.3f} MB/min, noise ±{2 * se:.3f}; drift over the fitted "
-            f"{minutes[-1] - minutes[0]:.1f} min {drift:+.1f} MB = {drift / mean:+.1%} of the mean; "
-            f"residual sd {sd:.2f} MB)")
-
-
-def quarter_means(ys: list[float]) -> tuple[float, float]:
-    q = max(1, len(ys) // 4)
-    return sum(ys[:q]) / q, sum(ys[-q:]) / q
-
 
 def summarize(samples: list[dict], warmup_s: float) -> None:
     steady = [s for s in samples if s["t"] >= warmup_s]
