@@ -30,7 +30,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
 import cuda_standin  # noqa: E402
 from facts_child import FactsChild  # noqa: E402
 from otlp_upstream import Upstream, kernel_attrs  # noqa: E402
-from common import TICK, Agent, agent_bench_args, agent_cpu_s as cpu_s, rss_trend  # noqa: E402
+from common import Agent, agent_bench_args, agent_cpu_s as cpu_s, rss_trend, thread_cpu  # noqa: E402
 from processes import free_port  # noqa: E402
 from soak import SOAK_DRIVER, SOAK_RUNTIME, rss_mb, scrape, soak_libraries  # noqa: E402
 from spanlet import config  # noqa: E402
@@ -67,20 +67,6 @@ def wait_traced(child: FactsChild, http_port: int, limit_s: float = 30) -> None:
 # the code pages they touch) is fitted for a trend when TREND_S or more of it
 # remain: several of the store's insert cycles (store.batch_interval_s), each a saw-tooth.
 WARMUP_S, TREND_S = 60.0, 60.0
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of the process's live threads, summed by thread name."""
-    out: dict[str, float] = {}
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        fields = text.rsplit(")", 1)[1].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
-    return out
 
 
 def measure(pid: int, seconds: float) -> dict:

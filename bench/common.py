@@ -27,6 +27,20 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of the process's live threads, summed by thread name."""
+    out: dict[str, float] = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
 def engine_pid(agent_pid: int) -> int | None:
     """The agent's store engine process (store.engine_process), if it has one now."""
     for task in Path(f"/proc/{agent_pid}/task").glob("*"):

@@ -14,9 +14,13 @@ on stand-in libraries named for its own run.
 
 "No growth trend" means the RSS slope lies within its noise, or the drift it
 would make over the whole run is under 2% of the mean RSS. The fit starts after
---warmup (default 120 s): the start-up (BPF compile, store schema) and the
-store engine's first merges, which raise its working set by ~10 MB to the level
-it then keeps; the RSS of that ramp is printed next to the fitted part's.
+--warmup (default 120 s, or the first eighth of a run over 16 minutes): the
+start-up (BPF compile, store schema) and the store engine's first merges, which
+raise its working set by ~10 MB to the level it then keeps, and in a long run
+the ~15 minutes in which the agent's malloc arenas and queues settle (~4 MB);
+the RSS of that ramp is printed next to the fitted part's. CPU is the agent's
+and its store engine's apart and summed, with each one's threads by quarter;
+the store's active parts at the end show how large its merges grew.
 
     sudo .venv/bin/python bench/soak.py [--minutes 10] [--interval 5] [--set KEY=VALUE] [--at REF]
     (or: make soak)
@@ -43,8 +47,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc  # noq
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import cuda_standin  # noqa: E402
-from common import (Agent, agent_bench_args, agent_cpu_s, engine_pid, fit, quarter_means, rss_trend,  # noqa: E402
-                    spans_request, tree_at)
+from common import (Agent, agent_bench_args, cpu_s, engine_pid, fit, quarter_means, rss_trend,  # noqa: E402
+                    spans_request, thread_cpu, tree_at)
 from processes import free_port, stop_process  # noqa: E402
 from spanlet.config import OtlpConfig  # noqa: E402
 from spanlet.demo.standin import DRIVER, RUNTIME  # noqa: E402
@@ -147,6 +151,14 @@ class Upstream:
 
 # -- statistics ------------------------------------------------------------------------------------
 
+def default_warmup(seconds: float) -> float:
+    """The seconds left out of the fit: the start-up and the store's first merges (120 s), and in a
+    longer run its first eighth: the malloc arenas of the agent's threads and its queues settle
+    over its first ~15 minutes (~4 MB of RSS, measured in a 2-hour soak), a ramp that a fit
+    from the second minute reads as growth."""
+    return max(120.0, seconds / 8)
+
+
 def summarize(samples: list[dict], warmup_s: float) -> None:
     steady = [s for s in samples if s["t"] >= warmup_s]
     if len(steady) < 4:
@@ -166,20 +178,21 @@ def summarize(samples: list[dict], warmup_s: float) -> None:
     apart = any(s["engine"] for s in steady)          # the store's engine in a process of its own
     for key, label, unit in (("rss", "RSS (MB)", "MB"), ("anon", "  anonymous (MB)", "MB"),
                              ("file", "  file pages (MB)", "MB"), ("engine", "engine process RSS", "MB"),
-                             ("total", "agent + engine RSS", "MB"), ("cpu", "CPU (% of a core)", "pts")):
-        if key in ("engine", "total") and not apart:
+                             ("total", "agent + engine RSS", "MB"), ("cpu_agent", "CPU agent (%)", "pts"),
+                             ("cpu_engine", "CPU engine (%)", "pts"), ("cpu", "CPU agent + engine (%)", "pts")):
+        if key in ("engine", "total", "cpu_engine") and not apart:
             continue
-        ys = [s[key] * (100 if key == "cpu" else 1) for s in steady]
+        ys = [s[key] * (100 if key.startswith("cpu") else 1) for s in steady]
         slope, se, sd = fit(xs, ys)
         first, last = quarter_means(ys)
         print(f"{label:22s}{min(ys):9.1f}{sum(ys) / len(ys):9.1f}{max(ys):9.1f}{first:9.1f}{last:9.1f}"
               f"{last / first if first else float('nan'):11.3f}{slope:+11.3f}{2 * se:9.3f}")
         if key in ("rss", "engine"):
             verdicts.append(("RSS: " if key == "rss" else "engine RSS: ") + rss_trend(xs, ys))
-        elif key == "cpu":
+        elif key.startswith("cpu"):
             within = abs(slope) <= 2 * se
             trend = "no trend" if within else ("GROWTH TREND" if slope > 0 else "falling")
-            verdicts.append(f"CPU: {trend} (slope {slope:+.3f} points/min, noise ±{2 * se:.3f})")
+            verdicts.append(f"{label.strip()}: {trend} (slope {slope:+.3f} points/min, noise ±{2 * se:.3f})")
     for key, label in WATCHED.items():
         ys = [s.get(key, float("nan")) for s in steady]
         first, last = quarter_means(ys)
@@ -197,7 +210,13 @@ def store_counts(data_dir: Path, workload_pid: int) -> dict[str, int]:
         (spans, distinct), = backend.query("SELECT count(), uniqExact(SpanId) FROM spanlet.otel_traces")
         (launches, events), = backend.query(
             f"SELECT countIf(Kind = 'GPU_LAUNCH' AND Pid = {int(workload_pid)}), count() FROM spanlet.kernel_events")
-        return {"spans": spans, "span_ids": distinct, "launches": launches, "events": events}
+        parts = [f"{'active parts of the store at the end':38}{'parts':>8}{'level':>8}{'rows':>14}"
+                 f"{'largest part':>24}"]
+        for table, n, level, rows, big_rows, big_mib in backend.query(
+                "SELECT table, count(), max(level), sum(rows), max(rows), max(bytes_on_disk) / 1048576 "
+                "FROM system.parts WHERE database = 'spanlet' AND active GROUP BY table ORDER BY table"):
+            parts.append(f"  {table:36}{n:8}{level:8}{rows:14,}{big_rows:12,} rows{big_mib:7.1f} MiB")
+        return {"spans": spans, "span_ids": distinct, "launches": launches, "events": events, "parts": parts}
     finally:
         backend.close()
 
@@ -208,7 +227,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
-    ap.add_argument("--warmup", type=float, default=120.0, help="seconds left out of the fit")
+    ap.add_argument("--warmup", type=float, default=None,
+                    help="seconds left out of the fit (default: 120, or an eighth of a run over 16 minutes)")
     ap.add_argument("--spans", type=float, default=200.0, help="spans per second over OTLP/gRPC")
     ap.add_argument("--launches", type=int, default=1000, help="GPU launches per second (each one stored)")
     ap.add_argument("--at", metavar="REF", help="soak the agent of this commit, not this tree's")
@@ -241,7 +261,7 @@ def main() -> int:
                 launches = int(a.launches * seconds)
                 w.send(f"paced {launches} {a.launches}", "go")
                 sender.start()
-                samples = sample(agent.proc.pid, http_port, seconds, a.interval)
+                samples, snaps = sample(agent.proc.pid, http_port, seconds, a.interval)
                 w.until("done")
                 sender.stop.set()
                 sender.join(15)
@@ -255,7 +275,12 @@ def main() -> int:
 
     print(f"soak of {f'the agent at {a.at}' if a.at else 'this tree'}: {a.minutes:g} min of {a.spans:g} spans/s (OTLP/gRPC) and {a.launches:,} GPU launches/s "
           f"(launch_events=all, every launch stored), store chdb, export to an upstream")
-    summarize(samples, a.warmup)
+    summarize(samples, a.warmup if a.warmup is not None else default_warmup(seconds))
+    print()
+    for line in thread_lines(snaps):
+        print(line)
+    for line in stored.get("parts", []):
+        print(line)
     ring_drops = final.get("spanlet_events_dropped_total:gpu_launch", 0)
     print(f"\nspans: sent {sender.sent:,} (failed {sender.failed:,}), stored {stored['spans']:,} "
           f"({stored['span_ids']:,} distinct ids), exported upstream {upstream.spans:,}, "
@@ -273,20 +298,59 @@ def main() -> int:
     return 0
 
 
-def sample(pid: int, http_port: int, seconds: float, interval: float) -> list[dict]:
-    out = []
+class Cpu:
+    """CPU seconds of one process so far, read across a restart of it (the engine's: a new
+    process starts again from 0, so what the old one took up to its last reading is kept)."""
+
+    def __init__(self) -> None:
+        self.pid, self.base, self.last = None, 0.0, 0.0
+
+    def read(self, pid: int | None) -> float:
+        if pid is not None and pid != self.pid:
+            self.pid, self.base = pid, self.base + self.last
+            self.last = 0.0
+        if self.pid is not None:
+            try:
+                self.last = cpu_s(self.pid)
+            except OSError:
+                pass
+        return self.base + self.last
+
+
+def threads_of(pid: int | None) -> dict[str, float]:
+    try:
+        return thread_cpu(pid) if pid is not None else {}
+    except OSError:
+        return {}
+
+
+def sample(pid: int, http_port: int, seconds: float, interval: float) -> tuple[list[dict], list[dict]]:
+    """Samples every `interval` seconds (RSS, the agent's and the engine's CPU share since the last
+    sample, the watched self-metrics) and, at the start and at each quarter of the run, the CPU
+    seconds so far of both processes and of their threads by name."""
+    out, snaps = [], []
+    agent_cpu, engine_cpu = Cpu(), Cpu()
     t0 = time.monotonic()
-    c_prev, t_prev = agent_cpu_s(pid), t0
+
+    def snap(t: float) -> dict:
+        engine = engine_pid(pid)
+        return {"t": t, "agent": agent_cpu.read(pid), "engine": engine_cpu.read(engine),
+                "agent_threads": threads_of(pid), "engine_threads": threads_of(engine)}
+
+    snaps.append(snap(0.0))
+    a_prev, e_prev, t_prev = snaps[0]["agent"], snaps[0]["engine"], t0
     next_at = t0 + interval
     while True:
         time.sleep(max(0.0, next_at - time.monotonic()))
         now = time.monotonic()
-        c = agent_cpu_s(pid)
-        row = {"t": now - t0, **rss_mb(pid), "cpu": (c - c_prev) / (now - t_prev)}
         engine = engine_pid(pid)
+        a, e = agent_cpu.read(pid), engine_cpu.read(engine)
+        row = {"t": now - t0, **rss_mb(pid), "cpu_agent": (a - a_prev) / (now - t_prev),
+               "cpu_engine": (e - e_prev) / (now - t_prev)}
+        row["cpu"] = row["cpu_agent"] + row["cpu_engine"]
         row["engine"] = rss_mb(engine)["rss"] if engine is not None else 0.0
         row["total"] = row["rss"] + row["engine"]
-        c_prev, t_prev = c, now
+        a_prev, e_prev, t_prev = a, e, now
         try:
             metrics = scrape(http_port)
             row.update({k: metrics.get(k, float("nan")) for k in WATCHED})
@@ -294,10 +358,36 @@ def sample(pid: int, http_port: int, seconds: float, interval: float) -> list[di
             pass
         out.append(row)
         print(f"  t={row['t']:6.0f}s  rss {row['rss']:7.1f} MB (anon {row['anon']:7.1f}, file {row['file']:6.1f})"
-              f"  engine {row['engine']:7.1f} MB  cpu {row['cpu']:6.1%}", flush=True)
+              f"  engine {row['engine']:7.1f} MB  cpu {row['cpu_agent']:6.1%} + engine {row['cpu_engine']:6.1%}",
+              flush=True)
+        if row["t"] >= len(snaps) * seconds / 4 - interval / 2 and len(snaps) < 5:
+            snaps.append(snap(row["t"]))
         next_at += interval
         if now - t0 >= seconds:
-            return out
+            return out, snaps
+
+
+def thread_lines(snaps: list[dict]) -> list[str]:
+    """Each process's CPU by quarter of the run, and its threads (by name) that took most of it; what
+    the threads that ended within a quarter took is in neither (hence 'other')."""
+    if len(snaps) < 5:
+        return []
+    spans = [snaps[k + 1]["t"] - snaps[k]["t"] for k in range(4)]
+    out = [f"{'CPU by quarter (% of a core)':38}" + "".join(f"{f'q{k + 1}':>8}" for k in range(4))]
+    for proc in ("agent", "engine"):
+        whole = [(snaps[k + 1][proc] - snaps[k][proc]) / spans[k] for k in range(4)]
+        out.append(f"  {proc + ' process':36}" + "".join(f"{x:8.2%}" for x in whole))
+        first, last = snaps[0][proc + "_threads"], snaps[4][proc + "_threads"]
+        totals = {n: last.get(n, 0.0) - first.get(n, 0.0) for n in last}
+        top = sorted(totals, key=totals.get, reverse=True)[:6]
+        named = [0.0] * 4
+        for name in top:
+            per = [(snaps[k + 1][proc + "_threads"].get(name, 0.0) - snaps[k][proc + "_threads"].get(name, 0.0))
+                   / spans[k] for k in range(4)]
+            named = [x + y for x, y in zip(named, per)]
+            out.append(f"    {'thread ' + name:34}" + "".join(f"{x:8.2%}" for x in per))
+        out.append(f"    {'other':34}" + "".join(f"{x - y:8.2%}" for x, y in zip(whole, named)))
+    return out
 
 
 if __name__ == "__main__":
