@@ -6,6 +6,7 @@
  * pointer dlsym returns for its real name. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <pthread.h>
 #include <semaphore.h>
 #include <stdint.h>
@@ -297,7 +298,12 @@ static void bench_graph(const char *rest)
     printf("benchgraph %llu %llu\n", n, (unsigned long long)(now_ns() - t0));
 }
 
-/* paced N RATE: N cuLaunchKernel calls spread evenly at RATE per second */
+/* paced N RATE: N cuLaunchKernel calls spread evenly at RATE per second. Each
+ * one's time is fixed from the start, so a late wake-up delays one launch, not
+ * the ones after it; up to PACE_SPIN_NS before it the loop spins, and sleeps
+ * until then (a slow pace, e.g. the soak's 1,000/s, would otherwise keep a
+ * core busy that the agent it measures shares). */
+#define PACE_SPIN_NS 100000ull
 static void paced(unsigned long n, double rate)
 {
     unsigned long one[3] = {1, 1, 1};
@@ -306,6 +312,13 @@ static void paced(unsigned long n, double rate)
     double step = 1e9 / rate;
     for (unsigned long i = 0; i < n; i++) {
         uint64_t due = t0 + (uint64_t)(i * step);
+        uint64_t now = now_ns();
+        if (due > now + PACE_SPIN_NS) {
+            uint64_t wake = due - PACE_SPIN_NS;
+            struct timespec ts = {.tv_sec = wake / 1000000000ull, .tv_nsec = wake % 1000000000ull};
+            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+                ;
+        }
         while (now_ns() < due)
             ;
         launch_once(e, FUNC, one, one, 0, NULL);
