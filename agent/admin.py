@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from spanlet import events
 from spanlet.config import Config, redact
+from spanlet.memory import MemoryReport
 from spanlet.metrics import Family, catalogue
 from spanlet.metrics.engine import CgroupNames, JoinStats, NvmlSource, ProbeSources, Stats, StoreStats
 
@@ -247,7 +248,8 @@ class AdminServer:
         self._secrets = cfg.secrets()
         self.handlers: dict[str, Callable[[dict], dict]] = {
             "summary": self.summary, "spans": self.spans, "flows": self.flows,
-            "sandbox": self.sandbox, "gpu": self.gpu, "hints": self.hints}
+            "sandbox": self.sandbox, "gpu": self.gpu, "hints": self.hints, "memory": self.memory}
+        self._memory = MemoryReport()
 
     # -- life cycle ------------------------------------------------------------
     def start(self) -> None:
@@ -553,6 +555,11 @@ class AdminServer:
 
     def hints(self, args: dict) -> dict:
         return self.hints_source()
+
+    def memory(self, args: dict) -> dict:
+        """The agent's own memory (MemoryReport); {"mark": true} keeps this answer as the
+        one the next are compared with."""
+        return self._memory.answer(mark=bool(args.get("mark")))
 
 
 def _redacted(tree: Any, secrets: list[str]) -> Any:

@@ -95,8 +95,10 @@ def _setup_logging(cfg: config_mod.Config) -> None:
 def _run(args: argparse.Namespace) -> int:
     # Before the agent's first thread: each thread would otherwise keep an arena.
     from spanlet.memory import cap_malloc_arenas
+    from spanlet.osthreads import name_os_threads
 
     cap_malloc_arenas()
+    name_os_threads()       # `top -H` shows which of the agent's threads takes what
     try:
         cfg = config_mod.load(args.config, overrides=args.overrides)
     except config_mod.ConfigError as e:

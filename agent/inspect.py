@@ -127,7 +127,7 @@ def render(op: str, answer: dict):
     head = Text(f"spanlet on {answer.get('node', '?')}  {_when(answer.get('time_unix_ns'))} UTC",
                 style="bold")
     parts = [head] + {"summary": _summary, "spans": _spans, "flows": _flows,
-                      "sandbox": _sandbox, "gpu": _gpu, "hints": _hints}[op](d)
+                      "sandbox": _sandbox, "gpu": _gpu, "hints": _hints, "memory": _memory}[op](d)
     return Group(*parts)
 
 
@@ -349,18 +349,52 @@ def _hints(d: dict) -> list:
     return [t]
 
 
+def _signed_bytes(n) -> str:
+    return "-" if n is None else ("+" if n > 0 else "") + _bytes(n)
+
+
+def _memory(d: dict) -> list:
+    then = d["since_mark"] or {}
+    since = f" (change since the mark {then['seconds']:.0f} s ago)" if then else ""
+    t = _table("Agent memory" + since, "part", "now", "change")
+    rows = [(f"RSS {k}", d["rss"].get(k), (then.get("rss") or {}).get(k)) for k in ("rss", "anon", "file")]
+    if d["malloc"] is not None:
+        rows += [(f"malloc {k}", d["malloc"][k], (then.get("malloc") or {}).get(k))
+                 for k in ("in_use", "free", "mmapped")]
+    for label, now, old in rows:
+        t.add_row(label, _bytes(now), "-" if old is None or now is None else _signed_bytes(now - old))
+    py, old_py = d["python"], then.get("python") or {}
+    for k in ("allocated_blocks", "gc_objects"):
+        t.add_row(f"Python {k.replace('_', ' ')}", str(py[k]),
+                  "-" if k not in old_py else f"{py[k] - old_py[k]:+d}")
+    types = _table("Python objects by type (tracked by gc)", "type", "count", "change")
+    for r in py["types"]:
+        types.add_row(r["type"], str(r["count"]), "-" if r["change"] is None else f"{r['change']:+d}")
+    out = [t, types]
+    tm = d["tracemalloc"]
+    if tm is not None:
+        lines = _table(f"Allocations by line (tracemalloc: {_bytes(tm['traced'])} traced)",
+                       "where", "size", "blocks", "change")
+        for r in tm["top"]:
+            lines.add_row(r["where"], _bytes(r["size"]), str(r["count"]), _signed_bytes(r["size_change"]))
+        out.append(lines)
+    return out
+
+
 # -- command ----------------------------------------------------------------------
 
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="show what the running agent sees (its admin socket)")
     p.add_argument("what", nargs="?", default="summary",
-                   choices=["summary", "spans", "flows", "sandbox", "gpu", "hints"])
+                   choices=["summary", "spans", "flows", "sandbox", "gpu", "hints", "memory"])
     p.add_argument("--socket", metavar="PATH",
                    help="admin socket (default: admin_socket of the config: $SPANLET_ADMIN_SOCKET, "
                         "--config, else /run/spanlet/admin.sock)")
     p.add_argument("--config", metavar="FILE", help="read admin_socket from this config file")
     p.add_argument("--pod", help="spans: only this pod's")
     p.add_argument("--slowest", type=int, metavar="N", help="spans: the N slowest")
+    p.add_argument("--mark", action="store_true",
+                   help="memory: keep this answer's figures; later answers show the change since")
     p.add_argument("--json", action="store_true", help="print the agent's answer as JSON")
     p.add_argument("--watch", action="store_true", help="refresh the view until Ctrl-C")
     p.add_argument("--interval", type=float, default=2.0, help="--watch refresh period, s")
@@ -376,17 +410,25 @@ def _socket_path(args) -> str:
         return config_mod.Config.model_fields["admin_socket"].default
 
 
+def _unmarked(req: dict) -> dict:
+    """--watch --mark: the first answer is the mark, the refreshes are compared with it."""
+    return {k: v for k, v in req.items() if k != "mark"}
+
+
 def run(args) -> int:
     path = _socket_path(args)
     req = {}
     if args.what == "spans":
         req = {"pod": args.pod, "slowest": args.slowest}
+    elif args.what == "memory":
+        req = {"mark": args.mark}
     try:
         if args.json:
             while True:
                 print(json.dumps(ask(path, args.what, req), sort_keys=True), flush=True)
                 if not args.watch:
                     return EXIT_OK
+                req = _unmarked(req)
                 time.sleep(args.interval)
         from rich.console import Console
         console = Console()
@@ -394,6 +436,7 @@ def run(args) -> int:
         if not args.watch:
             console.print(render(args.what, answer))
             return EXIT_OK
+        req = _unmarked(req)
         from rich.live import Live
         with Live(render(args.what, answer), console=console, screen=False,
                   auto_refresh=False) as live:

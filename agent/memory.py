@@ -81,3 +81,114 @@ def release_startup_memory(maps_path: str = "/proc/self/maps") -> int:
         if madvise(start, end - start, MADV_PAGEOUT) == 0:
             released += end - start
     return released
+
+
+
+# -- where the agent's memory is, for `spanlet inspect memory` -------------------
+
+def process_rss(status_path: str = "/proc/self/status") -> dict[str, int]:
+    """Bytes resident: rss, and its anon, file and shmem parts (proc(5))."""
+    keys = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+    out: dict[str, int] = {}
+    try:
+        with open(status_path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in keys:
+                    out[keys[key]] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                    "uordblks", "fordblks", "keepcost")     # malloc.h, glibc 2.33
+
+
+def malloc_totals() -> dict[str, int] | None:
+    """glibc's malloc over all its arenas (mallinfo2): in_use (the bytes handed out
+    and not freed, mmapped blocks included), free (held in the arenas, not given
+    back to the kernel), mmapped (blocks of their own mapping), arenas (what the
+    arenas took from the kernel). None where libc is not glibc 2.33 or later."""
+    import ctypes
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS]
+
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except AttributeError:
+        return None
+    fn.restype = Mallinfo2
+    m = fn()
+    return {"in_use": m.uordblks + m.hblkhd, "free": m.fordblks, "mmapped": m.hblkhd,
+            "arenas": m.arena}
+
+
+def python_types() -> dict[str, int]:
+    """The objects the cyclic collector tracks (instances, dicts, lists, tuples of
+    them; not str, bytes or int), counted by type."""
+    import gc
+    from collections import Counter
+
+    return dict(Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects()))
+
+
+def _module_path(filename: str) -> str:
+    """A source file as its module's path: the file less the longest sys.path entry it is under."""
+    import sys
+
+    roots = [p.rstrip("/") + "/" for p in sys.path if p and filename.startswith(p.rstrip("/") + "/")]
+    return filename[len(max(roots, key=len)):] if roots else filename
+
+
+class MemoryReport:
+    """The answer to `spanlet inspect memory`: the process's RSS, malloc's totals,
+    Python's allocated blocks and most numerous object types, and, where the agent
+    runs with PYTHONTRACEMALLOC set, the source lines holding the most memory. A
+    request with mark keeps its figures, and every later answer shows what changed
+    since: the way to tell whether a drift of the RSS is Python objects (and which)
+    or the allocator's."""
+
+    TOP = 20
+
+    def __init__(self):
+        self._mark: dict | None = None
+
+    def answer(self, mark: bool = False) -> dict:
+        import sys
+        import time
+        import tracemalloc
+
+        types = python_types()
+        now = {"rss": process_rss(), "malloc": malloc_totals(),
+               "python": {"allocated_blocks": sys.getallocatedblocks(), "gc_objects": sum(types.values())}}
+        snapshot = None
+        if tracemalloc.is_tracing():
+            snapshot = tracemalloc.take_snapshot().filter_traces(
+                [tracemalloc.Filter(False, tracemalloc.__file__)])
+        then = self._mark
+        out = {**now, "python": dict(now["python"]), "since_mark": None, "tracemalloc": None}
+        if then is None:
+            rows = [{"type": t, "count": n, "change": None} for t, n in types.items()]
+            rows.sort(key=lambda r: -r["count"])
+        else:
+            out["since_mark"] = {"seconds": time.monotonic() - then["at"], "rss": then["rss"],
+                                 "malloc": then["malloc"], "python": then["python"]}
+            rows = [{"type": t, "count": types.get(t, 0), "change": types.get(t, 0) - then["types"].get(t, 0)}
+                    for t in types.keys() | then["types"].keys()]
+            rows.sort(key=lambda r: (-abs(r["change"]), -r["count"]))
+        out["python"]["types"] = rows[:self.TOP]
+        if snapshot is not None:
+            traced, peak = tracemalloc.get_traced_memory()
+            if then is not None and then["snapshot"] is not None:
+                stats = [(s.traceback[0], s.size, s.count, s.size_diff)
+                         for s in snapshot.compare_to(then["snapshot"], "lineno")]
+            else:
+                stats = [(s.traceback[0], s.size, s.count, None) for s in snapshot.statistics("lineno")]
+            out["tracemalloc"] = {"traced": traced, "peak": peak, "top": [
+                {"where": f"{_module_path(frame.filename)}:{frame.lineno}", "size": size, "count": count,
+                 "size_change": change} for frame, size, count, change in stats[:self.TOP]]}
+        if mark:
+            self._mark = {**now, "at": time.monotonic(), "snapshot": snapshot, "types": types}
+        return out

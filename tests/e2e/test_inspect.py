@@ -240,7 +240,20 @@ def test_hints_json(running):
         {m: h["rule"] for m, h in served["hints"].items()}
 
 
-@pytest.mark.parametrize("what", ["summary", "spans", "flows", "sandbox", "gpu", "hints"])
+def test_memory_json(running):
+    first = ask_json(running, "memory", "--mark")
+    assert first["since_mark"] is None          # nothing marked before this ask
+    assert first["rss"]["rss"] == first["rss"]["anon"] + first["rss"]["file"] + first["rss"]["shmem"]
+    assert first["malloc"]["in_use"] > 0 and first["python"]["gc_objects"] > 0
+    d = ask_json(running, "memory")
+    mark = d["since_mark"]
+    assert mark is not None and mark["seconds"] >= 0
+    assert mark["python"]["gc_objects"] == first["python"]["gc_objects"]
+    assert all(isinstance(t["change"], int) for t in d["python"]["types"])
+    assert d["tracemalloc"] is None                # the agent runs without PYTHONTRACEMALLOC
+
+
+@pytest.mark.parametrize("what", ["summary", "spans", "flows", "sandbox", "gpu", "hints", "memory"])
 def test_human_view_fits_80_columns(running, what):
     text = in_pty(what, "--socket", str(running["sock"]))
     if os.environ.get("INSPECT_SHOW"):
@@ -249,7 +262,8 @@ def test_human_view_fits_80_columns(running, what):
     wide = [line for line in text.splitlines() if len(line) > 80]
     assert not wide, "\n".join(wide)
     expect = {"summary": "gpu_launch", "spans": "insp-svc", "flows": "169.254.93.1",
-              "sandbox": "unauthorized", "gpu": str(running["workload_pid"]), "hints": "audio"}
+              "sandbox": "unauthorized", "gpu": str(running["workload_pid"]), "hints": "audio",
+              "memory": "malloc"}
     assert expect[what] in text, text
 
 

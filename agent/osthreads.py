@@ -1,0 +1,42 @@
+"""The agent's threads named in the kernel as in Python (`top -H`, `ps -L`,
+/proc/PID/task/TID/comm): without it every thread of the agent is `python`, and
+what each one costs cannot be told apart from outside. Python 3.14 does this
+itself; before it, a one-shot profile hook names each thread as it starts."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+PR_SET_NAME = 15        # linux/prctl.h; the kernel keeps 15 bytes of it
+TASK_COMM_LEN = 15
+
+
+def _prctl():
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except AttributeError:      # not Linux's libc
+        return None
+
+
+def set_os_name(name: str) -> bool:
+    """This thread's kernel name: `name`, cut to what the kernel keeps."""
+    prctl = _prctl()
+    return prctl is not None and prctl(PR_SET_NAME, name.encode()[:TASK_COMM_LEN], 0, 0, 0) == 0
+
+
+def _name_on_start(*_) -> None:
+    sys.setprofile(None)        # once, at the thread's first call: no cost after
+    set_os_name(threading.current_thread().name)
+
+
+def name_os_threads() -> bool:
+    """Every thread the threading module starts from now on takes its Python name
+    in the kernel too (the main thread keeps the process's). False where Python
+    does it already (3.14) and nothing was set."""
+    if sys.version_info >= (3, 14):
+        return False
+    threading.setprofile(_name_on_start)
+    return True
