@@ -7,6 +7,7 @@ import io
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -27,15 +28,19 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+POOL_THREAD = re.compile(r"_\d+$")
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of the process's live threads, summed by thread name."""
+    """CPU seconds of the process's live threads, summed by thread name (a pool's, numbered
+    name_0, name_1, ... as one)."""
     out: dict[str, float] = {}
     for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
         try:
             text = stat.read_text()
         except OSError:
             continue
-        name = text[text.index("(") + 1:text.rindex(")")]
+        name = POOL_THREAD.sub("", text[text.index("(") + 1:text.rindex(")")])
         fields = text.rsplit(")", 1)[1].split()
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
     return out

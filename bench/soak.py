@@ -20,7 +20,10 @@ raise its working set by ~10 MB to the level it then keeps, and in a long run
 the ~15 minutes in which the agent's malloc arenas and queues settle (~4 MB);
 the RSS of that ramp is printed next to the fitted part's. CPU is the agent's
 and its store engine's apart and summed, with each one's threads by quarter;
-the store's active parts at the end show how large its merges grew.
+the store's active parts at the end show how large its merges grew. The agent's
+memory (`spanlet inspect memory`) is marked at the end of the warm-up and read
+at the end: what of the RSS changed, malloc's or Python's, and which types;
+--tracemalloc N runs the agent under tracemalloc to name the lines too.
 
     sudo .venv/bin/python bench/soak.py [--minutes 10] [--interval 5] [--set KEY=VALUE] [--at REF]
     (or: make soak)
@@ -38,6 +41,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
@@ -53,6 +57,7 @@ from processes import free_port, stop_process  # noqa: E402
 from spanlet.config import OtlpConfig  # noqa: E402
 from spanlet.demo.standin import DRIVER, RUNTIME  # noqa: E402
 from spanlet.exporters.otlp.receiver import OtlpReceiver  # noqa: E402
+from spanlet.inspect import InspectError, ask  # noqa: E402
 
 SPAN_BATCH = 50
 # Self-metrics read at every sample: what would grow if something leaked by design.
@@ -232,6 +237,9 @@ def main() -> int:
     ap.add_argument("--spans", type=float, default=200.0, help="spans per second over OTLP/gRPC")
     ap.add_argument("--launches", type=int, default=1000, help="GPU launches per second (each one stored)")
     ap.add_argument("--at", metavar="REF", help="soak the agent of this commit, not this tree's")
+    ap.add_argument("--tracemalloc", type=int, metavar="FRAMES", default=0,
+                    help="run the agent under tracemalloc (PYTHONTRACEMALLOC=FRAMES) to see which lines "
+                         "hold the memory that changed; its CPU then counts tracemalloc's cost")
     a = agent_bench_args(ap, "the soak", ", after the soak's own, e.g. store.enabled=false")
     seconds = a.minutes * 60
     grpc_port, http_port = free_port(), free_port()
@@ -251,7 +259,7 @@ def main() -> int:
                 f"otlp.upstream_endpoint=http://127.0.0.1:{upstream.rx.grpc_port}",
                 "otlp.upstream_protocol=grpc",
                 f"http_port={http_port}", "http_address=127.0.0.1", *a.agent_set],
-                env=dict(os.environ, PYTHONPATH=str(tree_at(a.at, tmp_path / "tree"))) if a.at else None)
+                env=agent_env(a, tmp_path))
             try:
                 if not agent.wait_running():
                     print("the agent did not start:\n" + "".join(agent.tail), file=sys.stderr)
@@ -261,7 +269,11 @@ def main() -> int:
                 launches = int(a.launches * seconds)
                 w.send(f"paced {launches} {a.launches}", "go")
                 sender.start()
-                samples, snaps = sample(agent.proc.pid, http_port, seconds, a.interval)
+                warmup = a.warmup if a.warmup is not None else default_warmup(seconds)
+                admin_sock = tmp_path / "admin.sock"
+                samples, snaps = sample(agent.proc.pid, http_port, seconds, a.interval,
+                                        (warmup, lambda: agent_memory(admin_sock, mark=True)))
+                memory = agent_memory(admin_sock)
                 w.until("done")
                 sender.stop.set()
                 sender.join(15)
@@ -275,9 +287,11 @@ def main() -> int:
 
     print(f"soak of {f'the agent at {a.at}' if a.at else 'this tree'}: {a.minutes:g} min of {a.spans:g} spans/s (OTLP/gRPC) and {a.launches:,} GPU launches/s "
           f"(launch_events=all, every launch stored), store chdb, export to an upstream")
-    summarize(samples, a.warmup if a.warmup is not None else default_warmup(seconds))
+    if a.tracemalloc:
+        print(f"the agent ran under tracemalloc ({a.tracemalloc} frames): its CPU and RSS count tracemalloc's")
+    summarize(samples, warmup)
     print()
-    for line in thread_lines(snaps):
+    for line in [*thread_lines(snaps), *memory_lines(memory)]:
         print(line)
     for line in stored.get("parts", []):
         print(line)
@@ -296,6 +310,16 @@ def main() -> int:
     if agent.proc.returncode:
         print("".join(agent.tail), file=sys.stderr)
     return 0
+
+
+def agent_env(a, tmp_path: Path) -> dict | None:
+    """The agent's environment: the tree of --at, tracemalloc with --tracemalloc."""
+    env = {}
+    if a.at:
+        env["PYTHONPATH"] = str(tree_at(a.at, tmp_path / "tree"))
+    if a.tracemalloc:
+        env["PYTHONTRACEMALLOC"] = str(a.tracemalloc)
+    return dict(os.environ, **env) if env else None
 
 
 class Cpu:
@@ -324,10 +348,22 @@ def threads_of(pid: int | None) -> dict[str, float]:
         return {}
 
 
-def sample(pid: int, http_port: int, seconds: float, interval: float) -> tuple[list[dict], list[dict]]:
+def agent_memory(admin_sock: Path, mark: bool = False) -> dict | None:
+    """The agent's `inspect memory` answer (and, with mark, the one later answers are compared
+    with); None from an agent without it (--at an older commit)."""
+    try:
+        return ask(str(admin_sock), "memory", {"mark": mark}, timeout=60)["data"]
+    except InspectError as e:
+        print(f"(no memory breakdown from the agent: {e})", file=sys.stderr)
+        return None
+
+
+def sample(pid: int, http_port: int, seconds: float, interval: float,
+           on_warm: tuple[float, Callable[[], None]] | None = None) -> tuple[list[dict], list[dict]]:
     """Samples every `interval` seconds (RSS, the agent's and the engine's CPU share since the last
     sample, the watched self-metrics) and, at the start and at each quarter of the run, the CPU
-    seconds so far of both processes and of their threads by name."""
+    seconds so far of both processes and of their threads by name; on_warm's call once its
+    second of the run has passed."""
     out, snaps = [], []
     agent_cpu, engine_cpu = Cpu(), Cpu()
     t0 = time.monotonic()
@@ -362,9 +398,40 @@ def sample(pid: int, http_port: int, seconds: float, interval: float) -> tuple[l
               flush=True)
         if row["t"] >= len(snaps) * seconds / 4 - interval / 2 and len(snaps) < 5:
             snaps.append(snap(row["t"]))
+        if on_warm is not None and row["t"] >= on_warm[0]:
+            on_warm[1]()
+            on_warm = None
         next_at += interval
         if now - t0 >= seconds:
             return out, snaps
+
+
+def memory_lines(d: dict | None) -> list[str]:
+    """What of the agent's memory changed from the end of the warm-up to the end of the run: the RSS,
+    malloc's totals, Python's blocks and objects (and the types that changed most), tracemalloc's
+    lines where the agent ran with it."""
+    if d is None or d["since_mark"] is None:
+        return []
+    then = d["since_mark"]
+    title = f"agent memory, change over the last {then['seconds'] / 60:.0f} min"
+    out = [f"{title:50}{'then':>12}{'now':>12}{'change':>12}"]
+    rows = [(f"RSS {k} (MB)", then["rss"].get(k), d["rss"].get(k), 2**20) for k in ("rss", "anon", "file")]
+    if d["malloc"] is not None:
+        rows += [(f"malloc {k} (MB)", then["malloc"][k], d["malloc"][k], 2**20)
+                 for k in ("in_use", "free", "mmapped", "arenas")]
+    rows += [(f"Python {k.replace('_', ' ')}", then["python"][k], d["python"][k], 1)
+             for k in ("allocated_blocks", "gc_objects")]
+    for label, old, new, unit in rows:
+        if old is not None and new is not None:
+            out.append(f"  {label:48}{old / unit:12,.1f}{new / unit:12,.1f}{(new - old) / unit:+12,.1f}")
+    out.append("  Python types that changed most (tracked by gc):")
+    out += [f"    {t['type'][-46:]:46}{t['count'] - t['change']:12,}{t['count']:12,}{t['change']:+12,}"
+            for t in d["python"]["types"][:8] if t["change"]]
+    if d["tracemalloc"] is not None:
+        out.append(f"  tracemalloc: {d['tracemalloc']['traced'] / 2**20:.1f} MB traced; lines by change (KB):")
+        out += [f"    {r['where'][-58:]:58}{r['size'] / 1024:10,.0f}{r['size_change'] / 1024:+12,.0f}"
+                for r in d["tracemalloc"]["top"][:12] if r["size_change"]]
+    return out
 
 
 def thread_lines(snaps: list[dict]) -> list[str]:
