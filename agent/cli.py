@@ -94,10 +94,11 @@ def _setup_logging(cfg: config_mod.Config) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     # Before the agent's first thread: each thread would otherwise keep an arena.
-    from spanlet.memory import cap_malloc_arenas
+    from spanlet.memory import cap_malloc_arenas, fix_mmap_threshold
     from spanlet.osthreads import name_os_threads
 
     cap_malloc_arenas()
+    fix_mmap_threshold()
     name_os_threads()       # `top -H` shows which of the agent's threads takes what
     try:
         cfg = config_mod.load(args.config, overrides=args.overrides)

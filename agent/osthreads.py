@@ -5,6 +5,7 @@ itself; before it, a one-shot profile hook names each thread as it starts."""
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 
@@ -13,18 +14,18 @@ TASK_COMM_LEN = 15
 
 
 def _prctl():
-    import ctypes
-
     try:
         return ctypes.CDLL(None, use_errno=True).prctl
     except AttributeError:      # not Linux's libc
         return None
 
 
+_PRCTL = _prctl()    # one handle: a CDLL per thread started leaves its classes to the collector
+
+
 def set_os_name(name: str) -> bool:
     """This thread's kernel name: `name`, cut to what the kernel keeps."""
-    prctl = _prctl()
-    return prctl is not None and prctl(PR_SET_NAME, name.encode()[:TASK_COMM_LEN], 0, 0, 0) == 0
+    return _PRCTL is not None and _PRCTL(PR_SET_NAME, name.encode()[:TASK_COMM_LEN], 0, 0, 0) == 0
 
 
 def _name_on_start(*_) -> None:

@@ -100,3 +100,35 @@ def test_threads_take_their_python_name_in_the_kernel(named_threads):
         t.start()
         t.join()
         assert seen == {"comm": comm, "profile": None}      # named, and the hook gone
+
+
+
+def test_what_the_agent_calls_again_and_again_makes_no_cyclic_garbage():
+    """The heap trim (every minute), a memory report (every ask) and a thread's
+    naming (every thread started) make no objects that only the collector's
+    full passes free: each once made a ctypes.CDLL (or a Structure class), whose
+    classes sit in reference cycles, and `inspect memory` saw them pile up."""
+    import gc
+
+    from spanlet.memory import python_types, trim_heap
+
+    report = MemoryReport()
+
+    def calls():
+        trim_heap()
+        malloc_totals()
+        report.answer()
+        osthreads.set_os_name(threading.current_thread().name)
+
+    calls()                                  # what the first calls make once (caches)
+    gc.collect()
+    gc.disable()                             # what the calls leave for the collector stays counted
+    try:
+        before = python_types()
+        for _ in range(20):
+            calls()
+        after = python_types()
+    finally:
+        gc.enable()
+    grown = {t: after[t] - before.get(t, 0) for t in after if after[t] > before.get(t, 0)}
+    assert not {t: n for t, n in grown.items() if n >= 20}, grown
