@@ -13,7 +13,7 @@ import re
 # One handle on the C library for the whole process: each ctypes.CDLL makes
 # classes of its own for its functions, in reference cycles that only the
 # collector's full passes free (a heap trim a minute, a memory report an ask).
-_libc = ctypes.CDLL(None, use_errno=True)
+LIBC = ctypes.CDLL(None, use_errno=True)
 
 # BCC compiles with the LLVM and clang libraries it links: ~80 MB of their code
 # is paged in by the compiles at start and stays counted in the agent's RSS,
@@ -50,7 +50,7 @@ def _mallopt(param: int, value: int, env_name: str, tunable: str, environ) -> bo
     if env_name in environ or tunable in environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
-        return bool(_libc.mallopt(param, value))
+        return bool(LIBC.mallopt(param, value))
     except AttributeError:      # not glibc
         return False
 
@@ -77,7 +77,7 @@ def trim_heap() -> bool:
     many threads (inserts, merges); the pages they free stay counted in the RSS
     until trimmed. False where nothing was given back, or libc is not glibc."""
     try:
-        return bool(_libc.malloc_trim(0))
+        return bool(LIBC.malloc_trim(0))
     except AttributeError:      # not glibc
         return False
 
@@ -89,7 +89,7 @@ def release_startup_memory(maps_path: str = "/proc/self/maps") -> int:
     Returns the bytes of mappings advised; 0 where the kernel or libc cannot
     (nothing else changes)."""
     trim_heap()
-    madvise = _libc.madvise
+    madvise = LIBC.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     released = 0
     try:
@@ -105,7 +105,6 @@ def release_startup_memory(maps_path: str = "/proc/self/maps") -> int:
         if madvise(start, end - start, MADV_PAGEOUT) == 0:
             released += end - start
     return released
-
 
 
 # -- where the agent's memory is, for `spanlet inspect memory` -------------------
@@ -133,17 +132,19 @@ class _Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS]
 
 
+_mallinfo2 = getattr(LIBC, "mallinfo2", None)
+if _mallinfo2 is not None:
+    _mallinfo2.restype = _Mallinfo2
+
+
 def malloc_totals() -> dict[str, int] | None:
     """glibc's malloc over all its arenas (mallinfo2): in_use (the bytes handed out
     and not freed, mmapped blocks included), free (held in the arenas, not given
     back to the kernel), mmapped (blocks of their own mapping), arenas (what the
     arenas took from the kernel). None where libc is not glibc 2.33 or later."""
-    try:
-        fn = _libc.mallinfo2
-    except AttributeError:
+    if _mallinfo2 is None:
         return None
-    fn.restype = _Mallinfo2
-    m = fn()
+    m = _mallinfo2()
     return {"in_use": m.uordblks + m.hblkhd, "free": m.fordblks, "mmapped": m.hblkhd,
             "arenas": m.arena}
 

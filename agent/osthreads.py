@@ -5,22 +5,16 @@ itself; before it, a one-shot profile hook names each thread as it starts."""
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import threading
+
+from spanlet.memory import LIBC
 
 PR_SET_NAME = 15        # linux/prctl.h; the kernel keeps 15 bytes of it
 TASK_COMM_LEN = 15
 
 
-def _prctl():
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except AttributeError:      # not Linux's libc
-        return None
-
-
-_PRCTL = _prctl()    # one handle: a CDLL per thread started leaves its classes to the collector
+_PRCTL = getattr(LIBC, "prctl", None)       # None: not Linux's libc
 
 
 def set_os_name(name: str) -> bool:
