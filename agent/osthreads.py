@@ -22,6 +22,21 @@ def set_os_name(name: str) -> bool:
     return _PRCTL is not None and _PRCTL(PR_SET_NAME, name.encode()[:TASK_COMM_LEN], 0, 0, 0) == 0
 
 
+def rename(thread: threading.Thread, name: str) -> bool:
+    """A started thread that a library made (and named `Thread-N (target)`)
+    takes `name`, in Python and in the kernel. The Python name goes first: if
+    the one-shot hook has not yet run in that thread, it then sets the same."""
+    thread.name = name
+    if thread.native_id is None:
+        return False
+    try:
+        with open(f"/proc/self/task/{thread.native_id}/comm", "w") as f:
+            f.write(name[:TASK_COMM_LEN])
+    except OSError:         # gone already, or not Linux
+        return False
+    return True
+
+
 def _name_on_start(*_) -> None:
     sys.setprofile(None)        # once, at the thread's first call: no cost after
     set_os_name(threading.current_thread().name)

@@ -34,6 +34,7 @@ from spanlet.exporters.otlp.trust import (BearerToken, Peer, SenderRateLimiter, 
                                           grpc_server_credentials, normal_sender, sender_of_peer,
                                           server_ssl_context)
 from spanlet.exporters.ratelog import RateLimitedLog
+from spanlet.osthreads import rename
 
 try:
     from spanlet._wire import valid_spans as _valid_spans
@@ -367,7 +368,12 @@ class OtlpReceiver:
             raise OSError(f"OTLP gRPC receiver cannot bind {host}:{self._cfg.grpc_port}: {e}") from None
         if not port:
             raise OSError(f"OTLP gRPC receiver cannot bind {host}:{self._cfg.grpc_port}")
+        before = set(threading.enumerate())
         server.start()
+        # gRPC's poll thread, otherwise "Thread-N (_serve)" in `top -H` and the soak's CPU.
+        for t in set(threading.enumerate()) - before:
+            if t.name.endswith("(_serve)"):
+                rename(t, "otlp-grpc-serve")
         self.grpc_port = port
         return server
 

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -369,6 +370,19 @@ def assert_still_serves(r, rec, channel, seed) -> None:
     status, _, body = post(r.http_port, req.SerializeToString())
     assert (status, body) == (200, b"")
     assert len(rec.spans()) == before + 4
+
+
+def test_grpc_poll_thread_is_named_in_python_and_the_kernel(started, channels):
+    before = set(threading.enumerate())
+    rx, rec = started()
+    new = set(threading.enumerate()) - before
+    serving = [t for t in new if t.name == "otlp-grpc-serve"]
+    assert len(serving) == 1 and serving[0].is_alive()
+    assert not [t.name for t in new if t.name.endswith("(_serve)")]
+    comm = Path(f"/proc/self/task/{serving[0].native_id}/comm").read_text().strip()
+    assert comm == "otlp-grpc-serve"
+    raw_export(channels(rx.grpc_port))(make_request(2).SerializeToString())   # and it still serves
+    assert len(rec.spans()) == 2
 
 
 def test_random_and_truncated_payloads_get_invalid_argument_and_memory_stays_flat(started, channels):
