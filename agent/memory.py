@@ -172,7 +172,9 @@ class MemoryReport:
     runs with PYTHONTRACEMALLOC set, the source lines holding the most memory. A
     request with mark keeps its figures, and every later answer shows what changed
     since: the way to tell whether a drift of the RSS is Python objects (and which)
-    or the allocator's."""
+    or the allocator's. Each answer first runs a full collection (tens of ms in
+    the agent), so that the counts and their changes are of live objects, not
+    of cyclic garbage the collector had not yet reached."""
 
     TOP = 20
 
@@ -180,10 +182,12 @@ class MemoryReport:
         self._mark: dict | None = None
 
     def answer(self, mark: bool = False) -> dict:
+        import gc
         import sys
         import time
         import tracemalloc
 
+        gc.collect()
         types = python_types()
         now = {"rss": process_rss(), "malloc": malloc_totals(),
                "python": {"allocated_blocks": sys.getallocatedblocks(), "gc_objects": sum(types.values())}}

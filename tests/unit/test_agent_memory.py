@@ -63,6 +63,28 @@ def test_the_change_since_the_mark_counts_the_objects_made():
     assert gone.get(name, {"change": 0})["change"] == 0
 
 
+class Cyclic:
+    """Instances of this test's own, each in a reference cycle with itself."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_the_counts_are_of_live_objects_not_garbage_awaiting_collection():
+    import gc
+
+    report = MemoryReport()
+    gc.disable()            # as between two of the collector's passes
+    try:
+        report.answer(mark=True)
+        for _ in range(3000):
+            Cyclic()        # unreachable at once, freed only by a collection
+        rows = {t["type"]: t for t in report.answer()["python"]["types"]}
+    finally:
+        gc.enable()
+    assert rows.get(f"{__name__}.Cyclic", {"count": 0})["count"] == 0
+
+
 def test_tracemalloc_lines_where_it_traces():
     report = MemoryReport()
     assert report.answer()["tracemalloc"] is None
