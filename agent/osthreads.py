@@ -8,18 +8,22 @@ from __future__ import annotations
 import sys
 import threading
 
-from spanlet.memory import LIBC
-
-PR_SET_NAME = 15        # linux/prctl.h; the kernel keeps 15 bytes of it
-TASK_COMM_LEN = 15
+TASK_COMM_LEN = 15      # the bytes of a name the kernel keeps
 
 
-_PRCTL = getattr(LIBC, "prctl", None)       # None: not Linux's libc
+def _set_comm(tid: int, name: str) -> bool:
+    """Thread `tid` of this process takes `name` in the kernel, cut to what it keeps."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm", "wb") as f:
+            f.write(name.encode()[:TASK_COMM_LEN])
+    except OSError:         # gone already, or not Linux
+        return False
+    return True
 
 
 def set_os_name(name: str) -> bool:
-    """This thread's kernel name: `name`, cut to what the kernel keeps."""
-    return _PRCTL is not None and _PRCTL(PR_SET_NAME, name.encode()[:TASK_COMM_LEN], 0, 0, 0) == 0
+    """This thread's kernel name: `name`."""
+    return _set_comm(threading.get_native_id(), name)
 
 
 def rename(thread: threading.Thread, name: str) -> bool:
@@ -27,14 +31,7 @@ def rename(thread: threading.Thread, name: str) -> bool:
     takes `name`, in Python and in the kernel. The Python name goes first: if
     the one-shot hook has not yet run in that thread, it then sets the same."""
     thread.name = name
-    if thread.native_id is None:
-        return False
-    try:
-        with open(f"/proc/self/task/{thread.native_id}/comm", "w") as f:
-            f.write(name[:TASK_COMM_LEN])
-    except OSError:         # gone already, or not Linux
-        return False
-    return True
+    return thread.native_id is not None and _set_comm(thread.native_id, name)
 
 
 def _name_on_start(*_) -> None:
