@@ -26,6 +26,9 @@ fi
 # python3-dev: Python.h, for the span marker extension that the install builds.
 debs=(python3-bpfcc bpftool linux-headers-cloud-amd64 iproute2 gcc make libc6-dev
       prometheus python3-venv python3-dev)
+# kubectl (Debian's kubernetes-client) for the manifests' `kubectl kustomize`
+# test, unless a kubectl is already installed (another package of it would clash).
+command -v kubectl >/dev/null || debs+=(kubernetes-client)
 # The image build (scripts/image.sh): podman with runc, and mmdebstrap for the base.
 [ "$image" = 1 ] && debs+=(podman runc mmdebstrap)
 missing=()

@@ -1,28 +1,33 @@
 """Shared fixtures. Kernel tests need root, BCC, tracefs/bpffs and headers;
 where those are missing they skip, except under SPANLET_REQUIRE_KERNEL=1
-(set by CI), where a would-be skip is a failure."""
+(set by CI), where a would-be skip is a failure (at each test's setup, before
+any fixture of it runs). SPANLET_TEST_KERNEL_MISSING=REASON forces the kernel
+check to fail, for the meta-test that proves the switch works."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
 import cuda_standin
+from require import cannot_run
 from gpu_harness import cgroup2_root, remove_cgroup
 
-REQUIRE_KERNEL = os.environ.get("SPANLET_REQUIRE_KERNEL") == "1"
-
-
 def _kernel_missing() -> str | None:
+    if os.environ.get("SPANLET_TEST_KERNEL_MISSING"):
+        return f"forced: {os.environ['SPANLET_TEST_KERNEL_MISSING']}"
     if os.geteuid() != 0:
         return "not root"
     try:
         import bcc  # noqa: F401
     except ImportError as e:
         return f"BCC not importable: {e}"
+    if shutil.which("bpftool") is None:
+        return "bpftool not installed (scripts/setup.sh installs it)"
     from spanlet.probes import node_check
     try:
         node_check.require_mounts()
@@ -44,18 +49,12 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if "kernel" in item.keywords and _MISSING:
-            if REQUIRE_KERNEL:
-                item.add_marker(pytest.mark.usefixtures("_kernel_required"))
-            else:
-                item.add_marker(pytest.mark.skip(reason=f"kernel test: {_MISSING}"))
-
-
-@pytest.fixture
-def _kernel_required():
-    pytest.fail(f"SPANLET_REQUIRE_KERNEL=1 but the kernel tier cannot run: {_MISSING}")
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # At setup, not at collection: a marker added after collection no longer
+    # changes a test's fixtures, so it could not make the test fail.
+    if "kernel" in item.keywords and _MISSING:
+        cannot_run(f"kernel test: {_MISSING}")
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-import cuda_standin
 from netns import Capture, http_request_bytes, linked
 from otlp_upstream import Upstream, agent_config, kernel_attrs, wait_for
 from spanlet.daemon import Daemon

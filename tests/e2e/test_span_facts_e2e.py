@@ -5,7 +5,6 @@ every span must arrive upstream with exactly its own kernel.gpu.launches."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import cuda_standin
 from facts_agent import Agent, running_agent
 from gpu_harness import cgroup_id
 from otlp_upstream import wait_for
+from spanlet.metrics.catalogue import BY_NAME
 
 pytestmark = pytest.mark.kernel
 
@@ -194,20 +194,25 @@ def rss_kb() -> int:
     raise AssertionError("no VmRSS")
 
 
+EVICTED = BY_NAME["spanlet_span_facts_evicted_total"].name    # the catalogue's own entry
+
+
 def evictions_counted(agent: Agent) -> float:
-    """The agent's self-metric of span facts rows lost to the LRU bound, whatever its
-    exact name: samples naming span_facts with "evict" in the name or a label."""
-    found = agent.metric(lambda name, labels: "span_facts" in name and (
-        "evict" in name or any("evict" in v for v in labels.values())))
-    assert found is not None, "no self-metric counts span_facts rows evicted by the LRU"
-    return found
+    """The agent's self-metric of span facts rows lost to the LRU bound, by its
+    catalogue name: exactly one sample of it."""
+    samples = [s for fam in agent.daemon.registry.collect() for s in fam.samples if s.name == EVICTED]
+    assert len(samples) == 1, samples
+    return samples[0].value
 
 
 def test_a_flood_of_marks_for_spans_that_never_arrive_stays_bounded(agent):
     """Spans that each launch once and are never exported, 3 x 2 x the map's bound:
-    the map holds at most its bound, every row pushed out is counted, the agent's
-    memory does not follow the flood, and the next spans are still exact."""
+    the map holds at most its bound, every row made is either still there or
+    counted lost (pushed out, exactly as many as the metric says, or expired),
+    the agent's memory does not follow the flood, and the next spans are still
+    exact."""
     facts = agent.facts
+    present0 = len(facts.rows())               # reading the map refreshes the counts
     before = facts.stats()
     metric0 = evictions_counted(agent)
     rss = []
@@ -218,16 +223,19 @@ def test_a_flood_of_marks_for_spans_that_never_arrive_stays_bounded(agent):
                 rows = facts.rows()
                 rss.append(rss_kb())
                 assert len(rows) <= SPAN_FACTS_MAX
+        present1 = len(facts.rows())
+        after = facts.stats()
+        evicted = evictions_counted(agent) - metric0
     finally:
         for r in facts.rows():     # no row of the flood left to expire under the next tests
             facts.take(r.trace_id, r.span_id)
     flooded = 3 * 2 * SPAN_FACTS_MAX
-    after = facts.stats()
     assert after.created - before.created == flooded
-    lost = (after.evicted - before.evicted) + (after.swept - before.swept)
-    assert lost >= flooded - SPAN_FACTS_MAX
-    assert evictions_counted(agent) - metric0 >= flooded - SPAN_FACTS_MAX - (
-        after.swept - before.swept)
+    assert after.taken == before.taken          # no span came: nothing was taken
+    swept = after.swept - before.swept
+    assert evicted == after.evicted - before.evicted
+    assert evicted + swept == flooded + present0 - present1
+    assert evicted >= flooded - SPAN_FACTS_MAX
     # the first round may warm caches; after it the agent's memory stays where it was
     assert rss[-1] - rss[0] < 8 * 1024, f"RSS grew {rss[-1] - rss[0]} kB over the flood: {rss}"
     with agent.child() as child:

@@ -49,15 +49,25 @@ def test_agent_writes_spans_events_and_metrics_to_chdb(tmp_path):
                 s.attributes.add(key="mm.modality").value.string_value = "text"
             stub = trace_service_pb2_grpc.TraceServiceStub(
                 grpc.insecure_channel(f"127.0.0.1:{agent.spans.receiver.grpc_port}"))
+            # Merges stopped, reads plain (no FINAL, no OPTIMIZE): a merge of the
+            # ReplacingMergeTree would remove a duplicate by itself and hide a
+            # store whose insert deduplication is broken.
+            store = agent.store.sink.backend
+            store.ensure_schema()                     # the sink's own start may not have run yet
+            store.query("SYSTEM STOP MERGES spanlet.otel_traces")
+            stored = lambda: store.query("SELECT count() FROM spanlet.otel_traces")[0][0]  # noqa: E731
             stub.Export(req)
-            stub.Export(req)                          # a retried export: one copy stored
-            wait_for(lambda: agent.store.sink.stats()["rows_written"] >= 10 + 6, 20, "rows stored")
+            wait_for(lambda: stored() == len(spans), 20, "the first export stored")
+            stub.Export(req)                          # a retried export, its own insert
+            wait_for(lambda: agent.store.sink.stats()["rows_written"] >= 2 * len(spans) + 6, 20,
+                     "the retried export's rows sent to the store")
+            assert stored() == len(spans)             # one copy: the engine dropped the retried block
             time.sleep(1.5)                           # a window closes: metric samples
         finally:
             agent.stop()
     db = ChdbBackend(str(data / "chdb"))
     try:
-        db.query("OPTIMIZE TABLE spanlet.otel_traces FINAL")
+        db.query("SYSTEM STOP MERGES spanlet.otel_traces")
         got = db.query("SELECT TraceId, SpanId, toUnixTimestamp64Nano(Timestamp), Duration, "
                        "SpanKind, SpanAttributes['mm.modality'] FROM spanlet.otel_traces "
                        "ORDER BY Timestamp")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from spanlet import config, events
+from spanlet import events
 from spanlet.events import Api, Entry, Modality
 from spanlet.probes.gpu import ENTRY_FNS, probe_sites
 
@@ -288,7 +287,6 @@ def _prog_ids(bpf) -> set[int]:
     return ids
 
 
-@pytest.mark.skipif(shutil.which("bpftool") is None, reason="bpftool missing")
 @pytest.mark.parametrize("multi", [True, False], ids=["uprobe_multi", "perf-events"])
 @pytest.mark.parametrize("timed, programs, uprobes, uretprobes, links", [
     # default: on the driver only, 33 functions: an entry-only uprobe on each

@@ -23,6 +23,7 @@ from spanlet.probes import uprobe_multi
 from spanlet.probes.gpu import DRIVER_HOOKS, probe_sites
 
 import real_cuda
+from require import cannot_run
 from gpu_harness import cgroup_id, counts, launch_line, launches, mine, read_events
 
 pytestmark = pytest.mark.kernel
@@ -39,9 +40,7 @@ def libcuda():
     try:
         return real_cuda.libcuda_dir()
     except real_cuda.FetchError as e:
-        if os.environ.get("SPANLET_REQUIRE_KERNEL") == "1":
-            pytest.fail(f"the real libcuda could not be fetched: {e}")
-        pytest.skip(f"the real libcuda could not be fetched: {e}")
+        cannot_run(f"the real libcuda could not be fetched: {e}")
 
 
 LAUNCHES = [  # (entry point, count, grid, block, shared mem, stream)
@@ -134,9 +133,7 @@ def nvcc_programs(tmp_path_factory):
     """launch.cu built against the shared and the static runtime."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
-        if os.environ.get("SPANLET_REQUIRE_KERNEL") == "1":
-            pytest.fail("nvcc is not on the PATH (these machines carry the CUDA toolkit)")
-        pytest.skip("nvcc is not on the PATH")
+        cannot_run("nvcc is not on the PATH (these machines carry the CUDA toolkit)")
     out = tmp_path_factory.mktemp("cuda_programs")
     built = {}
     for cudart in ("shared", "static"):

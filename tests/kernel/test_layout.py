@@ -2,7 +2,6 @@
 BCC builds ctypes types for map values from the C structs themselves."""
 
 import ctypes
-import textwrap
 
 import pytest
 

@@ -6,6 +6,7 @@ current version without losing them; names and literals cannot inject SQL."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -168,13 +169,60 @@ def test_a_retried_batch_in_the_agents_own_form_is_stored_once(backend, form):
     assert backend.query(f"SELECT count() FROM spanlet.{table}") == [(4,)]
 
 
+SHIPPED = Path(__file__).resolve().parents[1] / "support" / "store_schemas"
+
+
+def shipped_store(path: str, version: int) -> ChdbBackend:
+    """A store made by the statements schema version `version` ran as it
+    shipped (tests/support/store_schemas/vN.sql, never edited)."""
+    b = ChdbBackend(path)
+    text = (SHIPPED / f"v{version}.sql").read_text()
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("--"))
+    for stmt in body.split("\n;;\n"):
+        b.query(stmt)
+    return b
+
+
+def test_every_shipped_schema_is_frozen():
+    assert sorted(p.name for p in SHIPPED.glob("v*.sql")) == [f"v{n}.sql" for n in range(1, schema.SCHEMA_VERSION)]
+
+
+def _shape(b) -> list[tuple]:
+    tables = b.query("SELECT name, engine_full FROM system.tables WHERE database = 'spanlet' "
+                     "AND name != 'schema_version' ORDER BY name")
+    columns = b.query("SELECT table, name, type, default_expression, compression_codec FROM system.columns "
+                      "WHERE database = 'spanlet' ORDER BY table, position")
+    return tables + columns
+
+
+@pytest.mark.parametrize("version", range(1, schema.SCHEMA_VERSION))
+def test_a_store_of_each_shipped_version_is_brought_to_the_shape_of_a_fresh_one(tmp_path, version):
+    fresh = ChdbBackend(str(tmp_path / "fresh"))
+    try:
+        fresh.ensure_schema()
+        want = _shape(fresh)
+    finally:
+        fresh.close()
+    path = str(tmp_path / "old")
+    shipped_store(path, version).close()
+    b = ChdbBackend(path)
+    try:
+        assert b.schema_version() == version
+        assert b.ensure_schema() == schema.SCHEMA_VERSION
+        assert _shape(b) == want
+        assert [v for v, in b.query("SELECT Version FROM spanlet.schema_version FINAL ORDER BY Version")] == \
+            list(range(1, schema.SCHEMA_VERSION + 1))
+    finally:
+        b.close()
+
+
 def test_v1_database_with_rows_is_migrated_without_loss(tmp_path):
     # Recent timestamps: older rows would (rightly) be dropped by the TTL.
     t0 = time.time_ns() - 3_600_000_000_000 + 1
     path = str(tmp_path / "db")
-    b = ChdbBackend(path)
+    b = shipped_store(path, 1)
     try:
-        assert b.ensure_schema(upto=1) == 1
+        assert b.schema_version() == 1
         assert "Node" not in dict(_columns(b, "kernel_events"))
         b.insert("kernel_events", ["Timestamp", "Kind", "Pid", "Tid", "CgroupId", "DurationNs"],
                  [[t0 + i, "GPU_SYNC", 10, 11 + i, 99, 1000 * i]

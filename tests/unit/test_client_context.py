@@ -417,7 +417,6 @@ def test_a_thread_that_exits_inside_a_span_leaves_no_reference_to_it(recorder, t
     assert [r.tid for r in recorder.records()] == [box["tid"]]
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_tells_the_kernel_its_current_span_at_once(recorder, tracer):
     """The child's thread is new to the kernel: it is marked as soon as it runs."""
     with tracer.start_as_current_span("across fork", attributes={"mm.modality": "video"}) as span:

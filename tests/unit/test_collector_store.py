@@ -119,16 +119,112 @@ def test_the_plugins_trace_view_sql_returns_the_trace(store, lookup):
     assert [r[1] for r in b.query(plugin_trace_id_sql(DB, "00" * 16, lookup))] == []
 
 
-def test_spanlets_reads_and_every_dashboard_query_answer(store):
+# Kernel events the dashboards' tests store beside the spans: two sandbox
+# violations of pool 7 by two pods (one inside span 1 of TRACE) and a launch.
+EVENT_COLUMNS = ["Timestamp", "Kind", "Pid", "Tid", "TraceId", "SpanId", "K8sNamespace", "K8sPodName",
+                 "Rule", "Action", "PoolId", "Len", "PoolMaxBytes"]
+EVENTS = [
+    [NOW + 2 * 10**9, "SANDBOX", 40, 41, TRACE.hex(), f"{1:016x}", "prod", "web-0", "unauthorized", "audit",
+     7, 8192, 1 << 20],
+    [NOW + 4 * 10**9, "SANDBOX", 50, 51, "", "", "prod", "web-1", "unauthorized", "audit", 7, 4096, 1 << 20],
+    [NOW + 5 * 10**9, "GPU_LAUNCH", 40, 42, OTHER.hex(), f"{4:016x}", "prod", "web-0", "", "", 0, 0, 0],
+]
+INTERVAL_S = 30
+
+
+def _bucket(at_s: int) -> str:
+    """toStartOfInterval(toDateTime(NOW + at_s), 30 s) as the store prints it (UTC)."""
+    t = (NOW // 10**9 + at_s) // INTERVAL_S * INTERVAL_S
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+
+
+def _by_bucket(items) -> list[tuple]:
+    """[(at_s, key, value)] summed per (30 s bucket, key), in the panels' order."""
+    out: dict[tuple[str, str], float] = {}
+    for at_s, key, value in items:
+        out[(_bucket(at_s), key)] = out.get((_bucket(at_s), key), 0) + value
+    return sorted((b, k, v) for (b, k), v in out.items())
+
+
+def _cols(*idx):
+    return lambda got: [tuple(r[i] for i in idx) for r in got]
+
+
+# What every dashboard query answers on the store's four spans and three events,
+# by (dashboard, panel): (a projection of the rows, the rows it must give).
+_ALL = lambda got: [tuple(r) for r in got]  # noqa: E731
+_SORTED = lambda got: sorted(tuple(r) for r in got)  # noqa: E731   (ORDER BY time only: keys in any order)
+SID = [f"{i:016x}" for i in range(5)]
+TRACE_VIEW = (_cols(0, 1, 2, 3, 4, 5, 9), [(TRACE.hex(), SID[i], f"step-{i}", "", SERVICE, 5.0, 2 if i == 1 else 0)
+                                         for i in (1, 2, 3)])
+DASHBOARD_ANSWERS = {
+    ("spanlet / Request drill-down", "variable namespace"): (_ALL, [("prod",)]),
+    ("spanlet / Request drill-down", "variable pod"): (_ALL, [("web-0",)]),
+    ("spanlet / Request drill-down", "variable service"): (_ALL, [(SERVICE,)]),
+    ("spanlet / Request drill-down", "Spans in range"): (_ALL, [(4,)]),
+    ("spanlet / Request drill-down", "Spans with kernel facts"): (_ALL, [(1,)]),
+    ("spanlet / Request drill-down", "GPU stall time in range"): (_ALL, [(10_000 / 1e9,)]),
+    ("spanlet / Request drill-down", "Kernel events in range"): (_ALL, [(3,)]),
+    ("spanlet / Request drill-down", "Spans and their kernel facts (newest first)"): (
+        _cols(1, 2, 6, 8, 10, 11, 15), [(TRACE.hex(), SID[2], "Internal", "Unset", "web-0", 20, 2000),
+                                        (TRACE.hex(), SID[3], "Client", "Unset", "web-0", 30, 3000),
+                                        (OTHER.hex(), SID[4], "Server", "Unset", "web-0", 40, 4000),
+                                        (TRACE.hex(), SID[1], "Server", "Error", "web-0", 10, 1000)]),
+    ("spanlet / Request drill-down",
+     "Spans and their kernel facts (newest first) / link: Trace view (ClickHouse store)"): TRACE_VIEW,
+    ("spanlet / Request drill-down", "Slowest GPU stalls"): (
+        _cols(2, 6, 7), [(SID[4], 4000, 4000 / 5_000_000), (SID[3], 3000, 3000 / 5_000_000),
+                         (SID[2], 2000, 2000 / 5_000_000), (SID[1], 1000, 1000 / 5_000_000)]),
+    ("spanlet / Request drill-down", "GPU stall per interval by service"): (
+        _SORTED, [(b, k, v / 1e9) for b, k, v in _by_bucket(
+            [(0, SERVICE, 1000), (3, SERVICE, 2000), (3, SERVICE, 3000), (1, SERVICE, 4000)])]),
+    ("spanlet / Request drill-down", "Sandbox violations"): (
+        _cols(1, 2, 4, 5, 6, 7, 8, 9, 10, 11), [("prod", "web-1", 50, 51, "unauthorized", "audit", 7, 4096, "", ""),
+                                                ("prod", "web-0", 40, 41, "unauthorized", "audit", 7, 8192,
+                                                 TRACE.hex(), SID[1])]),
+    ("spanlet / Request drill-down", "Kernel events (newest first)"): (
+        _cols(1, 3, 4, 5, 6, 7), [("GPU_LAUNCH", "web-0", 40, 42, OTHER.hex(), SID[4]),
+                                  ("SANDBOX", "web-1", 50, 51, "", ""),
+                                  ("SANDBOX", "web-0", 40, 41, TRACE.hex(), SID[1])]),
+    ("spanlet / Request drill-down", "Kernel events per interval by kind"): (
+        _SORTED, _by_bucket([(2, "SANDBOX", 1), (4, "SANDBOX", 1), (5, "GPU_LAUNCH", 1)])),
+    ("spanlet / Sandbox", "By pool, rule and action in the time range"): (
+        _cols(0, 1, 2, 3, 4, 5, 6, 7), [(7, "unauthorized", "audit", 2, 2, 2, 8192, 1 << 20)]),
+    ("spanlet / Sandbox", "Violations per interval by pool"): (
+        _SORTED, _by_bucket([(2, "pool 7", 1), (4, "pool 7", 1)])),
+    ("spanlet / Sandbox", "Recent violations"): (
+        _cols(3, 5, 6, 7, 8, 9, 10, 11, 14, 15), [("web-1", 50, 51, "unauthorized", "audit", 7, 4096, 1 << 20, "", ""),
+                                                  ("web-0", 40, 41, "unauthorized", "audit", 7, 8192, 1 << 20,
+                                                   TRACE.hex(), SID[1])]),
+    ("spanlet / Sandbox", "Recent violations / link: Trace view (ClickHouse store)"): TRACE_VIEW,
+}
+
+
+def _numbers(rows: list[tuple]) -> list[tuple]:
+    """JSON numbers as the store prints them (UInt64 as text, floats rounded)."""
+    def one(v):
+        if isinstance(v, str) and v.isdigit():
+            return int(v)
+        return round(v, 12) if isinstance(v, float) else v
+    return [tuple(one(v) for v in r) for r in rows]
+
+
+def test_spanlets_reads_and_every_dashboard_query_answer_exactly(store):
     _, b, _ = store
     spans = queries.recent_pod_spans(b, DB, "web-0", "prod", limit=10)
     assert {r["span_id"] for r in spans} == {f"{i:016x}" for i in (1, 2, 3, 4)}
     stalls = queries.slowest_gpu_stall_spans(b, DB, limit=2)
     assert [r["gpu_sync_wait_ns"] for r in stalls] == [4000, 3000]
     assert queries.sandbox_violations(b, DB) == []
+    b.insert(schema.KERNEL_EVENTS, EVENT_COLUMNS, EVENTS)
+    answered = set()
     for dash, panel, sql in gq.clickhouse_queries(DB, since_ns=NOW - 3600 * 10**9, until_ns=NOW + 60 * 10**9,
-                                                  interval_s=30, trace_id=TRACE.hex()):
-        b.query(sql)                                # answers (no ILLEGAL_FINAL, no unknown table)
+                                                  interval_s=INTERVAL_S, trace_id=TRACE.hex()):
+        assert (dash, panel) in DASHBOARD_ANSWERS, f"no known answer for {dash} / {panel}: {sql}"
+        project, want = DASHBOARD_ANSWERS[dash, panel]
+        assert _numbers(project(b.query(sql))) == _numbers(want), f"{dash} / {panel}: {sql}"
+        answered.add((dash, panel))
+    assert answered == set(DASHBOARD_ANSWERS)
 
 
 def test_a_table_without_a_column_spanlet_writes_is_refused_in_one_line(tmp_path, caplog):

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 import prometheusrule
+from require import cannot_run
 
 ROOT = Path(__file__).resolve().parents[2]
 DS = ROOT / "daemonset"
@@ -95,7 +96,7 @@ def test_kustomize_builds_every_object():
     import subprocess
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        pytest.skip("kubectl not installed: `kubectl kustomize` not checked")
+        cannot_run("kubectl not installed (scripts/setup.sh installs Debian's kubernetes-client)")
     p = subprocess.run([kubectl, "kustomize", str(DS)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     built = sorted((d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(p.stdout) if d)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from require import cannot_run
 from spanlet.probes import node_check, privileges
 
 
@@ -114,8 +115,9 @@ def test_without_sys_admin_bpf_and_perfmon_leave_the_pinned_maps_unopened():
     assert "NET_ADMIN" not in p.needed          # tc disabled
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="bpf() needs root")
 def test_memcg_probe_on_this_kernel_creates_maps_under_a_zero_memlock_limit():
+    if os.geteuid() != 0:
+        cannot_run("bpf() needs root")
     # Kernels from 5.11 on charge maps to the memory cgroup: this one is 6.x.
     major, minor = (int(x) for x in os.uname().release.split(".")[:2])
     assert privileges.memcg_charged() is ((major, minor) >= (5, 11))

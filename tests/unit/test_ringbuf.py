@@ -12,12 +12,18 @@ import sys
 
 import pytest
 
+from require import cannot_run
 from fake_ring import PAGE, FakeRing, random_record
 from spanlet import events
 from spanlet.probes import ringbuf
 from spanlet.probes.base import Probe
 
-pytestmark = pytest.mark.skipif(not ringbuf.NATIVE, reason="spanlet._ring is not built")
+
+
+@pytest.fixture(autouse=True)
+def _native_reader_built():
+    if not ringbuf.NATIVE:
+        cannot_run("spanlet._ring is not built (every build of the package builds it)")
 
 
 def det_clock(cls=events.MonotonicClock):

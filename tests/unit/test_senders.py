@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
 
 import pytest
 from kubernetes import client

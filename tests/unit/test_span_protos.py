@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import math
 import random
-import re
 import struct
 import time
 

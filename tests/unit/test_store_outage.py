@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from require import cannot_run
 from clickhouse_standin import HUNG, REFUSED, UNAVAILABLE_503, UP, ChdbHttpStandin
 from spanlet.exporters.clickhouse.http_backend import HttpBackend
 from spanlet.exporters.clickhouse.sink import DROP_SPOOL_FULL, ClickHouseSink
 from store_load import BASE_NS, KERNEL_EVENTS, STORED_SQL, TRACES, Feed, offered_ids
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
-REQUIRE_KERNEL = os.environ.get("SPANLET_REQUIRE_KERNEL") == "1"
 
 
 def wait_for(pred, timeout_s: float, what: str) -> None:
@@ -70,9 +70,7 @@ def _private_mount_namespace(probe_dir: Path) -> list[str]:
         if shutil.which(prefix[0]) and subprocess.run(prefix + probe, capture_output=True).returncode == 0:
             return prefix
     reason = "no private mount namespace (unshare) to give the embedded store a disk that fills up"
-    if REQUIRE_KERNEL:
-        pytest.fail(reason)
-    pytest.skip(reason)
+    cannot_run(reason)
 
 
 def test_chdb_store_disk_full_then_freed_and_a_restart_keep_every_row_within_the_bounds(tmp_path):
