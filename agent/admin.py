@@ -17,7 +17,7 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any, Callable
 
-from spanlet import events
+from spanlet import events, runtimes
 from spanlet.config import Config, redact
 from spanlet.memory import MemoryReport
 from spanlet.metrics import Family, catalogue
@@ -438,8 +438,24 @@ class AdminServer:
                                 self.join.batch_pending())),
                      "by_pod": self._trust()},
             "exporters": exporters,
+            "thread_only": self._thread_only(),
             "metrics": metric_rows(self.families()),
         }
+
+    def _thread_only(self) -> list[dict]:
+        """The instrumented processes whose spans are followed per thread only,
+        and why (their marks' follow flags)."""
+        span_ctx = next((p for p in self.probes if p.name == "span_ctx" and p.status.attached), None)
+        if span_ctx is None:
+            return []
+        out = []
+        for pid, flags in sorted(span_ctx.thread_only_processes().items()):
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                comm = ""
+            out.append({"pid": pid, "comm": comm, "runtimes": runtimes.names(flags)})
+        return out
 
     def _trust(self) -> list[dict]:
         """Per cgroup (pod): foreign facts rows it made that a span of another

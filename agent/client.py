@@ -20,11 +20,18 @@ thread's OTel context changes, once per process:
 - ``opentelemetry.context.attach`` and ``detach`` (``start_as_current_span``,
   ``use_span``, an explicit ``attach`` in a worker thread): the runtime
   context is wrapped;
-- asyncio: every callback of the standard event loops, task steps included,
-  runs through ``asyncio.Handle._run``, which marks the span current in the
-  callback's own context first, so coroutines of different spans interleaving
-  on one thread each run with their own span marked; when ``run_forever``
-  returns, the thread's own context is marked again;
+- asyncio tasks, on any loop that runs ``asyncio.Task`` (asyncio's own,
+  uvloop, eager tasks): each task's coroutine is wrapped, as the task is made,
+  in the marker's ``FollowedCoroutine``, whose every step (C) marks the span
+  current in the task's own context as it begins and marks again what the
+  thread held before as it ends. So coroutines of different spans
+  interleaving on one thread each run with their own span marked, and the
+  loop's own callbacks between steps run outside them. The wrapping is put
+  in a task's way where the task is made: asyncio's ``create_task``; on any
+  other loop (uvloop), a task factory set on the loop when ``asyncio.Runner``
+  makes it (``asyncio.run``, ``uvloop.run``, uvicorn) or when it starts
+  running, chained before the factory the loop had (an app's own, or
+  ``asyncio.eager_task_factory``, whose first eager step is followed too);
 - ``concurrent.futures.ThreadPoolExecutor`` work items that run in a copied
   context (``submit(ctx.run, fn)``, ``functools.partial(ctx.run, ...)`` as
   ``asyncio.to_thread`` and ``run_in_executor`` with a copied context make):
@@ -48,14 +55,17 @@ So:
 - A marker call speaks for the calling thread only: a span ended on another
   thread stays marked in the thread where it is current until that thread's
   context next changes.
-- Not followed: event loops that do not run their callbacks through
-  ``asyncio.Handle`` (uvloop, for example: its coroutines share one mark,
-  that of the last context change seen on the thread); a
+- Not followed: plain loop callbacks run in a context of their own
+  (``call_soon(fn, context=ctx)``: they run with the thread's mark); a
   ``contextvars.Context.run`` outside those hooks (a hand-made executor or
   thread that runs ``copy_context().run(fn)``; spans started inside are still
   seen); threads started by C extensions, which run no Python context; a
   runtime context other than OTel's default (``OTEL_PYTHON_CONTEXT``): only
-  attach and detach are followed then.
+  attach and detach are followed then. Requests that run on trio, gevent or
+  eventlet, or on a loop whose tasks could not be given the factory, are
+  followed per thread only: found at the process's first span starts
+  (spanlet/runtimes.py), said once in a warning, and carried by every mark
+  to the agent, which counts and shows such processes.
 
 Per span this keeps one tuple, on the span object itself; per thread the
 extension keeps the last mark's integers (C thread-local: no reference, gone
@@ -77,8 +87,12 @@ OpenTelemetry API and SDK.
 
 from __future__ import annotations
 
+import asyncio
 import asyncio.base_events
 import asyncio.events
+import asyncio.runners
+import asyncio.tasks
+import collections.abc
 import concurrent.futures.thread
 import contextvars
 import functools
@@ -87,7 +101,9 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import sys
 import threading
+import types
 import weakref
 
 import opentelemetry.context as otel_context
@@ -104,9 +120,10 @@ LIB_ENV = "SPANLET_MARKER_LIB"
 # The extension's module name; a build loaded from a path is loaded under it too
 # (its init function is PyInit_libspanlet_marker).
 MARKER_MODULE = "spanlet.libspanlet_marker"
-ABI_VERSION = 4
+ABI_VERSION = 5
 # name -> number; spanlet.modality is stdlib only, so no agent part comes with it
 from spanlet.modality import NUMBERS as MODALITIES  # noqa: E402
+from spanlet import runtimes  # noqa: E402  (stdlib only too)
 
 _CLEAR = (0, 0, 0)  # mark()'s arguments for "in no span"
 # The attribute of a span object that holds its mark() arguments (written as
@@ -117,6 +134,7 @@ _warn_lock = threading.Lock()
 _warned = False
 _libs_lock = threading.Lock()
 _libs: dict[str, object] = {}  # path (or MARKER_MODULE) -> its mark, or None
+_FOLLOWED_TYPES: set[type] = set()  # the FollowedCoroutine types of the markers loaded
 
 
 def _warn_once(message: str, *args, exc_info: bool = False) -> None:
@@ -169,9 +187,12 @@ def _checked_marker(module):
     version = getattr(module, "ABI_VERSION", None)
     if version != ABI_VERSION:
         raise ValueError(f"marker ABI version {version}, this client speaks {ABI_VERSION}")
-    for name in ("mark", "follow", "unmark", "forget", "Follower"):
+    for name in ("mark", "follow", "unmark", "forget", "set_follow_flags", "Follower", "FollowedCoroutine"):
         if not callable(getattr(module, name, None)):
             raise AttributeError(f"no {name}() in {module.__file__}")
+    # A Task takes any registered Coroutine: the wrapped coroutines of the task factory
+    collections.abc.Coroutine.register(module.FollowedCoroutine)
+    _FOLLOWED_TYPES.add(module.FollowedCoroutine)
     return module
 
 
@@ -270,7 +291,8 @@ def _make_follower(marker, runtime: _FollowingRuntimeContext | None):
     return marker.Follower(
         span_type=_SdkSpan, readable_type=ReadableSpan, context_type=Context, span_key=_SPAN_KEY,
         modalities=MODALITIES, modality_key=MODALITY_ATTRIBUTE, entry_of=_entry_for,
-        start_of=_keep_entry, report=_report, var=var, runtime=None if var is not None else inner)
+        start_of=_keep_entry, report=_report, var=var, runtime=None if var is not None else inner,
+        first_start=_look_at_runtime)
 
 
 # The processor's methods that are the Follower's, set on the instance, while
@@ -299,29 +321,129 @@ def _wire() -> None:
                 setattr(processor, name, getattr(follower, name))
 
 
-def _wrap_handle_run(run):
-    @functools.wraps(run)
-    def _run(self):
-        follower = _follower
-        if follower is not None:
-            try:
-                follower.follow_context(self._context)
-            except Exception:
-                pass
-        return run(self)
-    _run.__spanlet_wraps__ = run
-    return _run
+# -- asyncio tasks: every step followed, on any loop that runs asyncio.Task ------
+
+def _followed(coro):
+    """The task's coroutine wrapped so that each of its steps is followed
+    (as it is, where nothing follows, it is no coroutine, or it is wrapped)."""
+    follower = _follower
+    if follower is None or type(coro) in _FOLLOWED_TYPES:
+        return coro
+    if type(coro) is not types.CoroutineType and not asyncio.iscoroutine(coro):
+        return coro  # not a coroutine: the Task's own check speaks for it
+    return follower.wrap(coro)
 
 
-def _wrap_run_forever(run_forever):
-    @functools.wraps(run_forever)
-    def run_forever_then_follow(self, *args, **kwargs):
-        try:
-            return run_forever(self, *args, **kwargs)
-        finally:
-            _follow_current()
-    run_forever_then_follow.__spanlet_wraps__ = run_forever
-    return run_forever_then_follow
+def _following_factory(inner):
+    """A task factory that wraps each task's coroutine, then makes the task
+    as `inner` (a loop's factory; None: asyncio.Task, as loops do without one)."""
+    if getattr(inner, "__spanlet_follows__", False):
+        return inner
+
+    def follow_task_steps(loop, coro, **kwargs):
+        coro = _followed(coro)
+        if inner is None:
+            return asyncio.Task(coro, loop=loop, **kwargs)
+        return inner(loop, coro, **kwargs)
+    follow_task_steps.__spanlet_follows__ = True
+    follow_task_steps.__wrapped__ = inner
+    return follow_task_steps
+
+
+def _loop_followed(loop) -> bool:
+    """Whether the tasks `loop` makes are followed: asyncio's own loops (their
+    create_task is hooked), or a loop given the following factory."""
+    if isinstance(loop, asyncio.base_events.BaseEventLoop):
+        return True
+    get = getattr(loop, "get_task_factory", None)
+    try:
+        return get is not None and getattr(get(), "__spanlet_follows__", False)
+    except Exception:
+        return False
+
+
+def _follow_tasks_of(loop) -> bool:
+    """Give a loop that is not asyncio's own (uvloop) the following task
+    factory, chained before the one it has; whether its tasks are followed."""
+    if loop is None or _loop_followed(loop):
+        return True
+    try:
+        loop.set_task_factory(_following_factory(loop.get_task_factory()))
+    except Exception:
+        return False
+    return True
+
+
+def _wrap_create_task(create_task):
+    @functools.wraps(create_task)
+    def create_task_followed(self, coro, *args, **kwargs):
+        return create_task(self, _followed(coro), *args, **kwargs)
+    create_task_followed.__spanlet_wraps__ = create_task
+    return create_task_followed
+
+
+def _wrap_lazy_init(lazy_init):
+    @functools.wraps(lazy_init)
+    def lazy_init_then_follow(self, *args, **kwargs):
+        result = lazy_init(self, *args, **kwargs)
+        _follow_tasks_of(getattr(self, "_loop", None))
+        return result
+    lazy_init_then_follow.__spanlet_wraps__ = lazy_init
+    return lazy_init_then_follow
+
+
+def _wrap_set_running_loop(set_running_loop):
+    @functools.wraps(set_running_loop)
+    def set_running_loop_followed(loop):
+        if loop is not None and _follower is not None:
+            _follow_tasks_of(loop)
+        return set_running_loop(loop)
+    set_running_loop_followed.__spanlet_wraps__ = set_running_loop
+    return set_running_loop_followed
+
+
+def _wrap_eager_factory(factory):
+    followed = _following_factory(factory)
+    followed.__spanlet_wraps__ = factory
+    return followed
+
+
+def _wrap_make_eager_factory(make):
+    @functools.wraps(make)
+    def make_followed(*args, **kwargs):
+        return _following_factory(make(*args, **kwargs))
+    make_followed.__spanlet_wraps__ = make
+    return make_followed
+
+
+# -- what the process's requests run on, looked at while its first spans start -----
+
+_LOOKS = 1000          # span starts looked at for a running loop before giving up
+_looks_left = _LOOKS
+_follow_flags = 0      # runtimes.NotFollowed flags found (0: every span followed per coroutine)
+
+
+def _look_at_runtime() -> bool:
+    """Called by the Follower at the process's first span starts: finds what
+    its requests run on that spanlet cannot follow per coroutine, sets the
+    flags in the marker (every mark carries them to the agent) and says so
+    once. True: look again at the next span start (no event loop seen yet)."""
+    global _looks_left, _follow_flags
+    loop = asyncio.events._get_running_loop()
+    followed = loop is None or _follow_tasks_of(loop)
+    flags = runtimes.detect(sys.modules, loop, followed)
+    _looks_left -= 1
+    if flags and flags != _follow_flags:
+        _follow_flags = flags
+        for ref in list(_owners):
+            processor = ref()
+            if processor is not None and processor._marker is not None:
+                processor._marker.set_follow_flags(flags)
+        logger.warning("spanlet: this process's requests run on %s: its spans are followed per thread "
+                       "only (kernel facts of requests sharing a thread may land on each other's spans)",
+                       " and ".join(runtimes.names(flags)))
+        return False
+    return loop is None and _looks_left > 0
 
 
 def _copied_context_of(fn) -> contextvars.Context | None:
@@ -356,10 +478,17 @@ def _wrap_work_item_run(run):
 _hooks_lock = threading.Lock()
 _hooked = False
 _forked_hook = False
-# (owner, attribute name, the wrapper factory) of each hook on a class.
+# (owner, attribute name, the wrapper factory) of each hook on a class or a
+# module (where the name is missing, as eager tasks before 3.12, none).
 _CLASS_HOOKS = (
-    (asyncio.events.Handle, "_run", _wrap_handle_run),
-    (asyncio.base_events.BaseEventLoop, "run_forever", _wrap_run_forever),
+    (asyncio.base_events.BaseEventLoop, "create_task", _wrap_create_task),
+    (asyncio.runners.Runner, "_lazy_init", _wrap_lazy_init),
+    (asyncio.events, "_set_running_loop", _wrap_set_running_loop),
+    (asyncio, "_set_running_loop", _wrap_set_running_loop),   # what uvloop binds at its import
+    (asyncio.tasks, "eager_task_factory", _wrap_eager_factory),
+    (asyncio, "eager_task_factory", _wrap_eager_factory),
+    (asyncio.tasks, "create_eager_task_factory", _wrap_make_eager_factory),
+    (asyncio, "create_eager_task_factory", _wrap_make_eager_factory),
     (concurrent.futures.thread._WorkItem, "run", _wrap_work_item_run),
 )
 
@@ -382,7 +511,10 @@ def _install_hooks() -> None:
         if type(runtime.inner) is not ContextVarsRuntimeContext:
             return  # no contextvar to read another context's span from
         for owner, name, wrap in _CLASS_HOOKS:
-            setattr(owner, name, wrap(getattr(owner, name)))
+            if hasattr(owner, name):
+                setattr(owner, name, wrap(getattr(owner, name)))
+        # a loop already running on this thread (a processor made inside a coroutine)
+        _follow_tasks_of(asyncio.events._get_running_loop())
 
 
 def _remove_hooks() -> None:
@@ -397,12 +529,14 @@ def _remove_hooks() -> None:
         if isinstance(runtime, _FollowingRuntimeContext):
             otel_context._RUNTIME_CONTEXT = runtime.inner
         for owner, name, _ in _CLASS_HOOKS:
-            original = getattr(getattr(owner, name), "__spanlet_wraps__", None)
+            original = getattr(getattr(owner, name, None), "__spanlet_wraps__", None)
             if original is not None:
                 setattr(owner, name, original)
 
 
 def _remark_after_fork() -> None:
+    global _looks_left
+    _looks_left = _LOOKS   # the child may run on something else (a gevent worker): look again
     for ref in list(_owners):
         processor = ref()
         if processor is not None and processor._marker is not None:

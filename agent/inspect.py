@@ -134,8 +134,16 @@ def render(op: str, answer: dict):
 def _summary(d: dict) -> list:
     trust = _trust_table(d["join"].get("by_pod") or [])
     return [*_probes(d["probes"], d["nvml"]), _join_line(d["join"]), *trust,
+            *_thread_only_lines(d.get("thread_only") or []),
             _exporters_table(d["exporters"]), *_senders_line(d["exporters"]),
             _metrics_table(d["metrics"])]
+
+
+def _thread_only_lines(rows: list) -> list:
+    """One line per process whose spans are followed per thread only."""
+    from rich.text import Text
+    return [Text(f"pid {r['pid']} ({r['comm']}): requests on {' and '.join(r['runtimes'])}: its spans are "
+                 "followed per thread only", style="yellow") for r in rows]
 
 
 def _trust_table(rows: list) -> list:

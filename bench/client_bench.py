@@ -1,5 +1,6 @@
 """Cost of SpanletSpanProcessor to an instrumented app, with the processor and
-without it side by side in one run: µs per span edge and per asyncio task switch.
+without it side by side in one run: µs per span edge and per task switch, on
+asyncio's loop and on uvloop (each task step wrapped and followed).
 
 "Without" runs with the client's process-wide context hooks removed, so it is
 the SDK as it is without spanlet; "with" has them installed, as any process
@@ -22,6 +23,8 @@ import asyncio
 import statistics
 import sys
 import time
+
+import uvloop
 
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
@@ -65,7 +68,7 @@ def ns_per_edge_direct(processor, spans: int, tracer) -> float:
     return elapsed / (2 * spans)
 
 
-def ns_per_task_switch(tracer, steps: int, tasks: int = 4, spans: bool = True) -> float:
+def ns_per_task_switch(tracer, steps: int, tasks: int = 4, spans: bool = True, run=asyncio.run) -> float:
     """`tasks` coroutines on one event loop, each in its own span (or in none),
     each yielding `steps` times: ns per task step, every step a switch to
     another task (and, with spans, to another span)."""
@@ -79,12 +82,12 @@ def ns_per_task_switch(tracer, steps: int, tasks: int = 4, spans: bool = True) -
             for _ in range(steps):
                 await asyncio.sleep(0)
 
-    async def run() -> int:
+    async def main() -> int:
         start = clock()
         await asyncio.gather(*(worker(i) for i in range(tasks)))
         return clock() - start
 
-    return asyncio.run(run()) / (tasks * steps)
+    return run(main()) / (tasks * steps)
 
 
 def ns_per_mark(mark, calls: int) -> float:
@@ -112,19 +115,23 @@ def main() -> None:
         ns_per_span(tracer, 2000)  # warm-up
 
     runs = {k: [] for k in ("without", "noop", "with", "edge", "mark",
-                            "switch_without", "switch_with", "switch_nospan")}
+                            "switch_without", "switch_with", "switch_nospan",
+                            "uv_without", "uv_with", "uv_nospan")}
     switch_steps = max(args.spans // 8, 100)
     for _ in range(args.repeat):  # short runs, interleaved, so drift and noise hit all alike
         client._remove_hooks()  # the SDK as it is without spanlet
         runs["without"].append(ns_per_span(plain, args.spans))
         runs["noop"].append(ns_per_span(noop, args.spans))
         runs["switch_without"].append(ns_per_task_switch(plain, switch_steps))
+        runs["uv_without"].append(ns_per_task_switch(plain, switch_steps, run=uvloop.run))
         client._install_hooks()
         runs["with"].append(ns_per_span(marked, args.spans))
         runs["edge"].append(ns_per_edge_direct(processor, args.spans // 2, plain))
         runs["mark"].append(ns_per_mark(processor._mark, args.spans))
         runs["switch_with"].append(ns_per_task_switch(marked, switch_steps))
         runs["switch_nospan"].append(ns_per_task_switch(marked, switch_steps, spans=False))
+        runs["uv_with"].append(ns_per_task_switch(marked, switch_steps, run=uvloop.run))
+        runs["uv_nospan"].append(ns_per_task_switch(marked, switch_steps, spans=False, run=uvloop.run))
 
     best = {k: min(v) / 1000 for k, v in runs.items()}
     med = {k: statistics.median(v) / 1000 for k, v in runs.items()}
@@ -154,10 +161,17 @@ def main() -> None:
     row("  of which the marker call (mark(), METH_FASTCALL)", lambda r: r["mark"])
     print(f"  asyncio: 4 tasks on one loop, {switch_steps} steps each (await asyncio.sleep(0))")
     row("per task switch, no processor (tasks in 4 spans)", lambda r: r["switch_without"])
-    row("per task switch, with processor (4 spans: a mark each)", lambda r: r["switch_with"])
+    row("per task switch, with processor (4 spans: 2 marks each)", lambda r: r["switch_with"])
     row("added per task switch, 4 spans", lambda r: r["switch_with"] - r["switch_without"])
     paired("  the same, each repeat's own difference", lambda r: r["switch_with"] - r["switch_without"])
     row("per task switch, with processor, tasks in no span", lambda r: r["switch_nospan"])
+    print(f"  uvloop: 4 tasks on one loop, {switch_steps} steps each (goal: <= 0.5 µs added a step)")
+    row("per task step, no processor (tasks in 4 spans)", lambda r: r["uv_without"])
+    row("per task step, with processor (4 spans: 2 marks each)", lambda r: r["uv_with"])
+    row("added per task step, 4 spans", lambda r: r["uv_with"] - r["uv_without"])
+    paired("  the same, each repeat's own difference", lambda r: r["uv_with"] - r["uv_without"])
+    row("per task step, with processor, tasks in no span", lambda r: r["uv_nospan"])
+    row("added per task step, tasks in no span", lambda r: r["uv_nospan"] - r["uv_without"])
 
 if __name__ == "__main__":
     main()

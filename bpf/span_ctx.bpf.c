@@ -12,6 +12,12 @@ BPF_PERCPU_ARRAY(spanlet_span_marks_total, __u64, 1);
  * is taken out of its span, as a mark with span id 0 would. */
 BPF_PERCPU_ARRAY(spanlet_span_marks_invalid_total, __u64, 1);
 
+/* Processes whose spans are followed per thread only, by why (the follow
+ * flags each of their marks carries in its modality's high 16 bits:
+ * spanlet/runtimes.py): tgid -> flags; removed when the process exits. Named
+ * after the metric it feeds. */
+BPF_TABLE("lru_hash", __u32, __u32, spanlet_client_thread_only_processes, 4096);
+
 /* Processes whose mapped libraries may have changed since library discovery
  * last looked (spanlet.discovery.MapsWatch drains it each refresh and reads
  * only these processes' maps between its slow full scans): an exec, a file
@@ -68,6 +74,13 @@ int span_ctx_mark(struct pt_regs *ctx)
 #ifdef SPANLET_OTEL_MAP
     __u64 pid_tgid = bpf_get_current_pid_tgid();
 #endif
+    __u32 follow_flags = (__u32)PT_REGS_PARM4(ctx) >> 16;
+    if (follow_flags) {
+        __u32 tgid = (__u32)(bpf_get_current_pid_tgid() >> 32);
+        __u32 *known = spanlet_client_thread_only_processes.lookup(&tgid);
+        if (!known || *known != follow_flags)
+            spanlet_client_thread_only_processes.update(&tgid, &follow_flags);
+    }
     __u64 hi = __builtin_bswap64((__u64)PT_REGS_PARM1(ctx));
     __u64 lo = __builtin_bswap64((__u64)PT_REGS_PARM2(ctx));
     if (span_id != 0 && hi == 0 && lo == 0) {
@@ -88,7 +101,7 @@ int span_ctx_mark(struct pt_regs *ctx)
     __builtin_memcpy(v.trace_id, &hi, 8);
     __builtin_memcpy(v.trace_id + 8, &lo, 8);
     v.span_id = span_id;
-    __u32 modality = (__u32)PT_REGS_PARM4(ctx);
+    __u32 modality = (__u32)PT_REGS_PARM4(ctx) & 0xffff;
     v.modality = modality < SPANLET_N_MODALITIES ? modality : SPANLET_MOD_OTHER;
     span_ctx.update(&tid, &v);
 #ifdef SPANLET_OTEL_MAP
@@ -111,8 +124,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 #ifdef SPANLET_OTEL_MAP
     traces_ctx_v1.delete(&pid_tgid);
 #endif
-    if (tid == (__u32)(pid_tgid >> 32))   /* the process's main thread: its maps go */
+    if (tid == (__u32)(pid_tgid >> 32)) {   /* the process's main thread: its maps go */
         maps_changed(tid);
+        spanlet_client_thread_only_processes.delete(&tid);
+    }
     return 0;
 }
 

@@ -16,24 +16,31 @@
  *   rsi = trace_lo   low 64 bits (bytes 8..15)
  *   rdx = span_id    the 64-bit span id; 0 means "this thread is in no span"
  *   ecx = modality   0 other, 1 text, 2 image, 3 audio, 4 video (agent/events.py)
+ *                    in its low 16 bits; the high 16 bits are the process's
+ *                    follow flags (set_follow_flags(): why its spans are
+ *                    followed per thread only; spanlet/runtimes.py), 0 when
+ *                    every span of the process is followed per coroutine
  * A change to that contract, or to the module's functions and type (mark(),
  * follow(), unmark(), forget(), Follower: the entry points the Python client
  * calls, below), bumps
  * SPANLET_MARKER_ABI_VERSION (the module's ABI_VERSION), which the client
  * checks before it uses the module. 3: follow, unmark and forget added; 4:
- * the Follower type (the client's hot paths) added.
+ * the Follower type (the client's hot paths) added; 5: the follow flags in
+ * the modality's high bits, set_follow_flags(), Follower.wrap() and the
+ * FollowedCoroutine type (asyncio task steps), on_start's first_start.
  */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h> /* first: it sets the feature macros (_GNU_SOURCE) for the libc headers */
 #include <stdint.h>
+#include <structmember.h> /* PyMemberDef, T_OBJECT_EX (3.11's spelling; Py_T_OBJECT_EX from 3.12) */
 #ifdef SPANLET_MARKER_RECORD
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
 #ifndef SPANLET_MARKER_ABI_VERSION /* -D only to test the client's version check */
-#define SPANLET_MARKER_ABI_VERSION 4
+#define SPANLET_MARKER_ABI_VERSION 5
 #endif
 #define SPANLET_EXPORT __attribute__((visibility("default"), noinline, used))
 /* GCC may otherwise clone a noinline function for a caller in the same file
@@ -185,13 +192,24 @@ static int parse_mark(PyObject *const *args, Py_ssize_t nargs, const char *name,
 	m = PyLong_AsUnsignedLong(args[2]);
 	if (m == (unsigned long)-1 && PyErr_Occurred())
 		return -1;
-	if (m > UINT32_MAX) {
-		PyErr_SetString(PyExc_OverflowError, "modality does not fit in 32 bits");
+	if (m > 0xffff) { /* the high 16 bits of the probed argument are the follow flags */
+		PyErr_SetString(PyExc_OverflowError, "modality does not fit in 16 bits");
 		return -1;
 	}
 	*span_id = span;
 	*modality = (uint32_t)m;
 	return 0;
+}
+
+/* The process's follow flags (set_follow_flags()), in the high 16 bits of
+ * every mark's modality argument, so that an agent attached at any time sees
+ * them with the process's next mark. */
+static uint32_t follow_flags;
+
+static inline void mark_now(uint64_t trace_hi, uint64_t trace_lo, uint64_t span_id, uint32_t modality)
+{
+	spanlet_mark(trace_hi, trace_lo, span_id,
+		     (modality & 0xffff) | (__atomic_load_n(&follow_flags, __ATOMIC_RELAXED) << 16));
 }
 
 /*
@@ -209,7 +227,7 @@ static PyObject *py_mark(PyObject *module, PyObject *const *args, Py_ssize_t nar
 
 	if (parse_mark(args, nargs, "mark", &trace_hi, &trace_lo, &span_id, &modality) < 0)
 		return NULL;
-	spanlet_mark(trace_hi, trace_lo, span_id, modality);
+	mark_now(trace_hi, trace_lo, span_id, modality);
 	Py_RETURN_NONE;
 }
 
@@ -236,7 +254,7 @@ static int follow_mark(const struct last_mark *now)
 		return 0;
 	last = *now;
 	last.unknown = 0;
-	spanlet_mark(now->trace_hi, now->trace_lo, now->span_id, now->modality);
+	mark_now(now->trace_hi, now->trace_lo, now->span_id, now->modality);
 	return 1;
 }
 
@@ -248,7 +266,7 @@ static int unmark_span(uint64_t trace_hi, uint64_t trace_lo, uint64_t span_id)
 	    trace_hi != last.trace_hi)
 		return 0;
 	last = (struct last_mark){0};
-	spanlet_mark(0, 0, 0, 0);
+	mark_now(0, 0, 0, 0);
 	return 1;
 }
 
@@ -333,6 +351,13 @@ static PyObject *py_unmark(PyObject *module, PyObject *const *args, Py_ssize_t n
  * per process) and the edge goes on; only a BaseException that is no
  * Exception (KeyboardInterrupt) propagates. What the thread was last told is
  * `last` above, shared with follow() and unmark().
+ *   wrap(coro)                       a FollowedCoroutine around an asyncio
+ *                                    task's coroutine (the client's task
+ *                                    factory): each step of the task is
+ *                                    followed, in the task's own context
+ * on_start also calls the client's first_start() at the first span start of
+ * the process, and at the next ones for as long as it answers True (where
+ * the client looks at what the process's requests run on).
  */
 typedef struct {
 	PyObject_HEAD
@@ -347,6 +372,7 @@ typedef struct {
 	PyObject *entry_of;		/* entry_of(span) -> (trace_id, span_id, modality) */
 	PyObject *start_of;		/* start_of(span): on_start's work for any span */
 	PyObject *report;		/* report(where, exception) */
+	PyObject *first_start;		/* first_start() -> bool, at a span start while it asks again, or NULL */
 	PyObject *zero;			/* 0, the modality "other" */
 	/* attribute and method names, interned */
 	PyObject *n_end_time, *n_mark, *n_private_context, *n_context, *n_attributes, *n_dict, *n_get,
@@ -618,6 +644,29 @@ out:
 	return rc;
 }
 
+/* Whether the client's first_start() has said it need not look again (reset
+ * in a forked child, whose process may run on something else). */
+static int start_checked;
+
+/* first_start(): the client looks at what the process runs on; a true answer
+ * asks to be called again at the next span start. -1 only with a
+ * non-Exception error raised. */
+static int first_start(Follower *f)
+{
+	PyObject *again = PyObject_CallNoArgs(f->first_start);
+	int truth = 0;
+
+	if (again == NULL)
+		return reported(f, "to look at the process's runtime") < 0 ? -1 : (start_checked = 1, 0);
+	truth = PyObject_IsTrue(again);
+	Py_DECREF(again);
+	if (truth < 0 && reported(f, "to look at the process's runtime") < 0)
+		return -1;
+	if (truth <= 0)
+		__atomic_store_n(&start_checked, 1, __ATOMIC_RELAXED);
+	return 0;
+}
+
 /* on_start(span, parent_context=None): keep the span's mark() arguments on it. */
 static PyObject *follower_on_start(Follower *f, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
@@ -627,6 +676,8 @@ static PyObject *follower_on_start(Follower *f, PyObject *const *args, Py_ssize_
 		PyErr_SetString(PyExc_TypeError, "on_start() takes a span and an optional parent_context");
 		return NULL;
 	}
+	if (f->first_start != NULL && !__atomic_load_n(&start_checked, __ATOMIC_RELAXED) && first_start(f) < 0)
+		return NULL;
 	if ((PyObject *)Py_TYPE(args[0]) == f->span_type) {
 		if (keep_mark(f, args[0]) == 0)
 			Py_RETURN_NONE;
@@ -663,9 +714,220 @@ static PyObject *follower_on_end(Follower *f, PyObject *const *args, Py_ssize_t 
 	Py_RETURN_NONE;
 }
 
+/*
+ * FollowedCoroutine: an asyncio task's coroutine as the client's task factory
+ * hands it to the Task (Follower.wrap), so that every step of the task is
+ * followed whatever loop runs it (asyncio's, uvloop's, a first eager step):
+ * a step runs in the task's own contextvars.Context, so the span current
+ * there is marked as the step begins, and what the thread was marked with
+ * before is marked again as it ends (the loop's own callbacks between steps
+ * run outside the task). The C Task drives it through am_send; send, throw,
+ * close and iteration do the same for other callers; any other attribute
+ * (cr_frame, cr_code, __qualname__, ...) is the coroutine's.
+ */
+typedef struct {
+	PyObject_HEAD
+	Follower *f;
+	PyObject *coro;
+} FollowedCoroutine;
+
+struct marker_state {
+	PyObject *followed_type;
+};
+
+/* Mark the task's span for one step; `before` is what to mark again after it.
+ * -1 only with a non-Exception error raised. */
+static int step_begins(FollowedCoroutine *c, struct last_mark *before)
+{
+	*before = last;
+	return follow_current(c->f);
+}
+
+static void step_ends(const struct last_mark *before)
+{
+	if (!before->unknown)
+		follow_mark(before);
+}
+
+static PySendResult followed_am_send(FollowedCoroutine *c, PyObject *arg, PyObject **result)
+{
+	struct last_mark before;
+	PySendResult status;
+
+	if (step_begins(c, &before) < 0) {
+		*result = NULL;
+		return PYGEN_ERROR;
+	}
+	status = PyIter_Send(c->coro, arg, result);
+	step_ends(&before);
+	return status;
+}
+
+/* A method of the coroutine, called for one step (send, throw, close). */
+static PyObject *followed_call(FollowedCoroutine *c, const char *name, PyObject *args)
+{
+	struct last_mark before;
+	PyObject *method, *result;
+
+	if (step_begins(c, &before) < 0)
+		return NULL;
+	method = PyObject_GetAttrString(c->coro, name);
+	result = method ? PyObject_Call(method, args, NULL) : NULL;
+	Py_XDECREF(method);
+	step_ends(&before);
+	return result;
+}
+
+static PyObject *followed_send(FollowedCoroutine *c, PyObject *value)
+{
+	PyObject *args = PyTuple_Pack(1, value), *result;
+
+	if (args == NULL)
+		return NULL;
+	result = followed_call(c, "send", args);
+	Py_DECREF(args);
+	return result;
+}
+
+static PyObject *followed_throw(FollowedCoroutine *c, PyObject *args)
+{
+	return followed_call(c, "throw", args);
+}
+
+static PyObject *followed_close(FollowedCoroutine *c, PyObject *unused)
+{
+	PyObject *args = PyTuple_New(0), *result;
+
+	if (args == NULL)
+		return NULL;
+	result = followed_call(c, "close", args);
+	Py_DECREF(args);
+	return result;
+}
+
+static PyObject *followed_iternext(FollowedCoroutine *c)
+{
+	PyObject *result, *stop;
+
+	switch (followed_am_send(c, Py_None, &result)) {
+	case PYGEN_NEXT:
+		return result;
+	case PYGEN_RETURN:
+		if (result != Py_None) {
+			stop = PyObject_CallOneArg(PyExc_StopIteration, result);
+			if (stop != NULL) {
+				PyErr_SetObject(PyExc_StopIteration, stop);
+				Py_DECREF(stop);
+			}
+		}
+		Py_DECREF(result);
+		return NULL;
+	default:
+		return NULL;
+	}
+}
+
+static PyObject *followed_await(FollowedCoroutine *c)
+{
+	return Py_NewRef(c);
+}
+
+static PyObject *followed_getattro(FollowedCoroutine *c, PyObject *name)
+{
+	PyObject *value = PyObject_GenericGetAttr((PyObject *)c, name);
+
+	if (value != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError))
+		return value;
+	PyErr_Clear();
+	return PyObject_GetAttr(c->coro, name);
+}
+
+static PyObject *followed_repr(FollowedCoroutine *c)
+{
+	return PyObject_Repr(c->coro);
+}
+
+static int followed_traverse(FollowedCoroutine *c, visitproc visit, void *arg)
+{
+	Py_VISIT(c->f);
+	Py_VISIT(c->coro);
+	Py_VISIT(Py_TYPE(c));
+	return 0;
+}
+
+static int followed_clear(FollowedCoroutine *c)
+{
+	Py_CLEAR(c->f);
+	Py_CLEAR(c->coro);
+	return 0;
+}
+
+static void followed_dealloc(FollowedCoroutine *c)
+{
+	PyTypeObject *type = Py_TYPE(c);
+
+	PyObject_GC_UnTrack(c);
+	followed_clear(c);
+	type->tp_free(c);
+	Py_DECREF(type);
+}
+
+static PyMethodDef followed_methods[] = {
+	{"send", (PyCFunction)followed_send, METH_O, "send(value)\n--\n\nOne step of the coroutine, followed."},
+	{"throw", (PyCFunction)followed_throw, METH_VARARGS,
+	 "throw(...)\n--\n\nThe coroutine's throw(), followed as a step."},
+	{"close", (PyCFunction)followed_close, METH_NOARGS, "close()\n--\n\nThe coroutine's close(), followed."},
+	{NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef followed_members[] = {
+	{"__wrapped__", T_OBJECT_EX, offsetof(FollowedCoroutine, coro), READONLY, "the task's own coroutine"},
+	{NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot followed_slots[] = {
+	{Py_am_send, followed_am_send},
+	{Py_am_await, followed_await},
+	{Py_tp_iter, followed_await},
+	{Py_tp_iternext, followed_iternext},
+	{Py_tp_getattro, followed_getattro},
+	{Py_tp_repr, followed_repr},
+	{Py_tp_traverse, followed_traverse},
+	{Py_tp_clear, followed_clear},
+	{Py_tp_dealloc, followed_dealloc},
+	{Py_tp_methods, followed_methods},
+	{Py_tp_members, followed_members},
+	{Py_tp_doc, "An asyncio task's coroutine whose every step is followed (Follower.wrap)."},
+	{0, NULL},
+};
+
+static PyType_Spec followed_spec = {
+	.name = "spanlet.libspanlet_marker.FollowedCoroutine",
+	.basicsize = sizeof(FollowedCoroutine),
+	.flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+	.slots = followed_slots,
+};
+
+/* wrap(coro): the task's coroutine, each of its steps followed. */
+static PyObject *follower_wrap(Follower *f, PyObject *coro)
+{
+	struct marker_state *state = PyType_GetModuleState(Py_TYPE(f));
+	FollowedCoroutine *c;
+
+	if (state == NULL)
+		return NULL;
+	c = PyObject_GC_New(FollowedCoroutine, (PyTypeObject *)state->followed_type);
+	if (c == NULL)
+		return NULL;
+	c->f = (Follower *)Py_NewRef(f);
+	c->coro = Py_NewRef(coro);
+	PyObject_GC_Track(c);
+	return (PyObject *)c;
+}
+
 #define FOLLOWER_FIELDS(X)                                                                                   \
 	X(var) X(runtime) X(span_key) X(span_type) X(readable_type) X(context_type) X(modalities)            \
-	X(modality_key) X(entry_of) X(start_of) X(report) X(zero) X(n_end_time) X(n_mark)                   \
+	X(modality_key) X(entry_of) X(start_of) X(report) X(first_start) X(zero) X(n_end_time) X(n_mark)    \
 	X(n_private_context) X(n_context) X(n_attributes) X(n_dict) X(n_get) X(n_attach) X(n_detach)        \
 	X(n_get_current)
 
@@ -699,15 +961,16 @@ static void follower_dealloc(Follower *f)
 static PyObject *follower_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
 	static char *keywords[] = {"span_type", "readable_type", "context_type", "span_key", "modalities",
-				   "modality_key", "entry_of", "start_of", "report", "var", "runtime", NULL};
+				   "modality_key", "entry_of", "start_of", "report", "var", "runtime",
+				   "first_start", NULL};
 	PyObject *span_type, *readable_type, *context_type, *span_key, *modalities, *modality_key, *entry_of,
-		*start_of, *report, *var = Py_None, *runtime = Py_None;
+		*start_of, *report, *var = Py_None, *runtime = Py_None, *first = Py_None;
 	Follower *f;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!UO!UOOO|OO:Follower", keywords, &PyType_Type,
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!UO!UOOO|OOO:Follower", keywords, &PyType_Type,
 					 &span_type, &PyType_Type, &readable_type, &PyType_Type, &context_type,
 					 &span_key, &PyDict_Type, &modalities, &modality_key, &entry_of, &start_of,
-					 &report, &var, &runtime))
+					 &report, &var, &runtime, &first))
 		return NULL;
 	if (var != Py_None && !PyContextVar_CheckExact(var)) {
 		PyErr_SetString(PyExc_TypeError, "var must be a contextvars.ContextVar or None");
@@ -731,6 +994,7 @@ static PyObject *follower_new(PyTypeObject *type, PyObject *args, PyObject *kwds
 	f->entry_of = Py_NewRef(entry_of);
 	f->start_of = Py_NewRef(start_of);
 	f->report = Py_NewRef(report);
+	f->first_start = first == Py_None ? NULL : Py_NewRef(first);
 	if ((f->zero = PyLong_FromLong(0)) == NULL ||
 	    (f->n_end_time = PyUnicode_InternFromString("_end_time")) == NULL ||
 	    (f->n_mark = PyUnicode_InternFromString("_spanlet_mark")) == NULL ||
@@ -761,6 +1025,8 @@ static PyMethodDef follower_methods[] = {
 	 "on_start(span, parent_context=None)\n--\n\nKeep the span's mark() arguments on it."},
 	{"on_end", (PyCFunction)(void (*)(void))follower_on_end, METH_FASTCALL,
 	 "on_end(span)\n--\n\nUnmark this thread if the span is its last mark."},
+	{"wrap", (PyCFunction)follower_wrap, METH_O,
+	 "wrap(coro)\n--\n\nAn asyncio task's coroutine whose every step is followed."},
 	{NULL, NULL, 0, NULL},
 };
 
@@ -771,7 +1037,7 @@ static PyType_Slot follower_slots[] = {
 	{Py_tp_clear, follower_clear},
 	{Py_tp_methods, follower_methods},
 	{Py_tp_doc, "Follower(span_type, readable_type, context_type, span_key, modalities, modality_key, "
-		    "entry_of, start_of, report, var=None, runtime=None)\n--\n\n"
+		    "entry_of, start_of, report, var=None, runtime=None, first_start=None)\n--\n\n"
 		    "The span processor's and the context hooks' hot paths (agent/client.py)."},
 	{0, NULL},
 };
@@ -784,11 +1050,14 @@ static PyType_Spec follower_spec = {
 };
 
 #ifdef SPANLET_MARKER_RECORD
-/* record_reset(): forget the recorded calls, and the calling thread's last
- * mark (back to "in no span"), as a fresh process would be. */
+/* record_reset(): forget the recorded calls, the calling thread's last mark
+ * (back to "in no span"), the follow flags and the first-start look, as a
+ * fresh process would be. */
 static PyObject *py_record_reset(PyObject *module, PyObject *unused)
 {
 	__atomic_store_n(&records_seen, 0, __ATOMIC_RELEASE);
+	__atomic_store_n(&follow_flags, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&start_checked, 0, __ATOMIC_RELAXED);
 	last = (struct last_mark){0};
 	Py_RETURN_NONE;
 }
@@ -799,6 +1068,24 @@ static PyObject *py_record_reset(PyObject *module, PyObject *unused)
 static PyObject *py_forget(PyObject *module, PyObject *unused)
 {
 	last = (struct last_mark){.unknown = 1};
+	__atomic_store_n(&start_checked, 0, __ATOMIC_RELAXED); /* a forked child looks again */
+	Py_RETURN_NONE;
+}
+
+/* set_follow_flags(flags): why this process's spans are followed per thread
+ * only (spanlet/runtimes.py; 0: none), carried by every mark from now on. */
+static PyObject *py_set_follow_flags(PyObject *module, PyObject *arg)
+{
+	unsigned long flags = PyLong_AsUnsignedLong(arg);
+
+	if (flags == (unsigned long)-1 && PyErr_Occurred())
+		return NULL;
+	if (flags > 0xffff) {
+		PyErr_SetString(PyExc_OverflowError, "follow flags do not fit in 16 bits");
+		return NULL;
+	}
+	__atomic_store_n(&follow_flags, (uint32_t)flags, __ATOMIC_RELAXED);
+	last.unknown = 1; /* the next follow() marks, carrying them */
 	Py_RETURN_NONE;
 }
 
@@ -815,6 +1102,9 @@ static PyMethodDef marker_methods[] = {
 	 "Mark this thread as in no span if this span is its last mark; True if it marked."},
 	{"forget", py_forget, METH_NOARGS,
 	 "forget()\n--\n\nThis thread's last mark is unknown: the next follow() marks."},
+	{"set_follow_flags", py_set_follow_flags, METH_O,
+	 "set_follow_flags(flags)\n--\n\nWhy this process's spans are followed per thread only "
+	 "(0: none), carried by every mark."},
 #ifdef SPANLET_MARKER_RECORD
 	{"record_count", py_record_count, METH_NOARGS, "Calls since the last reset, kept or not."},
 	{"record_get", py_record_get, METH_O,
@@ -827,6 +1117,7 @@ static PyMethodDef marker_methods[] = {
 
 static int marker_exec(PyObject *module)
 {
+	struct marker_state *state = PyModule_GetState(module);
 	PyObject *follower = PyType_FromModuleAndSpec(module, &follower_spec, NULL);
 	int rc;
 
@@ -836,7 +1127,27 @@ static int marker_exec(PyObject *module)
 	Py_DECREF(follower);
 	if (rc < 0)
 		return -1;
+	state->followed_type = PyType_FromModuleAndSpec(module, &followed_spec, NULL);
+	if (state->followed_type == NULL || PyModule_AddType(module, (PyTypeObject *)state->followed_type) < 0)
+		return -1;
 	return PyModule_AddIntConstant(module, "ABI_VERSION", SPANLET_MARKER_ABI_VERSION);
+}
+
+static int marker_traverse(PyObject *module, visitproc visit, void *arg)
+{
+	struct marker_state *state = PyModule_GetState(module);
+
+	Py_VISIT(state ? state->followed_type : NULL);
+	return 0;
+}
+
+static int marker_clear(PyObject *module)
+{
+	struct marker_state *state = PyModule_GetState(module);
+
+	if (state)
+		Py_CLEAR(state->followed_type);
+	return 0;
 }
 
 static PyModuleDef_Slot marker_slots[] = {
@@ -854,8 +1165,10 @@ static struct PyModuleDef marker_module = {
 	PyModuleDef_HEAD_INIT,
 	.m_name = "spanlet.libspanlet_marker",
 	.m_doc = "The span marker whose spanlet_mark the spanlet agent uprobes.",
-	.m_size = 0,
+	.m_size = sizeof(struct marker_state),
 	.m_methods = marker_methods,
+	.m_traverse = marker_traverse,
+	.m_clear = marker_clear,
 	.m_slots = marker_slots,
 };
 

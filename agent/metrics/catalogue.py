@@ -185,6 +185,12 @@ SELF = (
            "Span marker calls with a span id and an all-zero trace id (no span has it): "
            "the thread is taken out of its span", (),
            Source("spanlet.probes.span_ctx", "spanlet_span_marks_invalid_total")),
+    Metric("spanlet_client_thread_only_processes", "gauge", "",
+           "Instrumented processes whose spans are followed per thread only, not per coroutine, "
+           "by what their requests run on (trio, gevent, eventlet, loop: an event loop whose tasks "
+           "could not be followed): kernel facts of requests sharing a thread may land on each "
+           "other's spans", ("runtime",),
+           Source("spanlet.probes.span_ctx", "spanlet_client_thread_only_processes")),
     Metric("spanlet_probe_attached", "gauge", "", "1 if the probe is attached", ("probe",), PROBES),
     Metric("spanlet_probe_failed_attachments", "gauge", "", "Attachments of the probe that failed",
            ("probe",), PROBES),

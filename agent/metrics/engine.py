@@ -199,7 +199,8 @@ class MetricEngine:
                 *kernel.sandbox_self_metrics(sb, self._workload)])
         span_ctx = self.probes.span_ctx
         if span_ctx is not None:
-            out += self._guard("span_ctx", lambda: kernel.spanlet_span_marks_total(span_ctx))
+            out += self._guard("span_ctx", lambda: [*kernel.spanlet_span_marks_total(span_ctx),
+                                                    kernel.spanlet_client_thread_only_processes(span_ctx)])
         if self.nvml.status.available:
             out += self._guard("nvml", lambda: [
                 device.spanlet_gpu_utilization_ratio(self.nvml),

@@ -7,6 +7,7 @@ from collections import defaultdict
 from typing import Callable
 
 from spanlet.metrics import Family, HistogramSample, Sample, labels
+from spanlet import runtimes
 from spanlet.metrics.catalogue import family
 
 # The kernel keeps log2 µs buckets of sync waits (bucket i: below 2^i µs);
@@ -111,6 +112,18 @@ def spanlet_span_marks_total(span_ctx) -> list[Family]:
     can have (taken as leaving the span)."""
     return [family("spanlet_span_marks_total", [Sample((), span_ctx.marks())]),
             family("spanlet_span_marks_invalid_total", [Sample((), span_ctx.invalid_marks())])]
+
+
+def spanlet_client_thread_only_processes(span_ctx) -> Family:
+    """Processes followed per thread only, by each reason their marks carry
+    (a process with two reasons counts under both); every reason present,
+    0 where none."""
+    counts = {name: 0 for name in runtimes.names(~0)}
+    for flags in span_ctx.thread_only_processes().values():
+        for name in runtimes.names(flags):
+            counts[name] += 1
+    return family("spanlet_client_thread_only_processes",
+                  [Sample(labels(runtime=r), n) for r, n in counts.items()])
 
 
 def tc_self_metrics(tc) -> list[Family]:

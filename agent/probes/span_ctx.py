@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from spanlet import events
+from spanlet import events, runtimes
 from spanlet.discovery import LibraryFinder, MappedLibrary, MapsWatch
 from spanlet.probes.base import EventSink, Probe
 from spanlet.probes.maps import percpu_sum, read_batches
@@ -103,6 +103,7 @@ class SpanCtxProbe(Probe):
         self.otel_map: str | None = None
         self._otel_created: list[Path] = []
         self.sock_owners = False          # whether sock_owner is compiled in
+        self._thread_only_said: dict[int, int] = {}   # pid -> follow flags logged
 
     def shared_pin_dir(self) -> str | None:
         """The folder the span context and span facts maps are pinned in while
@@ -218,6 +219,7 @@ class SpanCtxProbe(Probe):
         self.refresh()
 
     def refresh(self) -> None:
+        self._say_thread_only()
         for lib in self.finder.refresh():
             label = f"{MARKER_SYMBOL}@{lib.path} (inode {lib.inode}, pid {lib.pid})"
             try:
@@ -234,6 +236,25 @@ class SpanCtxProbe(Probe):
     def marks(self) -> int:
         """Marker calls seen (span starts and ends of instrumented processes)."""
         return percpu_sum(self.bpf["spanlet_span_marks_total"], 0) if self.bpf else 0
+
+    def _say_thread_only(self) -> None:
+        """One log line for each process whose marks newly say that its spans
+        are followed per thread only (and why)."""
+        now = self.thread_only_processes()
+        for pid, flags in now.items():
+            if self._thread_only_said.get(pid) != flags:
+                log.warning("span_ctx: pid %d runs its requests on %s: its spans are followed per thread "
+                            "only (kernel facts of requests sharing a thread may land on each other's spans)",
+                            pid, " and ".join(runtimes.names(flags)))
+        self._thread_only_said = now
+
+    def thread_only_processes(self) -> dict[int, int]:
+        """pid -> follow flags (spanlet.runtimes.NotFollowed) of the processes
+        whose marks say their spans are followed per thread only."""
+        if self.bpf is None:
+            return {}
+        keys, vals = read_batches(self.bpf["spanlet_client_thread_only_processes"])
+        return {pid: flags for (pid,), (flags,) in zip(struct.iter_unpack("=I", keys), struct.iter_unpack("=I", vals))}
 
     def invalid_marks(self) -> int:
         """Marks with an all-zero trace id and a span id: the thread left its span."""

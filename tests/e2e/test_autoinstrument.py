@@ -8,20 +8,16 @@ SPANLET_AUTOINSTRUMENT=off turn it off."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from netns import Capture, http_request_bytes, linked
-from otlp_upstream import Upstream, agent_config, kernel_attrs, wait_for
-from spanlet.daemon import Daemon
+from otlp_upstream import Upstream, exporting_agent, kernel_attrs, wait_for
 
 pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,24 +46,6 @@ def instrumented(script: str, *args: str, prefix: tuple[str, ...] = ()) -> list[
             *args]
 
 
-@contextlib.contextmanager
-def agent(*overrides: str):
-    up = Upstream()
-    up.rx.start()
-    private = Path(tempfile.mkdtemp(prefix="spanlet-autoinst-"))
-    d = Daemon(agent_config(up, "otlp.batch_interval_s=0.05", "http_port=0",
-                            "http_address=127.0.0.1", f"admin_socket={private / 'admin.sock'}",
-                            *overrides))
-    d.check_node()
-    d.start()
-    try:
-        yield d, up
-    finally:
-        d.stop()
-        up.rx.stop()
-        shutil.rmtree(private, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def nets():
     with linked("spanlet-ai", "aic0", CLIENT, "ais0", SERVER) as pair:
@@ -79,7 +57,7 @@ def gpu_agent(nets):
     """One agent for the module (two in one process cannot both attach BCC
     uprobes): GPU and span context probes, TC in the server's namespace."""
     _, server = nets
-    with agent("tc.enabled=true", f"tc.netns={server.name}", "tc.interfaces=ais0") as a:
+    with exporting_agent("tc.enabled=true", f"tc.netns={server.name}", "tc.interfaces=ais0") as a:
         yield a
 
 

@@ -144,8 +144,24 @@ def running(tmp_path_factory):
                  " mmap.mmap(fd, 4096, prot=mmap.PROT_READ)" % str(pool_dir / "kv0")])
             assert mapper.wait(30) == 0
             wait_for(lambda: len(agent.admin.state.violations) == 1, 10, "the violation event")
-            yield {"agent": agent, "sock": sock, "workload_pid": w.pid, "mapper_pid": mapper.pid,
-                   "pool": f"{pool_dir}/kv0", "tmp": tmp}
+            # a process whose requests run on gevent: followed per thread only
+            gevent = subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "thread_only_child.py"),
+                                       "gevent"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            try:
+                assert gevent.stdout.readline().startswith("ready")
+
+                def one_span() -> bool:
+                    gevent.stdin.write("span\n")
+                    gevent.stdin.flush()
+                    assert gevent.stdout.readline().strip() == "done"
+                    return gevent.pid in agent.probes[0].thread_only_processes()
+                wait_for(one_span, 10, "the gevent process's marks")
+                yield {"agent": agent, "sock": sock, "workload_pid": w.pid, "mapper_pid": mapper.pid,
+                       "pool": f"{pool_dir}/kv0", "tmp": tmp, "gevent_pid": gevent.pid}
+            finally:
+                gevent.kill()
+                gevent.wait(10)
     finally:
         if agent is not None:
             agent.stop()
@@ -188,6 +204,8 @@ def test_summary_json(running):
     assert rows["spanlet_span_kernel_coverage_ratio"]["breach"] is False
     assert rows["spanlet_gpu_kernel_launches_total"]["value"] >= LAUNCHES
     assert {x["name"] for x in d["exporters"]} == {"otlp_receiver", "otlp_span_export"}
+    comm = Path(f"/proc/{running['gevent_pid']}/comm").read_text().strip()
+    assert d["thread_only"] == [{"pid": running["gevent_pid"], "comm": comm, "runtimes": ["gevent"]}]
 
 
 def test_spans_json(running):
@@ -265,6 +283,8 @@ def test_human_view_fits_80_columns(running, what):
               "sandbox": "unauthorized", "gpu": str(running["workload_pid"]), "hints": "audio",
               "memory": "malloc"}
     assert expect[what] in text, text
+    if what == "summary":
+        assert f"pid {running['gevent_pid']} " in text and "followed per thread only" in text, text
 
 
 def test_watch_refreshes_until_interrupted(running):

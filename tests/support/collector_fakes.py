@@ -41,6 +41,7 @@ class FakeProbe:
         self.untracked_fds = int
         self.marks = int
         self.invalid_marks = int
+        self.thread_only_processes = lambda: {4242: 2, 4343: 3}   # gevent; trio and gevent
         self.cgroup_limited = lambda: {42: 3}
         self.rejected = dict
         self.uncounted = dict

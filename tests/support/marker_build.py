@@ -25,14 +25,26 @@ def ext_module() -> dict:
     return ext
 
 
-def build(out: Path, name: str, *defines: str, source: Path | None = None) -> str:
+def _build_config(python: str | None) -> tuple[str, str]:
+    """(CFLAGS, include folder) of this interpreter, or of the one at `python`."""
+    if python is None:
+        return sysconfig.get_config_var("CFLAGS") or "", sysconfig.get_paths()["include"]
+    out = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_config_var('CFLAGS') or '');"
+                          "print(sysconfig.get_paths()['include'])"], capture_output=True, text=True, check=True)
+    cflags, include = out.stdout.splitlines()
+    return cflags, include
+
+
+def build(out: Path, name: str, *defines: str, source: Path | None = None, python: str | None = None) -> str:
     """`out/name` built from the marker's sources (or `source`) with this
-    interpreter's CFLAGS and the ext-modules flags, as setuptools compiles it."""
+    interpreter's CFLAGS (or those of the interpreter at `python`) and the
+    ext-modules flags, as setuptools compiles it."""
     ext = ext_module()
     sources = [str(source)] if source else [str(ROOT / s) for s in ext["sources"]]
     lib = out / name
-    cmd = [os.environ.get("CC", "gcc"), *shlex.split(sysconfig.get_config_var("CFLAGS") or ""), "-fPIC",
-           *ext.get("extra-compile-args", []), *defines, "-I", sysconfig.get_paths()["include"],
+    cflags, include = _build_config(python)
+    cmd = [os.environ.get("CC", "gcc"), *shlex.split(cflags), "-fPIC",
+           *ext.get("extra-compile-args", []), *defines, "-I", include,
            "-shared", "-o", str(lib), *sources]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
@@ -100,4 +112,6 @@ def forget_client_state(monkeypatch) -> None:
     monkeypatch.setattr(client, "_warned", False)
     monkeypatch.setattr(client, "_owners", [])
     monkeypatch.setattr(client, "_follower", None)
+    monkeypatch.setattr(client, "_looks_left", client._LOOKS)
+    monkeypatch.setattr(client, "_follow_flags", 0)
     monkeypatch.delenv(client.LIB_ENV, raising=False)

@@ -3,8 +3,12 @@ receiver that keeps what it gets) and a polling wait."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from spanlet import config
 from spanlet.exporters.otlp.receiver import OtlpReceiver
@@ -55,3 +59,24 @@ def wait_for(pred, timeout: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def exporting_agent(*overrides: str):
+    """A whole agent (agent_config's probes) exporting to an Upstream, its admin
+    socket in a folder of its own: (daemon, upstream); both stopped after."""
+    from spanlet.daemon import Daemon
+    up = Upstream()
+    up.rx.start()
+    private = Path(tempfile.mkdtemp(prefix="spanlet-agent-"))
+    d = Daemon(agent_config(up, "otlp.batch_interval_s=0.05", "http_port=0",
+                            "http_address=127.0.0.1", f"admin_socket={private / 'admin.sock'}",
+                            *overrides))
+    d.check_node()
+    d.start()
+    try:
+        yield d, up
+    finally:
+        d.stop()
+        up.rx.stop()
+        shutil.rmtree(private, ignore_errors=True)

@@ -112,7 +112,7 @@ def installed_marker() -> str:
 
 def test_production_build_exports_the_abi_and_no_record_code(libs):
     module = client.load_extension(libs["prod"])
-    assert module.ABI_VERSION == client.ABI_VERSION == 4
+    assert module.ABI_VERSION == client.ABI_VERSION == 5
     assert all(callable(getattr(module, f)) for f in ("mark", "follow", "unmark", "forget", "Follower"))
     assert C.CDLL(libs["prod"])[MARKER_SYMBOL]  # the probed symbol, exported
     for test_only in RECORD_ONLY:
@@ -178,18 +178,18 @@ def test_spanlet_mark_receives_full_64_bit_arguments(recorder):
 
 def test_mark_takes_the_full_range_and_refuses_what_does_not_fit(recorder):
     mark = recorder.module.mark
-    mark(2**128 - 1, 2**64 - 1, 2**32 - 1)
+    mark(2**128 - 1, 2**64 - 1, 2**16 - 1)
     mark(2**64, 1, 0)  # the lowest trace id with a high half
     mark(0, 0, 0)
     bad = [((-1, 1, 0), OverflowError), ((2**128, 1, 0), OverflowError), ((1.0, 1, 0), TypeError),
            ((1, -1, 0), OverflowError), ((1, 2**64, 0), OverflowError), ((1, "1", 0), TypeError),
-           ((1, 1, -1), OverflowError), ((1, 1, 2**32), OverflowError), ((1, 1), TypeError),
+           ((1, 1, -1), OverflowError), ((1, 1, 2**16), OverflowError), ((1, 1), TypeError),
            ((1, 1, 0, 0), TypeError)]
     for args, error in bad:
         with pytest.raises(error):
             mark(*args)
     assert [r[:4] for r in recorder.records()] == [
-        (2**64 - 1, 2**64 - 1, 2**64 - 1, 2**32 - 1), (1, 0, 1, 0), (0, 0, 0, 0)]
+        (2**64 - 1, 2**64 - 1, 2**64 - 1, 2**16 - 1), (1, 0, 1, 0), (0, 0, 0, 0)]
 
 
 def test_record_get_refuses_calls_it_did_not_keep(recorder):
@@ -656,11 +656,12 @@ def test_the_client_api_imports_and_marks_with_nothing_of_the_daemon(tmp_path):
     )
     active, spanlet_modules, daemon_deps = _fresh_python(code, tmp_path).splitlines()
     assert active == "True"
-    # spanlet.modality (where a branch has it): the stdlib-only modality names
-    # that the client shares with the agent's decoder.
+    # spanlet.modality and spanlet.runtimes: the stdlib-only modality names and
+    # follow flags that the client shares with the agent.
     loaded = set(ast.literal_eval(spanlet_modules))
     assert {"spanlet", "spanlet.client", "spanlet.libspanlet_marker"} <= loaded
-    assert loaded - {"spanlet", "spanlet.client", "spanlet.libspanlet_marker", "spanlet.modality"} == set()
+    assert loaded - {"spanlet", "spanlet.client", "spanlet.libspanlet_marker", "spanlet.modality",
+                     "spanlet.runtimes"} == set()
     assert daemon_deps == "[]"
 
 

@@ -20,6 +20,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+import uvloop
 import opentelemetry.context as otel_context
 from opentelemetry import context, trace
 from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
@@ -64,9 +65,21 @@ def current(span):
     return trace.use_span(span, end_on_exit=False)
 
 
+# The loops production servers run: asyncio's own, and uvloop (uvicorn's
+# default with uvicorn[standard], vLLM's and SGLang's API servers), whose
+# loop is Cython and runs no asyncio.Handle: its tasks are followed through
+# the task factory the client sets when asyncio.Runner makes the loop.
+RUNS = {"asyncio": asyncio.run, "uvloop": uvloop.run}
+
+
+@pytest.fixture(params=sorted(RUNS))
+def run(request):
+    return RUNS[request.param]
+
+
 # asyncio: every step of every task runs with its own span marked.
 
-def test_four_coroutines_interleaving_on_one_thread_each_step_with_its_own_span(recorder, tracer):
+def test_four_coroutines_interleaving_on_one_thread_each_step_with_its_own_span(recorder, tracer, run):
     steps = 5
     spans: dict[int, object] = {}
     seen: list[tuple[int, tuple]] = []  # (coroutine, what the kernel held) at every step
@@ -82,21 +95,19 @@ def test_four_coroutines_interleaving_on_one_thread_each_step_with_its_own_span(
     async def main() -> None:
         await asyncio.gather(*(request(i) for i in range(4)))
 
-    asyncio.run(main())
+    run(main())
     mine = {i: span_mark(spans[i], i + 1) for i in range(4)}
     assert [i for i, _ in seen] == [0, 1, 2, 3] * (steps + 1)  # they did interleave
     assert [view for _, view in seen] == [mine[i] for i, _ in seen]
-    # Exactly one mark per switch to another span: each task's first step
-    # starts in no span (its context was copied before its span), the last
-    # leaves its span.
-    first = [mine[0], CLEAR, mine[1], CLEAR, mine[2], CLEAR, mine[3]]
-    middle = [mine[0], mine[1], mine[2], mine[3]] * (steps - 1)
-    last = [mine[0], CLEAR, mine[1], CLEAR, mine[2], CLEAR, mine[3], CLEAR]
-    assert recorder.marks() == first + middle + last
+    # Each step marks its task's span as it begins (the first step as it
+    # enters the span: its context was copied before it), and the loop's own
+    # context (no span) again as it ends: between two steps the loop's own
+    # callbacks run outside every task's span. Nothing else is marked.
+    assert recorder.marks() == [m for i, _ in seen for m in (mine[i], CLEAR)]
     assert {r.tid for r in recorder.records()} == {threading.get_native_id()}
 
 
-def test_every_kind_of_wake_up_runs_with_the_tasks_span(recorder, tracer):
+def test_every_kind_of_wake_up_runs_with_the_tasks_span(recorder, tracer, run):
     """Steps resumed by a timer, by a future another task sets, by a queue, and
     by a callback from another thread: each resumes with its own span marked."""
     views: list[tuple[str, tuple, tuple]] = []  # (where, expected, seen)
@@ -140,12 +151,12 @@ def test_every_kind_of_wake_up_runs_with_the_tasks_span(recorder, tracer):
             feeder(),
         )
 
-    asyncio.run(main())
+    run(main())
     assert sorted(name for name, _, _ in views) == sorted(["timer", "queue", "future", "thread"] * 3)
     assert [(n, seen) for n, _, seen in views] == [(n, expected) for n, expected, _ in views]
 
 
-def test_a_task_created_before_its_creator_starts_a_span_runs_outside_it(recorder, tracer):
+def test_a_task_created_before_its_creator_starts_a_span_runs_outside_it(recorder, tracer, run):
     """The task's context is copied when it is created: it is in no span, even
     right after its creator's span was marked on the same thread, until it
     starts its own."""
@@ -170,7 +181,7 @@ def test_a_task_created_before_its_creator_starts_a_span_runs_outside_it(recorde
             await task
             log.append(("creator after the child", recorder.current()))
 
-    asyncio.run(main())
+    run(main())
     c, p = span_mark(box["child"], 3), span_mark(box["creator"], 1)
     assert log == [
         ("child before its span", CLEAR),
@@ -180,13 +191,15 @@ def test_a_task_created_before_its_creator_starts_a_span_runs_outside_it(recorde
         ("child after its span", CLEAR),
         ("creator after the child", p),
     ]
-    assert recorder.marks() == [p, CLEAR, c, p, c, CLEAR, p, CLEAR]
+    # each step marks its span as it begins and the loop's own context (none) as it ends
+    assert recorder.marks() == [p, CLEAR, c, CLEAR, p, CLEAR, c, CLEAR, p, CLEAR]
 
 
 @pytest.mark.parametrize("loop_made", ["before the processor", "after the processor"])
-def test_leaving_the_loop_marks_the_threads_own_context_again(record_lib, monkeypatch, loop_made):
-    """The last callback ran in an empty context; when run_forever returns the
-    thread is back in its own span, whenever the loop was made."""
+def test_a_step_that_ends_marks_the_threads_own_context_again(record_lib, monkeypatch, loop_made):
+    """A task in an empty context runs on a thread that is in a span: its step
+    runs in no span, and when it ends the thread is back in its own span,
+    whenever the loop was made."""
     forget_client_state(monkeypatch)
     rec = Recorder(record_lib)
     try:
@@ -196,10 +209,12 @@ def test_leaving_the_loop_marks_the_threads_own_context_again(record_lib, monkey
         rec.reset()
         loop = loop or asyncio.new_event_loop()
         views = []
+
+        async def step() -> None:
+            views.append(rec.current())
+
         with provider.get_tracer("t").start_as_current_span("outside the loop") as span:
-            loop.call_soon(lambda: views.append(rec.current()), context=contextvars.Context())
-            loop.call_soon(loop.stop, context=contextvars.Context())
-            loop.run_forever()
+            loop.run_until_complete(loop.create_task(step(), context=contextvars.Context()))
             views.append(rec.current())
         loop.close()
         assert views == [CLEAR, span_mark(span)]
@@ -218,7 +233,7 @@ def _thread_marks(recorder: Recorder) -> dict[int, list]:
     return out
 
 
-def test_asyncio_to_thread_runs_on_the_span_then_the_worker_is_in_none_again(recorder, tracer):
+def test_asyncio_to_thread_runs_on_the_span_then_the_worker_is_in_none_again(recorder, tracer, run):
     seen = {}
 
     def work() -> None:
@@ -230,7 +245,7 @@ def test_asyncio_to_thread_runs_on_the_span_then_the_worker_is_in_none_again(rec
             await asyncio.to_thread(work)
             seen["after, on the loop"] = recorder.current()
 
-    asyncio.run(main())
+    run(main())
     mine = span_mark(seen["span"], 2)
     assert seen["view"] == mine and seen["after, on the loop"] == mine
     by_thread = _thread_marks(recorder)
@@ -238,6 +253,70 @@ def test_asyncio_to_thread_runs_on_the_span_then_the_worker_is_in_none_again(rec
     # On the loop's thread: the request, the executor's done callback (run in
     # the worker's empty context), the request again, then none.
     assert by_thread[threading.get_native_id()] == [mine, CLEAR, mine, CLEAR]
+
+
+def test_run_in_executor_with_the_context_runs_on_the_span_on_either_loop(recorder, tracer, run):
+    """What frameworks hand to a pool from a coroutine (Starlette's
+    run_in_threadpool, FastAPI's sync endpoints): run_in_executor of the
+    function in a copy of the context. Without the copy it runs in no span."""
+    seen = {}
+
+    def work(name: str) -> None:
+        seen[name] = (threading.get_native_id(), recorder.current())
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        with tracer.start_as_current_span("request", attributes={"mm.modality": "audio"}) as span:
+            seen["span"] = span
+            await loop.run_in_executor(None, functools.partial(contextvars.copy_context().run, work, "copied"))
+            await loop.run_in_executor(None, work, "plain")
+            seen["on the loop"] = recorder.current()
+
+    run(main())
+    mine = span_mark(seen["span"], 3)
+    assert seen["copied"][1] == mine and seen["plain"][1] == CLEAR and seen["on the loop"] == mine
+    assert _thread_marks(recorder)[seen["copied"][0]][:2] == [mine, CLEAR]
+
+
+def test_uvloop_imported_after_the_processor_and_run_without_a_runner(record_lib, tmp_path):
+    """A fresh process: the processor first, then uvloop imported (it binds
+    asyncio._set_running_loop at its import) and a loop driven by hand
+    (run_until_complete, no asyncio.Runner): its tasks are followed from the
+    moment it runs."""
+    code = f"""
+import asyncio, json
+from opentelemetry.sdk.trace import TracerProvider
+from spanlet import client
+from marker_build import Recorder, span_mark, CLEAR
+rec = Recorder({record_lib!r})
+provider = TracerProvider()
+provider.add_span_processor(client.SpanletSpanProcessor(rec.path))
+tracer = provider.get_tracer("t")
+rec.reset()
+import uvloop
+seen, spans = [], {{}}
+
+async def request(i):
+    with tracer.start_as_current_span(f"c{{i}}") as span:
+        spans[i] = span
+        for _ in range(3):
+            seen.append((i, rec.current()))
+            await asyncio.sleep(0)
+
+async def main():
+    await asyncio.gather(*(request(i) for i in range(4)))
+
+loop = uvloop.new_event_loop()
+loop.run_until_complete(main())
+mine = {{i: span_mark(s) for i, s in spans.items()}}
+print(json.dumps([type(loop).__module__, [i for i, _ in seen], all(v == mine[i] for i, v in seen)]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "support"),
+                                                                           os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr
+    module, order, exact = __import__("json").loads(out.stdout)
+    assert module.startswith("uvloop") and order == [0, 1, 2, 3] * 3 and exact is True
 
 
 def test_pool_work_in_a_copied_context_runs_on_its_span_and_the_worker_gets_its_own_back(recorder, tracer):
@@ -453,3 +532,40 @@ def test_a_process_that_exits_right_after_its_last_span_exits_cleanly(record_lib
                          text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0 and out.stderr == "", out.stderr
     assert int(out.stdout) >= 4  # the span on both threads, then none on both
+
+
+# What the process's requests run on that is not followed per coroutine.
+
+def test_a_gevent_process_says_so_once_and_every_mark_carries_it(recorder, tracer, monkeypatch, caplog):
+    import types
+    monkey = types.ModuleType("gevent.monkey")
+    monkey.is_anything_patched = lambda: True
+    monkeypatch.setitem(sys.modules, "gevent.monkey", monkey)
+    with caplog.at_level("WARNING", logger="spanlet.client"):
+        for _ in range(3):
+            with tracer.start_as_current_span("request") as span:
+                pass
+    said = [r.getMessage() for r in caplog.records if "followed per thread only" in r.getMessage()]
+    assert len(said) == 1 and "run on gevent" in said[0]
+    flags = {r.modality >> 16 for r in recorder.records()}
+    assert flags == {2}                       # NotFollowed.gevent on every mark, span and clear alike
+    assert recorder.marks()[-2:] == [span_mark(span, 2 << 16), (CLEAR[0], 0, 2 << 16)]
+
+
+def test_a_running_loop_whose_tasks_cannot_be_followed_is_said(recorder, tracer, monkeypatch, caplog):
+    """A loop without a task factory to chain (not an asyncio loop, not uvloop)."""
+    monkeypatch.setattr(asyncio.events, "_get_running_loop", lambda: object())
+    with caplog.at_level("WARNING", logger="spanlet.client"):
+        with tracer.start_as_current_span("request"):
+            pass
+    assert [r.modality >> 16 for r in recorder.records()] == [8, 8]   # NotFollowed.loop
+    assert any("run on loop" in r.getMessage() for r in caplog.records)
+
+
+def test_a_process_on_a_followed_loop_carries_no_flag(recorder, tracer, run):
+    async def main() -> None:
+        for _ in range(3):
+            with tracer.start_as_current_span("request"):
+                await asyncio.sleep(0)
+    run(main())
+    assert recorder.records() and {r.modality >> 16 for r in recorder.records()} == {0}

@@ -19,14 +19,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                                          "spanlet.scheduler")),
     ("join, probes, node facts", ("spanlet.join", "spanlet.probes",
                                   "spanlet.cgroups", "spanlet.discovery", "spanlet.k8s", "spanlet.nvml")),
-    ("events, config", ("spanlet.events", "spanlet.config", "spanlet.modality", "spanlet.client",
+    ("events, config", ("spanlet.events", "spanlet.config", "spanlet.modality", "spanlet.runtimes",
+                        "spanlet.client",
                         "spanlet.batch",
                         "spanlet.bpf", "spanlet")),
 ]
 # Upward imports that are known and on their way out (none left).
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 # What the client (and the demo's serving processes) may reach: no daemon part.
-CLIENT_SIDE = ("spanlet.client", "spanlet.batch", "spanlet.modality", "spanlet.demo")
+CLIENT_SIDE = ("spanlet.client", "spanlet.batch", "spanlet.modality", "spanlet.runtimes", "spanlet.demo")
 
 
 def package_dirs() -> dict[str, Path]:
