@@ -156,6 +156,10 @@ def _span_row(s, received_unix_ns: int, resources: dict, resource) -> dict:
             "rx_bytes": attrs.get("kernel.net.rx_bytes", 0),
             "tx_bytes": attrs.get("kernel.net.tx_bytes", 0),
             "violations": attrs.get("kernel.sandbox.violations", 0),
+            # request anatomy (sched.enabled): where its threads' time went
+            "cpu_s": attrs.get("kernel.sched.cpu_ns", 0) / 1e9,
+            "runqueue_s": attrs.get("kernel.sched.runqueue_ns", 0) / 1e9,
+            "blocked_s": attrs.get("kernel.sched.blocked_ns", 0) / 1e9,
             # batched steps: a step's links to its requests; a request's steps and shares
             "links": len(s.links),
             "batch_steps": attrs.get("kernel.batch.steps", 0),

@@ -314,6 +314,16 @@ class SpanContextConfig(_Section):
     otel_map_path: str = "/sys/fs/bpf/otel/traces_ctx_v1"
 
 
+class SchedConfig(_Section):
+    # Request anatomy: each span's threads' time on a CPU, in the run queue
+    # and blocked (kernel.sched.*), from the scheduler's raw tracepoints
+    # (every context switch of the node passes through them; a thread
+    # outside any span costs one map lookup there). Off by default until its
+    # cost per switch meets the goal of 100 ns (bench/sched_bench.py; the
+    # CO-RE programs' task storage is the way there).
+    enabled: bool = False
+
+
 class JoinConfig(_Section):
     # Sampled kernel events (span events) wait here for their span; bounded
     # in count and age. Counts never wait here: they are in span_facts.
@@ -617,6 +627,7 @@ class Config(_Section):
     otlp: OtlpConfig = OtlpConfig()
     join: JoinConfig = JoinConfig()
     span_context: SpanContextConfig = SpanContextConfig()
+    sched: SchedConfig = SchedConfig()
     nvml: NvmlConfig = NvmlConfig()
     serving: ServingConfig = ServingConfig()
     store: StoreConfig = StoreConfig()

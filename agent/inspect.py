@@ -266,10 +266,17 @@ def _spans(d: dict) -> list:
                "time", "pod / service", "span", "dur s", "launch", "stall s", "rx/tx", "viol")
     for s in d["spans"]:
         t.add_row(_when(s["received_unix_ns"]), s["pod"] or s["service"] or "-",
-                  s["name"] + _batch(s),
+                  s["name"] + _anatomy(s) + _batch(s),
                   f"{s['duration_s']:.3f}", str(s["gpu_launches"]), f"{s['gpu_sync_wait_s']:.3f}",
                   f"{_bytes(s['rx_bytes'])}/{_bytes(s['tx_bytes'])}", str(s["violations"]))
     return [t]
+
+
+def _anatomy(s: dict) -> str:
+    """A line under a span's name: where its threads' time went (seconds)."""
+    if not (s.get("cpu_s") or s.get("runqueue_s") or s.get("blocked_s")):
+        return ""
+    return f"\ncpu {s['cpu_s']:.3f} runq {s['runqueue_s']:.3f} blk {s['blocked_s']:.3f}"
 
 
 def _batch(s: dict) -> str:

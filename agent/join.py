@@ -61,13 +61,27 @@ FACT_ATTRIBUTES = (
     ("kernel.net.rx_bytes", "rx_bytes"),
     ("kernel.net.tx_bytes", "tx_bytes"),
     ("kernel.sandbox.violations", "violations"),
+    ("kernel.sched.cpu_ns", "cpu_ns"),
+    ("kernel.sched.runqueue_ns", "runqueue_ns"),
+    ("kernel.sched.blocked_ns", "blocked_ns"),
+    ("kernel.sched.iowait_ns", "iowait_ns"),
+    ("kernel.sched.switches", "switches"),
+    ("kernel.sched.preemptions", "preemptions"),
 )
+# The scheduler's facts of a row, in FACT_ATTRIBUTES' order (request anatomy).
+SCHED_FIELDS = ("cpu_ns", "runqueue_ns", "blocked_ns", "iowait_ns", "switches", "preemptions")
+_SCHED_ATTRIBUTES = tuple(attr for attr, f in FACT_ATTRIBUTES if f in SCHED_FIELDS)
+_NO_SCHED = (0,) * len(SCHED_FIELDS)
 # A step's facts shared among its requests, as (request attribute, row field).
 BATCH_SHARES = (
     ("kernel.batch.gpu.launches", "launches"),
     ("kernel.batch.gpu.graph_launches", "graph_launches"),
     ("kernel.batch.gpu.graph_kernels", "graph_kernels"),
     ("kernel.batch.gpu.sync_wait_ns", "sync_wait_ns"),
+    ("kernel.batch.sched.cpu_ns", "cpu_ns"),
+    ("kernel.batch.sched.runqueue_ns", "runqueue_ns"),
+    ("kernel.batch.sched.blocked_ns", "blocked_ns"),
+    ("kernel.batch.sched.iowait_ns", "iowait_ns"),
 )
 BATCH_STEPS = "kernel.batch.steps"
 WEIGHT_KEY = "spanlet.weight"
@@ -79,7 +93,7 @@ _SERVER = trace_pb2.Span.SPAN_KIND_SERVER
 # ids only costs a look at span.links.
 _LINK_WIRE = re.compile(rb"\x6a[\x80-\xff]{0,4}[\x00-\x7f]\x0a\x10", re.S)
 _KERNEL_FIELDS = ("launches", "launch_ns", "sync_wait_ns", "syncs", "graph_launches",
-                  "graph_kernels", "violations")
+                  "graph_kernels", "violations", *SCHED_FIELDS)
 
 
 class KernelRow(Protocol):
@@ -95,6 +109,12 @@ class KernelRow(Protocol):
     violations: int
     graph_launches: int
     graph_kernels: int
+    cpu_ns: int
+    runqueue_ns: int
+    blocked_ns: int
+    iowait_ns: int
+    switches: int
+    preemptions: int
 
 
 class FactsReader(Protocol):
@@ -164,6 +184,12 @@ class Facts:
     rx_bytes: int = 0
     tx_bytes: int = 0
     violations: int = 0
+    cpu_ns: int = 0                                  # SCHED_FIELDS: where the threads' time went
+    runqueue_ns: int = 0
+    blocked_ns: int = 0
+    iowait_ns: int = 0
+    switches: int = 0
+    preemptions: int = 0
     samples: list = field(default_factory=list)      # sampled individual events, capped
     samples_capped: int = 0
 
@@ -178,6 +204,12 @@ class Facts:
         self.graph_launches += row.graph_launches
         self.graph_kernels += row.graph_kernels
         self.violations += row.violations
+        self.cpu_ns += row.cpu_ns
+        self.runqueue_ns += row.runqueue_ns
+        self.blocked_ns += row.blocked_ns
+        self.iowait_ns += row.iowait_ns
+        self.switches += row.switches
+        self.preemptions += row.preemptions
         if not self.cgroup_id:
             self.cgroup_id = row.cgroup_id
 
@@ -306,7 +338,7 @@ def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
     message is copied, which costs as much again."""
     f = facts
     _add_counts(span, f.launches, f.launch_ns, f.sync_wait_ns, f.syncs, f.rx_bytes, f.tx_bytes,
-                f.violations, f.graph_launches, f.graph_kernels)
+                f.violations, f.graph_launches, f.graph_kernels, sched=_sched_of(f))
     for ev in facts.samples:
         e = span.events.add(time_unix_nano=ev.epoch_ns,
                             name=_EVENT_NAMES.get(ev.hdr.kind, "kernel.event"))
@@ -315,9 +347,14 @@ def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
         span.dropped_events_count += facts.samples_capped
 
 
+def _sched_of(row) -> tuple:
+    """The row's SCHED_FIELDS."""
+    return (row.cpu_ns, row.runqueue_ns, row.blocked_ns, row.iowait_ns, row.switches, row.preemptions)
+
+
 def _add_counts(span: trace_pb2.Span, launches: int, launch_ns: int, sync_wait_ns: int, syncs: int,
                 rx_bytes: int, tx_bytes: int, violations: int, graph_launches: int = 0,
-                graph_kernels: int = 0, fresh: bool = False) -> None:
+                graph_kernels: int = 0, fresh: bool = False, sched: tuple = _NO_SCHED) -> None:
     """The FACT_ATTRIBUTES of a span, in that order, the non-zero ones (summed
     with any already there; `fresh`: the caller knows there are none). Values
     passed one by one: on the span path a getattr by name per attribute costs
@@ -328,7 +365,7 @@ def _add_counts(span: trace_pb2.Span, launches: int, launch_ns: int, sync_wait_n
                         ("kernel.gpu.graph_kernels", graph_kernels), ("kernel.gpu.launch_ns", launch_ns),
                         ("kernel.gpu.sync_wait_ns", sync_wait_ns), ("kernel.gpu.syncs", syncs),
                         ("kernel.net.rx_bytes", rx_bytes), ("kernel.net.tx_bytes", tx_bytes),
-                        ("kernel.sandbox.violations", violations)):
+                        ("kernel.sandbox.violations", violations), *zip(_SCHED_ATTRIBUTES, sched)):
         if not value:
             continue
         if existing is None:
@@ -592,7 +629,7 @@ class SpanJoin:
             # the common case, a facts row alone: straight onto the span (as
             # Facts.add_row + apply_facts would put it, without building Facts)
             _add_counts(span, row.launches, row.launch_ns, row.sync_wait_ns, row.syncs, 0, 0,
-                        row.violations, row.graph_launches, row.graph_kernels, fresh)
+                        row.violations, row.graph_launches, row.graph_kernels, fresh, _sched_of(row))
             self.stats.spans_joined += 1
             return row.cgroup_id or 1
         facts = Facts(trace_id, span.start_time_unix_nano)

@@ -76,6 +76,12 @@ def serve(spanlet: bool, steps: int) -> tuple[subprocess.Popen, int]:
     sys.exit("the server did not start")
 
 
+def cpu_s(pid: int) -> float:
+    """User and system CPU seconds of `pid` so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def load(port: int, requests: int, clients: int) -> tuple[list[float], float]:
     """Latencies (s) of `requests` GETs over `clients` keep-alive connections, and the wall time."""
     latencies: list[float] = []
@@ -109,12 +115,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="server starts each way, alternating")
     args = ap.parse_args()
     runs = {"off": [], "on": []}
+    cpu = {"off": [], "on": []}        # the server's CPU µs a request
     for _ in range(args.rounds):
         for way in ("off", "on"):
             proc, port = serve(way == "on", args.steps)
             try:
                 load(port, args.requests // 4, args.clients)          # warm-up
+                c0 = cpu_s(proc.pid)
                 runs[way].append(load(port, args.requests, args.clients))
+                cpu[way].append((cpu_s(proc.pid) - c0) / args.requests * 1e6)
             finally:
                 proc.terminate()
                 proc.wait(10)
@@ -129,11 +138,12 @@ def main() -> None:
     print(f"ASGI requests on uvicorn + uvloop + FastAPI (OTel-instrumented), {args.clients} connections, "
           f"{args.steps} awaits a request; median of {args.rounds} server starts each way, alternating; "
           f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
-    print(f"  {'':<28} {'p50 µs':>10} {'p99 µs':>10} {'req/s':>10}")
-    print(f"  {'without spanlet':<28} {off[0]:10.1f} {off[1]:10.1f} {off[2]:10.0f}")
-    print(f"  {'with SpanletSpanProcessor':<28} {on[0]:10.1f} {on[1]:10.1f} {on[2]:10.0f}")
+    c_off, c_on = statistics.median(cpu["off"]), statistics.median(cpu["on"])
+    print(f"  {'':<28} {'p50 µs':>10} {'p99 µs':>10} {'req/s':>10} {'server CPU µs/req':>18}")
+    print(f"  {'without spanlet':<28} {off[0]:10.1f} {off[1]:10.1f} {off[2]:10.0f} {c_off:18.1f}")
+    print(f"  {'with SpanletSpanProcessor':<28} {on[0]:10.1f} {on[1]:10.1f} {on[2]:10.0f} {c_on:18.1f}")
     print(f"  {'added (with - without)':<28} {on[0] - off[0]:10.1f} {on[1] - off[1]:10.1f} "
-          f"{on[2] / off[2]:9.3f}x")
+          f"{on[2] / off[2]:9.3f}x {c_on - c_off:18.1f}")
 
 
 if __name__ == "__main__":

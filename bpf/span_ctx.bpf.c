@@ -49,6 +49,144 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
     return 0;
 }
 
+#ifndef SPANLET_SCHED
+#define SPANLET_SCHED 1
+#endif
+#if SPANLET_SCHED
+/* Request anatomy: where the time of each thread that is in a span goes. A
+ * thread has an entry here only while it is in a span (its marks put it in
+ * and take it out), keyed by its task's address (bpf_get_current_task() in
+ * the thread itself; the raw tracepoints' task arguments elsewhere: an
+ * address is compared, never read, so no kernel struct is read). The
+ * scheduler's raw tracepoints add each interval to the entry (a switch of
+ * threads outside spans costs one lookup of each); the entry's sums go to
+ * the span's facts row at the thread's next mark or exit, before the span
+ * can be exported. sched_switch's raw arguments (Linux 5.18+): preempt,
+ * prev, next, prev_state; a switch out is involuntary as the kernel counts
+ * them (nivcsw: preempted, or still runnable: its slice used up, CFS quota
+ * throttling), and the thread is then in the run queue; else it sleeps
+ * (TASK_UNINTERRUPTIBLE without TASK_NOLOAD: iowait as well). */
+#define SCHED_RUNNING 0
+#define SCHED_RUNQUEUE 1
+#define SCHED_BLOCKED 2
+#define SCHED_IOWAIT 3
+#define SCHED_TASK_UNINTERRUPTIBLE 0x2
+#define SCHED_TASK_NOLOAD 0x400
+#define SCHED_SUMS 6                /* cpu, run queue, blocked, iowait, switches, preemptions */
+struct sched_thread_val {
+    struct span_facts_key key;
+    __u64 since_ns;
+    __u64 sum[SCHED_SUMS];
+    __u32 state;
+    __u32 tgid;
+};
+BPF_TABLE("hash", __u64, struct sched_thread_val, sched_thread, SPANLET_SPAN_CTX_MAX);
+
+/* The interval the thread was in since s->since_ns, into its sums. */
+static __always_inline void sched_close(struct sched_thread_val *s, __u64 now)
+{
+    __u64 d = now > s->since_ns ? now - s->since_ns : 0;
+    if (s->state == SCHED_RUNNING) {
+        s->sum[0] += d;
+    } else if (s->state == SCHED_RUNQUEUE) {
+        s->sum[1] += d;
+    } else {
+        s->sum[2] += d;
+        if (s->state == SCHED_IOWAIT)
+            s->sum[3] += d;
+    }
+    s->since_ns = now;
+}
+
+/* The sums so far onto the span's row. */
+static __always_inline void sched_flush(struct sched_thread_val *s)
+{
+    struct span_facts_key k = s->key;
+    struct span_facts_val *row = spanlet_span_row_key(&k, s->tgid);
+    if (!row)
+        return;
+    __sync_fetch_and_add(&row->cpu_ns, s->sum[0]);
+    __sync_fetch_and_add(&row->runqueue_ns, s->sum[1]);
+    __sync_fetch_and_add(&row->blocked_ns, s->sum[2]);
+    __sync_fetch_and_add(&row->iowait_ns, s->sum[3]);
+    __sync_fetch_and_add(&row->switches, s->sum[4]);
+    __sync_fetch_and_add(&row->preemptions, s->sum[5]);
+}
+
+/* A mark on the running thread: its time so far goes to the span it leaves;
+ * from now on it runs in `c` (NULL: in no span). The uprobe's program can be
+ * preempted, and the switch programs then update this thread's entry in the
+ * middle of it: the old entry is copied and the new one written at once,
+ * right after the time is read, and the copy is closed and flushed after, so
+ * that a preemption past that point lands on the new entry as it should. */
+static __always_inline void sched_mark(struct span_ctx_val *c)
+{
+    __u64 task = bpf_get_current_task();
+    struct sched_thread_val old = {}, v = {};
+    struct sched_thread_val *s = sched_thread.lookup(&task);
+    __u64 now = bpf_ktime_get_ns();
+    int had = 0;
+    if (s) {
+        old = *s;
+        had = 1;
+    }
+    if (c) {
+        __builtin_memcpy(v.key.trace_id, c->trace_id, 16);
+        v.key.span_id = c->span_id;
+        v.key.cgroup_id = bpf_get_current_cgroup_id();
+        v.since_ns = now;
+        v.state = SCHED_RUNNING;
+        v.tgid = (__u32)(bpf_get_current_pid_tgid() >> 32);
+        sched_thread.update(&task, &v);
+    } else if (had) {
+        sched_thread.delete(&task);
+    }
+    if (had) {
+        sched_close(&old, now);
+        sched_flush(&old);
+    }
+}
+
+RAW_TRACEPOINT_PROBE(sched_switch)
+{
+    __u64 preempt = ctx->args[0], prev = ctx->args[1], next = ctx->args[2];
+    __u32 state = (__u32)ctx->args[3];
+    struct sched_thread_val *s = sched_thread.lookup(&prev);
+    __u64 now = 0;
+    if (s) {
+        now = bpf_ktime_get_ns();
+        sched_close(s, now);
+        s->sum[4] += 1;
+        if (preempt || state == 0) {
+            s->sum[5] += 1;
+            s->state = SCHED_RUNQUEUE;
+        } else {
+            s->state = (state & SCHED_TASK_UNINTERRUPTIBLE) && !(state & SCHED_TASK_NOLOAD)
+                     ? SCHED_IOWAIT : SCHED_BLOCKED;
+        }
+    }
+    s = sched_thread.lookup(&next);
+    if (s) {
+        if (!now)
+            now = bpf_ktime_get_ns();
+        sched_close(s, now);   /* its wait: the run queue (or a sleep whose wake-up was not seen) */
+        s->state = SCHED_RUNNING;
+    }
+    return 0;
+}
+
+RAW_TRACEPOINT_PROBE(sched_wakeup)
+{
+    __u64 task = ctx->args[0];
+    struct sched_thread_val *s = sched_thread.lookup(&task);
+    if (!s || s->state == SCHED_RUNNING || s->state == SCHED_RUNQUEUE)
+        return 0;
+    sched_close(s, bpf_ktime_get_ns());
+    s->state = SCHED_RUNQUEUE;
+    return 0;
+}
+#endif
+
 #ifdef SPANLET_OTEL_MAP
 /* The OpenTelemetry shared context map (span_context.otel_map): the OTel eBPF
  * profiler and OBI read a thread's current span here. Key: pid_tgid; ids in
@@ -91,6 +229,9 @@ int span_ctx_mark(struct pt_regs *ctx)
     }
     if (span_id == 0) {
         span_ctx.delete(&tid);
+#if SPANLET_SCHED
+        sched_mark(0);
+#endif
 #ifdef SPANLET_OTEL_MAP
         traces_ctx_v1.delete(&pid_tgid);
 #endif
@@ -104,6 +245,9 @@ int span_ctx_mark(struct pt_regs *ctx)
     __u32 modality = (__u32)PT_REGS_PARM4(ctx) & 0xffff;
     v.modality = modality < SPANLET_N_MODALITIES ? modality : SPANLET_MOD_OTHER;
     span_ctx.update(&tid, &v);
+#if SPANLET_SCHED
+    sched_mark(&v);
+#endif
 #ifdef SPANLET_OTEL_MAP
     struct otel_ctx_val o = {};
     __builtin_memcpy(o.trace_id, v.trace_id, 16);
@@ -121,6 +265,9 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     __u64 pid_tgid = bpf_get_current_pid_tgid();
     __u32 tid = (__u32)pid_tgid;
     span_ctx.delete(&tid);
+#if SPANLET_SCHED
+    sched_mark(0);             /* its last running time goes to its span */
+#endif
 #ifdef SPANLET_OTEL_MAP
     traces_ctx_v1.delete(&pid_tgid);
 #endif

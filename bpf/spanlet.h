@@ -99,6 +99,14 @@ struct span_facts_val {
     __u64 violations;         /* mmap sandbox */
     __u64 graph_launches;     /* cuGraphLaunch* calls (replays) */
     __u64 graph_kernels;      /* kernels those replays ran, where the graph was seen made */
+    /* where the span's threads' time went while in the span (span_ctx.bpf.c,
+     * the scheduler's tracepoints and the span marks): */
+    __u64 cpu_ns;             /* on a CPU */
+    __u64 runqueue_ns;        /* runnable, waiting for a CPU (preempted, woken, CFS-throttled) */
+    __u64 blocked_ns;         /* asleep (blocked on I/O, a lock, the network, a sleep) */
+    __u64 iowait_ns;          /* the uninterruptible part of blocked_ns */
+    __u64 switches;           /* switches out */
+    __u64 preemptions;        /* the involuntary ones among them */
     __u64 cgroup_id;          /* of the first event */
     __u64 first_ns;           /* CLOCK_MONOTONIC of the first event */
     __u32 pid;                /* of the first event */
@@ -369,25 +377,29 @@ static __always_inline void spanlet_facts_made(struct span_facts_key *k)
  * created are counted so that the agent can tell LRU evictions (created -
  * taken - swept - present). NULL when the row is refused (the cgroup's bound)
  * or the map refuses it. */
+static __always_inline struct span_facts_val *spanlet_span_row_key(struct span_facts_key *k, __u32 pid)
+{
+    struct span_facts_val *row = span_facts.lookup(k);
+    if (row)
+        return row;
+    if (!spanlet_facts_room(k->cgroup_id))
+        return 0;
+    struct span_facts_val init = {};
+    init.cgroup_id = k->cgroup_id;
+    init.first_ns = bpf_ktime_get_ns();
+    init.pid = pid;
+    if (span_facts.insert(k, &init) == 0)
+        spanlet_facts_made(k);
+    return span_facts.lookup(k);
+}
+
 static __always_inline struct span_facts_val *spanlet_span_row_of(struct span_ctx_val *c, __u64 cgroup_id)
 {
     struct span_facts_key k = {};
     __builtin_memcpy(k.trace_id, c->trace_id, 16);
     k.span_id = c->span_id;
     k.cgroup_id = cgroup_id;
-    struct span_facts_val *row = span_facts.lookup(&k);
-    if (row)
-        return row;
-    if (!spanlet_facts_room(k.cgroup_id))
-        return 0;
-    struct span_facts_val init = {};
-    __u64 pid_tgid = bpf_get_current_pid_tgid();
-    init.cgroup_id = k.cgroup_id;
-    init.first_ns = bpf_ktime_get_ns();
-    init.pid = pid_tgid >> 32;
-    if (span_facts.insert(&k, &init) == 0)
-        spanlet_facts_made(&k);
-    return span_facts.lookup(&k);
+    return spanlet_span_row_key(&k, (__u32)(bpf_get_current_pid_tgid() >> 32));
 }
 
 /* The same for the calling task's cgroup, where the caller has not read it. */

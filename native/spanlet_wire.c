@@ -971,7 +971,8 @@ struct index_val {
 #define REASON_CONFLICT 2
 struct facts_val {
     uint64_t launches_driver, launches_runtime, launch_ns, sync_wait_ns, syncs, violations,
-        graph_launches, graph_kernels, cgroup_id, first_ns;
+        graph_launches, graph_kernels, cpu_ns, runqueue_ns, blocked_ns, iowait_ns, switches,
+        preemptions, cgroup_id, first_ns;
     uint32_t pid, sampled_events;
 };
 
@@ -1019,9 +1020,11 @@ static int facts_put(int fd, const void *k, const void *v)
 static const char *const FACT_KEYS[] = {
     "kernel.gpu.launches", "kernel.gpu.graph_launches", "kernel.gpu.graph_kernels",
     "kernel.gpu.launch_ns", "kernel.gpu.sync_wait_ns", "kernel.gpu.syncs",
-    "kernel.sandbox.violations",
+    "kernel.sandbox.violations", "kernel.sched.cpu_ns", "kernel.sched.runqueue_ns",
+    "kernel.sched.blocked_ns", "kernel.sched.iowait_ns", "kernel.sched.switches",
+    "kernel.sched.preemptions",
 };
-#define N_FACTS 7
+#define N_FACTS 13
 #define ATTR_MAX 48        /* one attribute's bytes at most: tag, lengths, key, int */
 
 /* Span field 9 entries for the row's non-zero facts; returns their length. */
@@ -1029,7 +1032,8 @@ static size_t fact_attributes(const struct facts_val *v, uint8_t *out)
 {
     uint64_t vals[N_FACTS] = {v->launches_driver + v->launches_runtime, v->graph_launches,
                               v->graph_kernels, v->launch_ns, v->sync_wait_ns, v->syncs,
-                              v->violations};
+                              v->violations, v->cpu_ns, v->runqueue_ns, v->blocked_ns,
+                              v->iowait_ns, v->switches, v->preemptions};
     size_t n = 0;
     for (int i = 0; i < N_FACTS; i++) {
         if (!vals[i])
@@ -1383,6 +1387,12 @@ static PyObject *join_resource(PyObject *self, PyObject *args)
             sum.violations += v->violations;
             sum.graph_launches += v->graph_launches;
             sum.graph_kernels += v->graph_kernels;
+            sum.cpu_ns += v->cpu_ns;
+            sum.runqueue_ns += v->runqueue_ns;
+            sum.blocked_ns += v->blocked_ns;
+            sum.iowait_ns += v->iowait_ns;
+            sum.switches += v->switches;
+            sum.preemptions += v->preemptions;
         }
         if (nleft) {
             left.n = nleft;

@@ -113,6 +113,7 @@ class SpanCtxProbe(Probe):
     def compile_flags(self, pin_dir: str | None = None) -> list[str]:
         # This probe creates the maps (and pins them in self.pin_dir) for the others.
         flags = super().compile_flags(str(self.pin_dir))
+        flags.append(f"-DSPANLET_SCHED={int(self.cfg.sched.enabled)}")
         if self.otel_map:
             flags.append(f'-DSPANLET_OTEL_MAP="{self.otel_map}"')
         self.sock_owners = tracepoint_exists(SOCK_STATE_TRACEPOINT)

@@ -77,6 +77,13 @@ class KernelFacts:
     graph_launches: int = 0
     graph_kernels: int = 0
     sampled_events: int = 0            # GPU records sent in the sampled side stream
+    # where the span's threads' time went (ns), and their switches out
+    cpu_ns: int = 0
+    runqueue_ns: int = 0
+    blocked_ns: int = 0
+    iowait_ns: int = 0
+    switches: int = 0
+    preemptions: int = 0
 
 
 @dataclass
@@ -93,7 +100,7 @@ class SpanFactsStats:
 
 
 # struct span_facts_val, field by field (agent/events.py SpanFactsVal)
-_VAL = struct.Struct("<10Q2I")
+_VAL = struct.Struct("<16Q2I")
 assert _VAL.size == C.sizeof(events.SpanFactsVal)
 
 
@@ -101,10 +108,12 @@ def decode(trace_id: bytes, span_id: int, val, clock: events.MonotonicClock,
            offset: int = 0) -> KernelFacts:
     """A row from the packed bytes of its value (at `offset` in `val`)."""
     (driver, runtime, launch_ns, sync_wait_ns, syncs, violations, graph_launches, graph_kernels,
+     cpu_ns, runqueue_ns, blocked_ns, iowait_ns, switches, preemptions,
      cgroup_id, first_ns, pid, sampled) = _VAL.unpack_from(val, offset)
     return KernelFacts(trace_id, span_id, cgroup_id, pid, clock.to_epoch(first_ns),
                        driver + runtime, {"driver": driver, "runtime": runtime}, launch_ns,
-                       sync_wait_ns, syncs, violations, graph_launches, graph_kernels, sampled)
+                       sync_wait_ns, syncs, violations, graph_launches, graph_kernels, sampled,
+                       cpu_ns, runqueue_ns, blocked_ns, iowait_ns, switches, preemptions)
 
 
 class _Elem:

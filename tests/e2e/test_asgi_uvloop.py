@@ -32,7 +32,7 @@ ROUNDS = 20
 
 @pytest.fixture(scope="module")
 def agent():
-    with exporting_agent() as a:
+    with exporting_agent("sched.enabled=true") as a:
         yield a
 
 
@@ -134,4 +134,7 @@ def test_each_request_on_uvloop_gets_exactly_its_own_launches(agent, standin, tm
         assert not wrong, wrong
         with up.lock:   # the server spans are FastAPI's: SERVER kind, the route's name
             span, _ = up.spans[next(iter(expected))[1]]
+            anatomy = [kernel_attrs(up.spans[k[1]][0]) for k in expected]
         assert span.kind == 2 and span.name == "GET /infer/{n}"
+        # each request's own steps ran on a CPU (request anatomy)
+        assert all(a.get("kernel.sched.cpu_ns", 0) > 0 for a in anatomy), anatomy

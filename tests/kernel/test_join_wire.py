@@ -26,7 +26,8 @@ from spanlet.join import SpanJoin
 pytestmark = pytest.mark.kernel
 
 FIELDS = ("launches_driver", "launches_runtime", "launch_ns", "sync_wait_ns", "syncs", "violations",
-          "graph_launches", "graph_kernels")
+          "graph_launches", "graph_kernels", "cpu_ns", "runqueue_ns", "blocked_ns", "iowait_ns", "switches",
+          "preemptions")
 
 
 def _request(rnd: random.Random, trace_ids: list[bytes]) -> ExportTraceServiceRequest:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from spanlet import config
+import anatomy
 from spanlet.metrics import kernel as kernel_metrics
 from spanlet.metrics.catalogue import BY_NAME
 from otlp_upstream import wait_for
@@ -28,14 +28,8 @@ METRIC = BY_NAME["spanlet_client_thread_only_processes"].name
 
 @pytest.fixture(scope="module")
 def probe():
-    from spanlet.probes.span_ctx import SpanCtxProbe
-    p = SpanCtxProbe(config.load(env={}))
-    st = p.start()
-    assert st.attached, st.reason
-    try:
+    with anatomy.span_ctx_probe() as p:     # the defaults
         yield p
-    finally:
-        p.stop()
 
 
 class Child:
@@ -90,3 +84,11 @@ def test_gevent_and_trio_processes_are_counted_shown_and_forgotten_at_exit(probe
     wait_for(lambda: not any(c.pid in probe.thread_only_processes() for c in children.values()), 5,
              "the exited processes forgotten")
     assert counts(probe) == before
+
+
+def test_with_sched_off_by_default_spans_get_no_scheduler_facts(probe, tmp_path):
+    """This module's agent runs the defaults, where sched.enabled is off: a
+    span that only ran, slept and switched makes no facts row at all."""
+    spans = anatomy.run_child(probe, anatomy.build(tmp_path), "threads", "0", "2", "1", "5", "2", "2")
+    assert len(spans) == 2
+    assert all(probe.facts.take_rows(trace, span) == [] for trace, span in spans)

@@ -37,7 +37,8 @@ class FakeFacts:
             self.st.created += 1
             return new
         for name in ("launches", "launch_ns", "sync_wait_ns", "syncs", "violations",
-                     "graph_launches", "graph_kernels"):
+                     "graph_launches", "graph_kernels", "cpu_ns", "runqueue_ns", "blocked_ns", "iowait_ns",
+                     "switches", "preemptions"):
             setattr(old, name, getattr(old, name) + getattr(new, name))
         return old
 

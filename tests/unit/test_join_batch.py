@@ -63,11 +63,16 @@ def batch_attrs(s):
     return out
 
 
-def shares(steps, launches, graph=0.0, sync=0.0, graph_kernels=0.0):
+def shares(steps, launches, graph=0.0, sync=0.0, graph_kernels=0.0, cpu=0.0, runqueue=0.0, blocked=0.0,
+           iowait=0.0):
     return {"kernel.batch.steps": steps, "kernel.batch.gpu.launches": pytest.approx(launches, abs=1e-6),
             "kernel.batch.gpu.graph_launches": pytest.approx(graph, abs=1e-6),
             "kernel.batch.gpu.graph_kernels": pytest.approx(graph_kernels, abs=1e-6),
-            "kernel.batch.gpu.sync_wait_ns": pytest.approx(sync, abs=1e-6)}
+            "kernel.batch.gpu.sync_wait_ns": pytest.approx(sync, abs=1e-6),
+            "kernel.batch.sched.cpu_ns": pytest.approx(cpu, abs=1e-6),
+            "kernel.batch.sched.runqueue_ns": pytest.approx(runqueue, abs=1e-6),
+            "kernel.batch.sched.blocked_ns": pytest.approx(blocked, abs=1e-6),
+            "kernel.batch.sched.iowait_ns": pytest.approx(iowait, abs=1e-6)}
 
 
 def make(**cfg):
@@ -243,8 +248,9 @@ def test_held_spans_are_bounded():
     assert j.batch_pending()[0] == 0
 
 
-def test_every_gpu_fact_of_a_step_is_shared():
-    assert [f for _, f in BATCH_SHARES] == ["launches", "graph_launches", "graph_kernels", "sync_wait_ns"]
+def test_every_gpu_and_time_fact_of_a_step_is_shared():
+    assert [f for _, f in BATCH_SHARES] == ["launches", "graph_launches", "graph_kernels", "sync_wait_ns",
+                                            "cpu_ns", "runqueue_ns", "blocked_ns", "iowait_ns"]
 
 
 def test_the_span_path_holds_requests_for_batch_wait_s_then_exports_them_with_their_shares():

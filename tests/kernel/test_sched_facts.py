@@ -1,0 +1,137 @@
+"""Request anatomy (kernel.sched.*): threads of a real OTel-instrumented process,
+pinned two to a CPU, spin a known CPU time, sleep and read a pipe inside
+their spans; each span's facts row holds exactly its threads' time on a CPU,
+in the run queue and blocked, as the threads' own clocks and schedstat tell,
+quiet and with a launch flood or a CPU hog beside them. Coroutines sharing a
+thread (asyncio, uvloop) each get the CPU time of their own steps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import anatomy
+
+pytestmark = pytest.mark.kernel
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = ROOT / "tests" / "support" / "anatomy" / "child.py"
+RUNS = 20
+CPU = 1 if os.cpu_count() > 1 else 0
+MS = 1_000_000
+
+
+def close(got: int, want: int, rel: float) -> bool:
+    return abs(got - want) <= max(rel * want, 1 * MS)
+
+
+def between(got: int, inner: int, outer: int, rel: float) -> bool:
+    """`got` within [inner, outer], give or take rel of it or 1 ms."""
+    slack = max(rel * inner, 1 * MS)
+    return inner - slack <= got <= outer + slack
+
+
+@pytest.fixture(scope="module")
+def spin(tmp_path_factory) -> Path:
+    return anatomy.build(tmp_path_factory.mktemp("spin"))
+
+
+@pytest.fixture(scope="module")
+def probe():
+    with anatomy.span_ctx_probe("sched.enabled=true") as p:
+        yield p
+
+
+run_child = anatomy.run_child
+
+
+def rows_of(probe, spans) -> dict:
+    """Each span's facts row (the agent takes a row once: taken here)."""
+    out = {}
+    for trace, span in spans:
+        rows = probe.facts.take_rows(trace, span)
+        assert len(rows) == 1, (trace.hex(), span, rows)
+        out[(trace, span)] = rows[0]
+    return out
+
+
+class Beside:
+    """Load beside the child: a launch flood (a process launching through
+    ctypes in a loop) or a CPU hog pinned to the children's CPU."""
+
+    CODE = {"flood": "import ctypes, sys\nlib = ctypes.CDLL(sys.argv[1])\n"
+                     "while True:\n    lib.spin_cpu_ns(1000)\n",
+            "hog": f"import os\nos.sched_setaffinity(0, {{{CPU}}})\nwhile True:\n    pass\n"}
+
+    def __init__(self, what: str, spin: Path):
+        self.proc = None if what == "quiet" else subprocess.Popen(
+            [sys.executable, "-c", self.CODE[what], str(spin)])
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# Known gap (BCC's raw tracepoints, README "Request anatomy"): in a few spans in a
+# hundred, one scheduler slice (~1-1.5 ms) of a thread's running time lands in its run
+# queue time, or a wake-up is missed and run queue time lands in blocked time; the
+# total and the switch counts stay exact. The split is checked per span against the
+# tolerance below for all but this share of the spans of the 20 runs.
+SPLIT_MISSES_ALLOWED = 0.05
+
+
+@pytest.mark.parametrize("beside", ["quiet", "flood", "hog"])
+def test_each_span_holds_its_threads_cpu_run_queue_and_blocked_time(probe, spin, beside):
+    """20 runs, 4 spans each: every span's cpu + run queue + blocked time and its
+    switches exact; its cpu and run queue time each exact for all but a few spans."""
+    split_misses, spans_seen = [], 0
+    for _ in range(RUNS):
+        load = Beside(beside, spin)
+        try:
+            spans = run_child(probe, spin, "threads", str(CPU), "2", "2", "20", "5", "10")
+        finally:
+            load.close()
+        assert len(spans) == 4
+        rows = rows_of(probe, spans)
+        spans_seen += len(spans)
+        for key, figures in spans.items():
+            (cpu, wait, wall, switched, involuntary), (cpu_o, wait_o, wall_o, switched_o, involuntary_o) = (
+                figures[:5], figures[5:])
+            r = rows[key]
+            total = r.cpu_ns + r.runqueue_ns + r.blocked_ns
+            seen = (f"ours: cpu {r.cpu_ns} rq {r.runqueue_ns} blocked {r.blocked_ns} total {total} switches "
+                    f"{r.switches} preemptions {r.preemptions}; the thread's, inside then outside the edges: "
+                    f"{figures}")
+            assert between(total, wall, wall_o, 0.02), ("cpu + run queue + blocked", seen)
+            # switches as the kernel counts the thread's (nvcsw + nivcsw, nivcsw)
+            assert switched <= r.switches <= switched_o and involuntary <= r.preemptions <= involuntary_o, seen
+            assert r.iowait_ns <= r.blocked_ns and r.blocked_ns >= 5 * MS, seen   # the sleep at least
+            if not (between(r.cpu_ns, cpu, cpu_o, 0.02) and between(r.runqueue_ns, wait, wait_o, 0.02)):
+                split_misses.append(seen)
+        # two threads on one CPU: much of their time is the run queue, taken by preemption
+        assert sum(f[1] for f in spans.values()) >= 10 * MS
+        assert sum(r.preemptions for r in rows.values()) >= 1
+    assert len(split_misses) <= SPLIT_MISSES_ALLOWED * spans_seen, "\n".join(split_misses)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_coroutines_on_one_thread_each_get_the_cpu_of_their_own_steps(probe, spin, loop):
+    """20 runs of 4 coroutines, 8 steps each: each coroutine's cpu_ns is the
+    thread CPU time of its own steps (all but the known gap's share, above)."""
+    misses, seen = [], 0
+    for _ in range(RUNS):
+        spans = run_child(probe, spin, "coroutines", loop, "4", "8", "3")
+        assert len(spans) == 4
+        rows = rows_of(probe, spans)
+        for key, (mine, *_) in spans.items():
+            assert mine >= 24 * MS
+            seen += 1
+            if not close(rows[key].cpu_ns, mine, 0.03):
+                misses.append((rows[key].cpu_ns, mine))
+        # the steps' CPU all lands on the coroutines' spans: none lost, none counted twice
+        assert close(sum(rows[k].cpu_ns for k in spans), sum(f[0] for f in spans.values()), 0.03)
+    assert len(misses) <= SPLIT_MISSES_ALLOWED * seen, misses

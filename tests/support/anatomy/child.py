@@ -1,0 +1,121 @@
+"""A serving process for the request-anatomy tests: the real OTel SDK with the
+spanlet processor (the production marker, uprobed by the test's agent).
+
+    child.py LIBSPIN threads CPU THREADS SPANS CPU_MS SLEEP_MS PIPE_MS
+        THREADS threads pinned to CPU, each running SPANS spans: in each, spin
+        CPU_MS of its own CPU time (C, the GIL let go), sleep SLEEP_MS, read a
+        pipe that another thread writes PIPE_MS later. Per span prints
+        "span TRACE SPAN" and twice RUN_NS WAIT_NS WALL_NS SWITCHES
+        INVOLUNTARY: the thread's own CPU time (CLOCK_THREAD_CPUTIME_ID:
+        schedstat's run field lags up to a tick for a running thread), its
+        /proc/thread-self/schedstat wait (run queue), its monotonic time and
+        its context switches (/proc/thread-self/status), read just inside the
+        span's edges, then just outside them: the span's own figures lie
+        between the two (equal where nothing ran between a mark and a read).
+    child.py LIBSPIN coroutines LOOP TASKS STEPS STEP_MS
+        TASKS coroutines on one asyncio or uvloop loop, each in its span,
+        each step spinning STEP_MS of CPU; per span prints
+        "span TRACE SPAN CPU_NS 0 0": the thread CPU time of its own steps.
+Then "done".
+"""
+
+import asyncio
+import ctypes
+import os
+import sys
+import threading
+import time
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from spanlet import SpanletSpanProcessor
+
+spin = ctypes.CDLL(sys.argv[1]).spin_cpu_ns
+spin.argtypes = [ctypes.c_longlong]
+provider = TracerProvider()
+provider.add_span_processor(SpanletSpanProcessor())
+tracer = provider.get_tracer("anatomy")
+out = threading.Lock()
+MS = 1_000_000
+
+
+def schedstat() -> tuple[int, int]:
+    """(CPU ns, run-queue wait ns) of the calling thread so far."""
+    with open("/proc/thread-self/schedstat") as f:
+        wait = int(f.read().split()[1])
+    return time.thread_time_ns(), wait
+
+
+def switches() -> tuple[int, int]:
+    """(all, involuntary) context switches of the calling thread so far."""
+    with open("/proc/thread-self/status") as f:
+        kv = dict(line.split(":", 1) for line in f if "ctxt_switches" in line)
+    vol, inv = int(kv["voluntary_ctxt_switches"]), int(kv["nonvoluntary_ctxt_switches"])
+    return vol + inv, inv
+
+
+def reading() -> tuple[int, ...]:
+    """(CPU ns, run-queue ns, monotonic ns, switches, involuntary switches) of the calling thread."""
+    cpu, wait = schedstat()
+    return (cpu, wait, time.monotonic_ns(), *switches())
+
+
+def say(span, *numbers) -> None:
+    ctx = span.get_span_context()
+    with out:
+        print(f"span {ctx.trace_id:032x} {ctx.span_id:016x}", *numbers, flush=True)
+
+
+def worker(cpu: int, spans: int, cpu_ms: float, sleep_ms: float, pipe_ms: float, start: threading.Barrier):
+    os.sched_setaffinity(0, {cpu})          # this thread only
+    start.wait()
+    for _ in range(spans):
+        r, w = os.pipe()
+        before = reading()
+        with tracer.start_as_current_span("request") as span:
+            start = reading()
+            spin(int(cpu_ms * MS))
+            time.sleep(sleep_ms / 1000)
+            threading.Timer(pipe_ms / 1000, os.write, (w, b"x")).start()
+            os.read(r, 1)
+            end = reading()
+        after = reading()
+        os.close(r)
+        os.close(w)
+        say(span, *(e - s for e, s in zip(end, start)), *(a - b for a, b in zip(after, before)))
+
+
+def threads(cpu, n, spans, cpu_ms, sleep_ms, pipe_ms) -> None:
+    start = threading.Barrier(int(n))
+    ts = [threading.Thread(target=worker, args=(int(cpu), int(spans), float(cpu_ms), float(sleep_ms),
+                                                float(pipe_ms), start)) for _ in range(int(n))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def coroutines(loop_name, tasks, steps, step_ms) -> None:
+    async def one() -> None:
+        with tracer.start_as_current_span("coroutine") as span:
+            mine = 0
+            for _ in range(int(steps)):
+                t0 = time.thread_time_ns()
+                spin(int(float(step_ms) * MS))
+                mine += time.thread_time_ns() - t0
+                await asyncio.sleep(0)
+        say(span, mine)
+
+    async def main() -> None:
+        await asyncio.gather(*(one() for _ in range(int(tasks))))
+    if loop_name == "uvloop":
+        import uvloop
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+
+
+print("ready", os.getpid(), flush=True)
+sys.stdin.readline()       # "go": the test's agent has attached to this process
+{"threads": threads, "coroutines": coroutines}[sys.argv[2]](*sys.argv[3:])
+print("done", flush=True)
