@@ -159,19 +159,16 @@ def main() -> None:
     row("  of which the SDK calling any processor", lambda r: (r["noop"] - r["without"]) / 2)
     row("processor alone per edge (on_start/on_end direct)", lambda r: r["edge"])
     row("  of which the marker call (mark(), METH_FASTCALL)", lambda r: r["mark"])
-    print(f"  asyncio: 4 tasks on one loop, {switch_steps} steps each (await asyncio.sleep(0))")
-    row("per task switch, no processor (tasks in 4 spans)", lambda r: r["switch_without"])
-    row("per task switch, with processor (4 spans: 2 marks each)", lambda r: r["switch_with"])
-    row("added per task switch, 4 spans", lambda r: r["switch_with"] - r["switch_without"])
-    paired("  the same, each repeat's own difference", lambda r: r["switch_with"] - r["switch_without"])
-    row("per task switch, with processor, tasks in no span", lambda r: r["switch_nospan"])
-    print(f"  uvloop: 4 tasks on one loop, {switch_steps} steps each (goal: <= 0.5 µs added a step)")
-    row("per task step, no processor (tasks in 4 spans)", lambda r: r["uv_without"])
-    row("per task step, with processor (4 spans: 2 marks each)", lambda r: r["uv_with"])
-    row("added per task step, 4 spans", lambda r: r["uv_with"] - r["uv_without"])
-    paired("  the same, each repeat's own difference", lambda r: r["uv_with"] - r["uv_without"])
-    row("per task step, with processor, tasks in no span", lambda r: r["uv_nospan"])
-    row("added per task step, tasks in no span", lambda r: r["uv_nospan"] - r["uv_without"])
+    for loop, key, goal in (("asyncio", "switch", ""), ("uvloop", "uv", " (goal: <= 0.5 µs added a step)")):
+        without, with_, nospan = f"{key}_without", f"{key}_with", f"{key}_nospan"
+        print(f"  {loop}: 4 tasks on one loop, {switch_steps} steps each (await asyncio.sleep(0)){goal}")
+        row("per task step, no processor (tasks in 4 spans)", lambda r: r[without])
+        row("per task step, with processor (4 spans: 2 marks each)", lambda r: r[with_])
+        row("added per task step, 4 spans", lambda r: r[with_] - r[without])
+        paired("  the same, each repeat's own difference", lambda r: r[with_] - r[without])
+        row("per task step, with processor, tasks in no span", lambda r: r[nospan])
+        row("added per task step, tasks in no span", lambda r: r[nospan] - r[without])
+
 
 if __name__ == "__main__":
     main()
