@@ -433,15 +433,16 @@ def _look_at_runtime() -> bool:
     followed = loop is None or _follow_tasks_of(loop)
     flags = runtimes.detect(sys.modules, loop, followed)
     _looks_left -= 1
-    if flags and flags != _follow_flags:
-        _follow_flags = flags
-        for ref in list(_owners):
-            processor = ref()
-            if processor is not None and processor._marker is not None:
-                processor._marker.set_follow_flags(flags)
-        logger.warning("spanlet: this process's requests run on %s: its spans are followed per thread "
-                       "only (kernel facts of requests sharing a thread may land on each other's spans)",
-                       " and ".join(runtimes.names(flags)))
+    if flags:
+        if flags != _follow_flags:     # (a forked child inherits what its parent found and said)
+            _follow_flags = flags
+            for ref in list(_owners):
+                processor = ref()
+                if processor is not None and processor._marker is not None:
+                    processor._marker.set_follow_flags(flags)
+            logger.warning("spanlet: this process's requests run on %s: its spans are followed per "
+                           "thread only (kernel facts of requests sharing a thread may land on each "
+                           "other's spans)", " and ".join(runtimes.names(flags)))
         return False
     return loop is None and _looks_left > 0
 
