@@ -160,6 +160,9 @@ def _span_row(s, received_unix_ns: int, resources: dict, resource) -> dict:
             "cpu_s": attrs.get("kernel.sched.cpu_ns", 0) / 1e9,
             "runqueue_s": attrs.get("kernel.sched.runqueue_ns", 0) / 1e9,
             "blocked_s": attrs.get("kernel.sched.blocked_ns", 0) / 1e9,
+            # and the GPU memory traffic: bytes copied to and from the device
+            "memcpy_h2d_bytes": attrs.get("kernel.gpu.memcpy_h2d_bytes", 0),
+            "memcpy_d2h_bytes": attrs.get("kernel.gpu.memcpy_d2h_bytes", 0),
             # batched steps: a step's links to its requests; a request's steps and shares
             "links": len(s.links),
             "batch_steps": attrs.get("kernel.batch.steps", 0),

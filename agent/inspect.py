@@ -273,10 +273,14 @@ def _spans(d: dict) -> list:
 
 
 def _anatomy(s: dict) -> str:
-    """A line under a span's name: where its threads' time went (seconds)."""
-    if not (s.get("cpu_s") or s.get("runqueue_s") or s.get("blocked_s")):
-        return ""
-    return f"\ncpu {s['cpu_s']:.3f} runq {s['runqueue_s']:.3f} blk {s['blocked_s']:.3f}"
+    """Lines under a span's name: where its threads' time went (seconds), and
+    the bytes it copied to and from the GPU."""
+    out = ""
+    if s.get("cpu_s") or s.get("runqueue_s") or s.get("blocked_s"):
+        out += f"\ncpu {s['cpu_s']:.3f} runq {s['runqueue_s']:.3f} blk {s['blocked_s']:.3f}"
+    if s.get("memcpy_h2d_bytes") or s.get("memcpy_d2h_bytes"):
+        out += f"\nh2d {_bytes(s['memcpy_h2d_bytes'])} d2h {_bytes(s['memcpy_d2h_bytes'])}"
+    return out
 
 
 def _batch(s: dict) -> str:

@@ -67,11 +67,22 @@ FACT_ATTRIBUTES = (
     ("kernel.sched.iowait_ns", "iowait_ns"),
     ("kernel.sched.switches", "switches"),
     ("kernel.sched.preemptions", "preemptions"),
+    ("kernel.gpu.memcpy_h2d_bytes", "memcpy_h2d_bytes"),
+    ("kernel.gpu.memcpy_d2h_bytes", "memcpy_d2h_bytes"),
+    ("kernel.gpu.memcpy_d2d_bytes", "memcpy_d2d_bytes"),
+    ("kernel.gpu.memcpy_other_bytes", "memcpy_other_bytes"),
+    ("kernel.gpu.memcpy_calls", "memcpy_calls"),
+    ("kernel.gpu.memcpy_ns", "memcpy_ns"),
+    ("kernel.gpu.alloc_bytes", "alloc_bytes"),
 )
-# The scheduler's facts of a row, in FACT_ATTRIBUTES' order (request anatomy).
+# Request anatomy, in FACT_ATTRIBUTES' order: the scheduler's facts of a row,
+# then its GPU memory traffic.
 SCHED_FIELDS = ("cpu_ns", "runqueue_ns", "blocked_ns", "iowait_ns", "switches", "preemptions")
-_SCHED_ATTRIBUTES = tuple(attr for attr, f in FACT_ATTRIBUTES if f in SCHED_FIELDS)
-_NO_SCHED = (0,) * len(SCHED_FIELDS)
+MEMORY_FIELDS = ("memcpy_h2d_bytes", "memcpy_d2h_bytes", "memcpy_d2d_bytes", "memcpy_other_bytes",
+                 "memcpy_calls", "memcpy_ns", "alloc_bytes")
+ANATOMY_FIELDS = (*SCHED_FIELDS, *MEMORY_FIELDS)
+_ANATOMY_ATTRIBUTES = tuple(attr for attr, f in FACT_ATTRIBUTES if f in ANATOMY_FIELDS)
+_NO_ANATOMY = (0,) * len(ANATOMY_FIELDS)
 # A step's facts shared among its requests, as (request attribute, row field).
 BATCH_SHARES = (
     ("kernel.batch.gpu.launches", "launches"),
@@ -82,6 +93,10 @@ BATCH_SHARES = (
     ("kernel.batch.sched.runqueue_ns", "runqueue_ns"),
     ("kernel.batch.sched.blocked_ns", "blocked_ns"),
     ("kernel.batch.sched.iowait_ns", "iowait_ns"),
+    ("kernel.batch.gpu.memcpy_h2d_bytes", "memcpy_h2d_bytes"),
+    ("kernel.batch.gpu.memcpy_d2h_bytes", "memcpy_d2h_bytes"),
+    ("kernel.batch.gpu.memcpy_d2d_bytes", "memcpy_d2d_bytes"),
+    ("kernel.batch.gpu.memcpy_other_bytes", "memcpy_other_bytes"),
 )
 BATCH_STEPS = "kernel.batch.steps"
 WEIGHT_KEY = "spanlet.weight"
@@ -93,7 +108,7 @@ _SERVER = trace_pb2.Span.SPAN_KIND_SERVER
 # ids only costs a look at span.links.
 _LINK_WIRE = re.compile(rb"\x6a[\x80-\xff]{0,4}[\x00-\x7f]\x0a\x10", re.S)
 _KERNEL_FIELDS = ("launches", "launch_ns", "sync_wait_ns", "syncs", "graph_launches",
-                  "graph_kernels", "violations", *SCHED_FIELDS)
+                  "graph_kernels", "violations", *ANATOMY_FIELDS)
 
 
 class KernelRow(Protocol):
@@ -115,6 +130,13 @@ class KernelRow(Protocol):
     iowait_ns: int
     switches: int
     preemptions: int
+    memcpy_h2d_bytes: int
+    memcpy_d2h_bytes: int
+    memcpy_d2d_bytes: int
+    memcpy_other_bytes: int
+    memcpy_calls: int
+    memcpy_ns: int
+    alloc_bytes: int
 
 
 class FactsReader(Protocol):
@@ -190,6 +212,13 @@ class Facts:
     iowait_ns: int = 0
     switches: int = 0
     preemptions: int = 0
+    memcpy_h2d_bytes: int = 0                        # MEMORY_FIELDS: GPU copies and allocations
+    memcpy_d2h_bytes: int = 0
+    memcpy_d2d_bytes: int = 0
+    memcpy_other_bytes: int = 0
+    memcpy_calls: int = 0
+    memcpy_ns: int = 0
+    alloc_bytes: int = 0
     samples: list = field(default_factory=list)      # sampled individual events, capped
     samples_capped: int = 0
 
@@ -210,6 +239,13 @@ class Facts:
         self.iowait_ns += row.iowait_ns
         self.switches += row.switches
         self.preemptions += row.preemptions
+        self.memcpy_h2d_bytes += row.memcpy_h2d_bytes
+        self.memcpy_d2h_bytes += row.memcpy_d2h_bytes
+        self.memcpy_d2d_bytes += row.memcpy_d2d_bytes
+        self.memcpy_other_bytes += row.memcpy_other_bytes
+        self.memcpy_calls += row.memcpy_calls
+        self.memcpy_ns += row.memcpy_ns
+        self.alloc_bytes += row.alloc_bytes
         if not self.cgroup_id:
             self.cgroup_id = row.cgroup_id
 
@@ -338,7 +374,7 @@ def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
     message is copied, which costs as much again."""
     f = facts
     _add_counts(span, f.launches, f.launch_ns, f.sync_wait_ns, f.syncs, f.rx_bytes, f.tx_bytes,
-                f.violations, f.graph_launches, f.graph_kernels, sched=_sched_of(f))
+                f.violations, f.graph_launches, f.graph_kernels, anatomy=_anatomy_of(f))
     for ev in facts.samples:
         e = span.events.add(time_unix_nano=ev.epoch_ns,
                             name=_EVENT_NAMES.get(ev.hdr.kind, "kernel.event"))
@@ -347,14 +383,16 @@ def apply_facts(span: trace_pb2.Span, facts: Facts) -> None:
         span.dropped_events_count += facts.samples_capped
 
 
-def _sched_of(row) -> tuple:
-    """The row's SCHED_FIELDS."""
-    return (row.cpu_ns, row.runqueue_ns, row.blocked_ns, row.iowait_ns, row.switches, row.preemptions)
+def _anatomy_of(row) -> tuple:
+    """The row's ANATOMY_FIELDS."""
+    return (row.cpu_ns, row.runqueue_ns, row.blocked_ns, row.iowait_ns, row.switches, row.preemptions,
+            row.memcpy_h2d_bytes, row.memcpy_d2h_bytes, row.memcpy_d2d_bytes, row.memcpy_other_bytes,
+            row.memcpy_calls, row.memcpy_ns, row.alloc_bytes)
 
 
 def _add_counts(span: trace_pb2.Span, launches: int, launch_ns: int, sync_wait_ns: int, syncs: int,
                 rx_bytes: int, tx_bytes: int, violations: int, graph_launches: int = 0,
-                graph_kernels: int = 0, fresh: bool = False, sched: tuple = _NO_SCHED) -> None:
+                graph_kernels: int = 0, fresh: bool = False, anatomy: tuple = _NO_ANATOMY) -> None:
     """The FACT_ATTRIBUTES of a span, in that order, the non-zero ones (summed
     with any already there; `fresh`: the caller knows there are none). Values
     passed one by one: on the span path a getattr by name per attribute costs
@@ -365,7 +403,7 @@ def _add_counts(span: trace_pb2.Span, launches: int, launch_ns: int, sync_wait_n
                         ("kernel.gpu.graph_kernels", graph_kernels), ("kernel.gpu.launch_ns", launch_ns),
                         ("kernel.gpu.sync_wait_ns", sync_wait_ns), ("kernel.gpu.syncs", syncs),
                         ("kernel.net.rx_bytes", rx_bytes), ("kernel.net.tx_bytes", tx_bytes),
-                        ("kernel.sandbox.violations", violations), *zip(_SCHED_ATTRIBUTES, sched)):
+                        ("kernel.sandbox.violations", violations), *zip(_ANATOMY_ATTRIBUTES, anatomy)):
         if not value:
             continue
         if existing is None:
@@ -535,7 +573,6 @@ class SpanJoin:
             mark = (self.clock(), origin)   # one read per request: its spans arrived together
             if held is not None and not (self.steps_seen and self.cfg.batch_wait_s > 0):
                 held = None
-            now = mark[0]
             # Nothing but facts rows to put on spans (no sampled events, wire
             # bytes or batch shares waiting, no request to hold): a resource is
             # joined in C from its bytes unless a span has links or facts already.
@@ -629,7 +666,7 @@ class SpanJoin:
             # the common case, a facts row alone: straight onto the span (as
             # Facts.add_row + apply_facts would put it, without building Facts)
             _add_counts(span, row.launches, row.launch_ns, row.sync_wait_ns, row.syncs, 0, 0,
-                        row.violations, row.graph_launches, row.graph_kernels, fresh, _sched_of(row))
+                        row.violations, row.graph_launches, row.graph_kernels, fresh, _anatomy_of(row))
             self.stats.spans_joined += 1
             return row.cgroup_id or 1
         facts = Facts(trace_id, span.start_time_unix_nano)

@@ -1002,3 +1002,227 @@ int gpu_sync_return(struct pt_regs *ctx)
     gpu_sync_calls.delete(&tid);
     return 0;
 }
+
+/* -- memory traffic ----------------------------------------------------------------
+ * The driver's copy and allocation calls (../shared/CUDA.md): every runtime
+ * copy (cudaMemcpy*, PyTorch's .to()/.cpu()) reaches one of them once, so
+ * only the driver is hooked and nothing nests. A copy counts at entry
+ * (attempts, like launches): bytes by the direction the call states, per
+ * cgroup in spanlet_gpu_memcpy_bytes_total and on the span's facts row; a
+ * synchronous copy is timed by its return probe (memcpy_ns). Allocations add
+ * the bytes asked for to the row. No ring-buffer record: counts only. */
+#define GPU_COPY_H2D 0
+#define GPU_COPY_D2H 1
+#define GPU_COPY_D2D 2
+#define GPU_COPY_OTHER 3
+/* CUmemorytype (cuda.h) */
+#define GPU_MEM_HOST 1
+#define GPU_MEM_DEVICE 2
+#define GPU_MEM_ARRAY 3
+
+struct gpu_copy_key {
+    __u64 cgroup_id;
+    __u8 direction;   /* GPU_COPY_* */
+    __u8 _pad[7];
+};
+BPF_F_TABLE("percpu_hash", struct gpu_copy_key, __u64, spanlet_gpu_memcpy_bytes_total,
+            SPANLET_GPU_KEYS_MAX, BPF_F_NO_PREALLOC);
+/* The synchronous copy each thread is inside: its start, for the return probe. */
+BPF_HASH(gpu_copy_calls, __u32, struct gpu_call, SPANLET_GPU_INFLIGHT_MAX);
+
+static __always_inline void gpu_copy_row(struct span_facts_val *row, __u8 dir, __u64 bytes)
+{
+    if (dir == GPU_COPY_H2D)
+        __sync_fetch_and_add(&row->memcpy_h2d_bytes, bytes);
+    else if (dir == GPU_COPY_D2H)
+        __sync_fetch_and_add(&row->memcpy_d2h_bytes, bytes);
+    else if (dir == GPU_COPY_D2D)
+        __sync_fetch_and_add(&row->memcpy_d2d_bytes, bytes);
+    else
+        __sync_fetch_and_add(&row->memcpy_other_bytes, bytes);
+    __sync_fetch_and_add(&row->memcpy_calls, 1);
+}
+
+static __always_inline int gpu_copy(struct pt_regs *ctx, __u8 dir, __u64 bytes, int sync)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tid = (__u32)pid_tgid;
+    struct gpu_copy_key k = {};
+    k.cgroup_id = bpf_get_current_cgroup_id();
+    k.direction = dir;
+    __u64 *n = spanlet_gpu_memcpy_bytes_total.lookup(&k);
+    if (n)
+        __sync_fetch_and_add(n, bytes);
+    else
+        spanlet_gpu_memcpy_bytes_total.update(&k, &bytes);
+    struct span_ctx_val *span = span_ctx.lookup(&tid);
+    struct span_facts_val *row = span ? spanlet_span_row_of(span, k.cgroup_id) : 0;
+    if (row)
+        gpu_copy_row(row, dir, bytes);
+    if (sync && row) {
+        struct gpu_call c = {};
+        gpu_call_init(&c, ctx, pid_tgid, span, SPANLET_API_DRIVER, 0, 1);
+        gpu_copy_calls.update(&tid, &c);
+    }
+    return 0;
+}
+
+int gpu_copy_return(struct pt_regs *ctx)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tid = (__u32)pid_tgid;
+    struct gpu_call *c = gpu_outermost_return(gpu_copy_calls.lookup(&tid), ctx, pid_tgid);
+    if (!c)
+        return 0;
+    __u64 ns = bpf_ktime_get_ns() - c->start_ns;
+    struct span_ctx_val *span = span_ctx.lookup(&tid);
+    struct span_facts_val *row = span ? spanlet_span_row(span) : 0;
+    if (row)
+        __sync_fetch_and_add(&row->memcpy_ns, ns);
+    gpu_copy_calls.delete(&tid);
+    return 0;
+}
+
+/* cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t ByteCount), DtoH,
+ * DtoD and their _v2_ptds twins; the Async forms add hStream (_v2_ptsz). */
+int gpu_copy_h2d(struct pt_regs *ctx)
+{
+    return gpu_copy(ctx, GPU_COPY_H2D, PT_REGS_PARM3(ctx), 1);
+}
+
+int gpu_copy_d2h(struct pt_regs *ctx)
+{
+    return gpu_copy(ctx, GPU_COPY_D2H, PT_REGS_PARM3(ctx), 1);
+}
+
+int gpu_copy_d2d(struct pt_regs *ctx)
+{
+    return gpu_copy(ctx, GPU_COPY_D2D, PT_REGS_PARM3(ctx), 1);
+}
+
+int gpu_copy_h2d_async(struct pt_regs *ctx)
+{
+    return gpu_copy(ctx, GPU_COPY_H2D, PT_REGS_PARM3(ctx), 0);
+}
+
+int gpu_copy_d2h_async(struct pt_regs *ctx)
+{
+    return gpu_copy(ctx, GPU_COPY_D2H, PT_REGS_PARM3(ctx), 0);
+}
+
+int gpu_copy_d2d_async(struct pt_regs *ctx)
+{
+    return gpu_copy(ctx, GPU_COPY_D2D, PT_REGS_PARM3(ctx), 0);
+}
+
+/* cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount): unified
+ * addressing, the direction is the driver's to find (other). */
+int gpu_copy_unified(struct pt_regs *ctx)
+{
+    return gpu_copy(ctx, GPU_COPY_OTHER, PT_REGS_PARM3(ctx), 1);
+}
+
+int gpu_copy_unified_async(struct pt_regs *ctx)
+{
+    return gpu_copy(ctx, GPU_COPY_OTHER, PT_REGS_PARM3(ctx), 0);
+}
+
+/* cuMemcpyPeer(dstDevice, dstContext, srcDevice, srcContext, ByteCount):
+ * device to device, across contexts. */
+int gpu_copy_peer(struct pt_regs *ctx)
+{
+    return gpu_copy(ctx, GPU_COPY_D2D, PT_REGS_PARM5(ctx), 1);
+}
+
+int gpu_copy_peer_async(struct pt_regs *ctx)
+{
+    return gpu_copy(ctx, GPU_COPY_D2D, PT_REGS_PARM5(ctx), 0);
+}
+
+/* The direction two CUmemorytype values state: arrays are device memory;
+ * unified (or anything else) on either side is not a stated direction. */
+static __always_inline __u8 gpu_copy_direction(__u32 src, __u32 dst)
+{
+    int src_dev = src == GPU_MEM_DEVICE || src == GPU_MEM_ARRAY;
+    int dst_dev = dst == GPU_MEM_DEVICE || dst == GPU_MEM_ARRAY;
+    if (src == GPU_MEM_HOST && dst_dev)
+        return GPU_COPY_H2D;
+    if (src_dev && dst == GPU_MEM_HOST)
+        return GPU_COPY_D2H;
+    if (src_dev && dst_dev)
+        return GPU_COPY_D2D;
+    return GPU_COPY_OTHER;
+}
+
+/* A copy described by a CUDA_MEMCPY2D / CUDA_MEMCPY3D (cuda.h, x86-64
+ * offsets): the memory types of both sides and the extent copied. */
+#define GPU_2D_SRC_TYPE 16
+#define GPU_2D_DST_TYPE 72
+#define GPU_2D_WIDTH 112     /* WidthInBytes, then Height */
+#define GPU_3D_SRC_TYPE 32
+#define GPU_3D_DST_TYPE 120
+#define GPU_3D_WIDTH 176     /* WidthInBytes, Height, Depth */
+
+static __always_inline int gpu_copy_desc(struct pt_regs *ctx, __u64 desc, int dims, int sync)
+{
+    __u32 src = 0, dst = 0;
+    __u64 extent[3];   /* (set one by one: an initialiser list would be a constant BCC cannot relocate) */
+    extent[0] = 0;
+    extent[1] = 0;
+    extent[2] = 1;
+    int three = dims == 3;
+    bpf_probe_read_user(&src, sizeof(src), (void *)(desc + (three ? GPU_3D_SRC_TYPE : GPU_2D_SRC_TYPE)));
+    bpf_probe_read_user(&dst, sizeof(dst), (void *)(desc + (three ? GPU_3D_DST_TYPE : GPU_2D_DST_TYPE)));
+    if (three)
+        bpf_probe_read_user(extent, sizeof(extent), (void *)(desc + GPU_3D_WIDTH));
+    else
+        bpf_probe_read_user(extent, 2 * sizeof(__u64), (void *)(desc + GPU_2D_WIDTH));
+    return gpu_copy(ctx, gpu_copy_direction(src, dst), extent[0] * extent[1] * extent[2], sync);
+}
+
+/* cuMemcpy2D_v2(const CUDA_MEMCPY2D *), cuMemcpy2DUnaligned_v2, their
+ * _v2_ptds twins; cuMemcpy2DAsync_v2(desc, hStream) and _v2_ptsz. */
+int gpu_copy_2d(struct pt_regs *ctx)
+{
+    return gpu_copy_desc(ctx, PT_REGS_PARM1(ctx), 2, 1);
+}
+
+int gpu_copy_2d_async(struct pt_regs *ctx)
+{
+    return gpu_copy_desc(ctx, PT_REGS_PARM1(ctx), 2, 0);
+}
+
+/* cuMemcpy3D_v2(const CUDA_MEMCPY3D *) and _v2_ptds; cuMemcpy3DAsync_v2 and _v2_ptsz. */
+int gpu_copy_3d(struct pt_regs *ctx)
+{
+    return gpu_copy_desc(ctx, PT_REGS_PARM1(ctx), 3, 1);
+}
+
+int gpu_copy_3d_async(struct pt_regs *ctx)
+{
+    return gpu_copy_desc(ctx, PT_REGS_PARM1(ctx), 3, 0);
+}
+
+static __always_inline int gpu_alloc(__u64 bytes)
+{
+    __u32 tid = (__u32)bpf_get_current_pid_tgid();
+    struct span_ctx_val *span = span_ctx.lookup(&tid);
+    struct span_facts_val *row = span ? spanlet_span_row(span) : 0;
+    if (row)
+        __sync_fetch_and_add(&row->alloc_bytes, bytes);
+    return 0;
+}
+
+/* cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize); cuMemAllocAsync(dptr,
+ * bytesize, hStream) and _ptsz: the size asked for, at entry. */
+int gpu_alloc_bytes(struct pt_regs *ctx)
+{
+    return gpu_alloc(PT_REGS_PARM2(ctx));
+}
+
+/* cuMemAllocPitch_v2(dptr, size_t *pPitch, WidthInBytes, Height, ElementSizeBytes):
+ * width times height, the least the driver gives (the pitch it picks may pad rows). */
+int gpu_alloc_pitch(struct pt_regs *ctx)
+{
+    return gpu_alloc(PT_REGS_PARM3(ctx) * PT_REGS_PARM4(ctx));
+}

@@ -107,6 +107,14 @@ struct span_facts_val {
     __u64 iowait_ns;          /* the uninterruptible part of blocked_ns */
     __u64 switches;           /* switches out */
     __u64 preemptions;        /* the involuntary ones among them */
+    /* GPU memory traffic (gpu_launch.bpf.c, the driver's copy and alloc calls): */
+    __u64 memcpy_h2d_bytes;   /* bytes copied host to device, as the call states */
+    __u64 memcpy_d2h_bytes;   /* device to host */
+    __u64 memcpy_d2d_bytes;   /* device to device (arrays count as device memory) */
+    __u64 memcpy_other_bytes; /* unified-address copies (cuMemcpy*): direction not stated */
+    __u64 memcpy_calls;       /* copy calls (attempts, counted at entry) */
+    __u64 memcpy_ns;          /* time inside synchronous copy calls */
+    __u64 alloc_bytes;        /* device memory asked for (cuMemAlloc*, at entry) */
     __u64 cgroup_id;          /* of the first event */
     __u64 first_ns;           /* CLOCK_MONOTONIC of the first event */
     __u32 pid;                /* of the first event */
@@ -370,6 +378,9 @@ static __always_inline void spanlet_facts_made(struct span_facts_key *k)
         v->cgroups[idx & (SPANLET_FACTS_INDEX_CGROUPS - 1)] = cg;
 }
 
+/* Never written: the zero value new facts rows start from. */
+BPF_ARRAY(span_facts_zero, struct span_facts_val, 1);
+
 /* The facts row of span `c` for the calling task's cgroup (`cgroup_id`), created (cgroup,
  * pid and time of this first event) when absent and the cgroup is under its
  * bound. Another CPU may create it between our lookup and our insert:
@@ -384,13 +395,24 @@ static __always_inline struct span_facts_val *spanlet_span_row_key(struct span_f
         return row;
     if (!spanlet_facts_room(k->cgroup_id))
         return 0;
-    struct span_facts_val init = {};
-    init.cgroup_id = k->cgroup_id;
-    init.first_ns = bpf_ktime_get_ns();
-    init.pid = pid;
-    if (span_facts.insert(k, &init) == 0)
-        spanlet_facts_made(k);
-    return span_facts.lookup(k);
+    /* Inserted from a zero value (the row is too big for the stack of the
+     * programs that make rows), then stamped: a reader that takes the row in
+     * between (the span exported while a thread makes its first fact) sees
+     * cgroup 0 and time 0 on a row its key still names. */
+    int zero = 0;
+    struct span_facts_val *init = span_facts_zero.lookup(&zero);
+    if (!init)
+        return 0;
+    if (span_facts.insert(k, init) != 0)
+        return span_facts.lookup(k);
+    spanlet_facts_made(k);
+    row = span_facts.lookup(k);
+    if (row) {
+        row->cgroup_id = k->cgroup_id;
+        row->first_ns = bpf_ktime_get_ns();
+        row->pid = pid;
+    }
+    return row;
 }
 
 static __always_inline struct span_facts_val *spanlet_span_row_of(struct span_ctx_val *c, __u64 cgroup_id)

@@ -9,8 +9,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry
+
+from spanlet.exporters.prometheus import exposition
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -22,9 +23,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            reg = self.server.registry
-            body = reg.text() if hasattr(reg, "text") else generate_latest(reg)
-            status, ctype = 200, CONTENT_TYPE_LATEST
+            body, ctype = exposition(self.server.registry, self.headers.get("Accept", ""))
+            status = 200
         elif path == "/v1/hints" and self.server.hints is not None:
             body = (json.dumps(self.server.hints(), indent=1) + "\n").encode()
             status, ctype = 200, "application/json"

@@ -17,6 +17,14 @@
  * left to the Python way (an attribute pcommon writes as JSON or with an
  * exponent, a key twice, bytes not well-formed or not of the OTLP shape).
  *
+ * request_facts(blob, start, end, keys) -> (sums or None, has_totals): the
+ * facts one serialized Span (blob[start:end]) adds to its request's totals
+ * (agent/request_totals.py): its attributes kernel.<keys[i][0]>, int (not
+ * negative) or double (finite, above 0), each added to sums[keys[i][1]]
+ * (a list of n floats, n the largest index + 1; None when all are 0), and
+ * whether it carries a kernel.request.* int or double already. A span not
+ * well-formed adds nothing.
+ *
  * join_resource(blob, map_fd, index_fd, origin) -> None or
  * (new_blob or None, keys, rows, cgroup, taken): the span join's common case
  * (agent/join.py) for one serialized ResourceSpans: each span's index entry
@@ -972,7 +980,8 @@ struct index_val {
 struct facts_val {
     uint64_t launches_driver, launches_runtime, launch_ns, sync_wait_ns, syncs, violations,
         graph_launches, graph_kernels, cpu_ns, runqueue_ns, blocked_ns, iowait_ns, switches,
-        preemptions, cgroup_id, first_ns;
+        preemptions, memcpy_h2d_bytes, memcpy_d2h_bytes, memcpy_d2d_bytes, memcpy_other_bytes,
+        memcpy_calls, memcpy_ns, alloc_bytes, cgroup_id, first_ns;
     uint32_t pid, sampled_events;
 };
 
@@ -1022,9 +1031,11 @@ static const char *const FACT_KEYS[] = {
     "kernel.gpu.launch_ns", "kernel.gpu.sync_wait_ns", "kernel.gpu.syncs",
     "kernel.sandbox.violations", "kernel.sched.cpu_ns", "kernel.sched.runqueue_ns",
     "kernel.sched.blocked_ns", "kernel.sched.iowait_ns", "kernel.sched.switches",
-    "kernel.sched.preemptions",
+    "kernel.sched.preemptions", "kernel.gpu.memcpy_h2d_bytes", "kernel.gpu.memcpy_d2h_bytes",
+    "kernel.gpu.memcpy_d2d_bytes", "kernel.gpu.memcpy_other_bytes", "kernel.gpu.memcpy_calls",
+    "kernel.gpu.memcpy_ns", "kernel.gpu.alloc_bytes",
 };
-#define N_FACTS 13
+#define N_FACTS 20
 #define ATTR_MAX 48        /* one attribute's bytes at most: tag, lengths, key, int */
 
 /* Span field 9 entries for the row's non-zero facts; returns their length. */
@@ -1033,7 +1044,9 @@ static size_t fact_attributes(const struct facts_val *v, uint8_t *out)
     uint64_t vals[N_FACTS] = {v->launches_driver + v->launches_runtime, v->graph_launches,
                               v->graph_kernels, v->launch_ns, v->sync_wait_ns, v->syncs,
                               v->violations, v->cpu_ns, v->runqueue_ns, v->blocked_ns,
-                              v->iowait_ns, v->switches, v->preemptions};
+                              v->iowait_ns, v->switches, v->preemptions, v->memcpy_h2d_bytes,
+                              v->memcpy_d2h_bytes, v->memcpy_d2d_bytes, v->memcpy_other_bytes,
+                              v->memcpy_calls, v->memcpy_ns, v->alloc_bytes};
     size_t n = 0;
     for (int i = 0; i < N_FACTS; i++) {
         if (!vals[i])
@@ -1393,6 +1406,13 @@ static PyObject *join_resource(PyObject *self, PyObject *args)
             sum.iowait_ns += v->iowait_ns;
             sum.switches += v->switches;
             sum.preemptions += v->preemptions;
+            sum.memcpy_h2d_bytes += v->memcpy_h2d_bytes;
+            sum.memcpy_d2h_bytes += v->memcpy_d2h_bytes;
+            sum.memcpy_d2d_bytes += v->memcpy_d2d_bytes;
+            sum.memcpy_other_bytes += v->memcpy_other_bytes;
+            sum.memcpy_calls += v->memcpy_calls;
+            sum.memcpy_ns += v->memcpy_ns;
+            sum.alloc_bytes += v->alloc_bytes;
         }
         if (nleft) {
             left.n = nleft;
@@ -1515,10 +1535,155 @@ static PyObject *serving_spans(PyObject *self, PyObject *arg)
     return out;
 }
 
+/* -- request totals ------------------------------------------------------- */
+
+#define REQUEST_FACTS_MAX 16
+static const char REQUEST_PREFIX[] = "request.";
+
+/* The number an AnyValue holds: 1 with *out set for an int (field 3) or a
+ * double (field 4), 0 for anything else; the last one wins, as a parse keeps. */
+static int any_number(span_t v, double *out, int *is_int, uint64_t *iv)
+{
+    field_t f;
+    int got = 0;
+    while (v.p < v.end) {
+        if (next_field(&v, &f) < 0)
+            return 0;
+        if (f.num == 3 && f.type == 0) {
+            *iv = f.v;
+            *is_int = 1;
+            got = 1;
+        } else if (f.num == 4 && f.type == 1) {
+            memcpy(out, f.sub.p, 8);
+            *is_int = 0;
+            got = 1;
+        } else if (f.num >= 1 && f.num <= 7) {
+            got = 0;          /* another kind of value: the oneof's last field wins */
+        }
+    }
+    return got;
+}
+
+static PyObject *request_facts(PyObject *self, PyObject *args)
+{
+    Py_buffer buf;
+    Py_ssize_t start, end;
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "y*nnO!", &buf, &start, &end, &PyTuple_Type, &keys))
+        return NULL;
+    Py_ssize_t nk = PyTuple_GET_SIZE(keys);
+    const char *kp[REQUEST_FACTS_MAX];
+    Py_ssize_t kl[REQUEST_FACTS_MAX];
+    long ki[REQUEST_FACTS_MAX];
+    long n = 0;
+    double sums[REQUEST_FACTS_MAX] = {0};
+    int has_totals = 0;
+    PyObject *out = NULL;
+    if (nk > REQUEST_FACTS_MAX || start < 0 || end < start || end > buf.len) {
+        PyErr_SetString(PyExc_ValueError, "request_facts: bad bounds or too many keys");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        PyObject *k = PyTuple_GET_ITEM(keys, i);
+        if (!PyTuple_Check(k) || PyTuple_GET_SIZE(k) != 2 || !PyBytes_Check(PyTuple_GET_ITEM(k, 0))) {
+            PyErr_SetString(PyExc_TypeError, "request_facts: keys are (bytes, index) pairs");
+            goto done;
+        }
+        kp[i] = PyBytes_AS_STRING(PyTuple_GET_ITEM(k, 0));
+        kl[i] = PyBytes_GET_SIZE(PyTuple_GET_ITEM(k, 0));
+        ki[i] = PyLong_AsLong(PyTuple_GET_ITEM(k, 1));
+        if (ki[i] < 0 || ki[i] >= REQUEST_FACTS_MAX) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "request_facts: index out of range");
+            goto done;
+        }
+        if (ki[i] + 1 > n)
+            n = ki[i] + 1;
+    }
+    span_t sp = {(const uint8_t *)buf.buf + start, (const uint8_t *)buf.buf + end};
+    field_t f, g;
+    int bad = 0;
+    const size_t pre = sizeof(KERNEL_PREFIX) - 1, req = sizeof REQUEST_PREFIX - 1;
+    while (!bad && sp.p < sp.end) {
+        if (next_field(&sp, &f) < 0) {
+            bad = 1;
+            break;
+        }
+        if (f.num != 9 || f.type != 2)           /* Span.attributes */
+            continue;
+        span_t kv = f.sub, key = {0}, value = {0};
+        int has_key = 0, has_value = 0;
+        while (kv.p < kv.end) {
+            if (next_field(&kv, &g) < 0) {
+                bad = 1;
+                break;
+            }
+            if (g.num == 1 && g.type == 2) {
+                key = g.sub;
+                has_key = 1;
+            } else if (g.num == 2 && g.type == 2) {
+                value = g.sub;
+                has_value = 1;
+            }
+        }
+        size_t len = has_key ? (size_t)(key.end - key.p) : 0;
+        if (bad || !has_value || len <= pre || memcmp(key.p, KERNEL_PREFIX, pre))
+            continue;
+        const uint8_t *rest = key.p + pre;
+        len -= pre;
+        double d = 0;
+        uint64_t iv = 0;
+        int is_int = 0;
+        if (!any_number(value, &d, &is_int, &iv))
+            continue;
+        if (len > req && !memcmp(rest, REQUEST_PREFIX, req)) {
+            has_totals = 1;
+            continue;
+        }
+        for (Py_ssize_t i = 0; i < nk; i++) {
+            if ((size_t)kl[i] != len || memcmp(kp[i], rest, len))
+                continue;
+            if (is_int) {
+                if (iv <= (uint64_t)INT64_MAX)       /* a negative int is no fact */
+                    sums[ki[i]] += (double)iv;
+            } else if (d > 0.0 && isfinite(d)) {
+                sums[ki[i]] += d;
+            }
+            break;
+        }
+    }
+    PyObject *own = Py_None;
+    int any = 0;
+    for (long i = 0; i < n && !bad; i++)
+        any |= sums[i] != 0.0;
+    if (any) {
+        own = PyList_New(n);
+        if (!own)
+            goto done;
+        for (long i = 0; i < n; i++) {
+            PyObject *x = PyFloat_FromDouble(sums[i]);
+            if (!x) {
+                Py_DECREF(own);
+                goto done;
+            }
+            PyList_SET_ITEM(own, i, x);
+        }
+    } else {
+        Py_INCREF(own);
+    }
+    out = Py_BuildValue("(NO)", own, (has_totals && !bad) ? Py_True : Py_False);
+done:
+    PyBuffer_Release(&buf);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"join_resource", join_resource, METH_VARARGS,
      "join_resource(blob, map_fd, index_fd, origin=None) -> None or (new_blob or None, keys, "
      "rows, cgroup, taken): the span join's common case for one serialized ResourceSpans"},
+    {"request_facts", request_facts, METH_VARARGS,
+     "request_facts(blob, start, end, keys) -> (sums or None, has_totals): what the serialized Span "
+     "blob[start:end] adds to its request's totals; keys: (key after 'kernel.', sums index) pairs"},
     {"valid_spans", valid_spans, METH_O,
      "valid_spans(payload) -> the spans of a serialized ExportTraceServiceRequest when all their ids "
      "are valid and no resource or scope is empty, else -1"},

@@ -21,12 +21,25 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class Exemplar:
+    """A recent observation of a histogram bucket and the request that made it,
+    so that a dashboard can go from the bucket to the trace (OpenMetrics
+    exemplars, OTLP HistogramDataPoint.exemplars)."""
+    trace_id: bytes                    # 16 bytes
+    span_id: bytes                     # 8 bytes
+    value: float                       # the observation, in the family's unit
+    time_s: float                      # when it was observed, epoch seconds
+
+
+@dataclass(frozen=True)
 class HistogramSample:
     labels: Labels
     bounds: tuple[float, ...]          # upper bounds, ascending, without +Inf
     bucket_counts: tuple[int, ...]     # per bound, NOT cumulative; len(bounds) + 1 (the last: > max bound)
     sum: float
     count: int
+    # per bucket (as bucket_counts) its latest Exemplar or None; () for a family that keeps none
+    exemplars: tuple = ()
 
 
 @dataclass

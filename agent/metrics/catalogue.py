@@ -146,6 +146,25 @@ SERVING_LAYER = (
            (Threshold("SpanletSpanKernelCoverageLow", "<", 0.95),)),
 )
 
+# Request anatomy (METRICS.md, beyond the 17).
+ANATOMY = (
+    Metric("spanlet_request_cpu_seconds", "histogram", "seconds",
+           "CPU time of server-kind root spans' requests: their in-process span subtree's "
+           "kernel.sched.cpu_ns (kernel.request.cpu_ns); exemplars carry a recent request's "
+           "trace id", REQUEST, SERVING),
+    Metric("spanlet_request_runqueue_seconds", "histogram", "seconds",
+           "Run-queue time of server-kind root spans' requests (runnable, waiting for a CPU; "
+           "includes CFS quota throttling): kernel.request.runqueue_ns; exemplars carry a "
+           "recent request's trace id", REQUEST, SERVING),
+    Metric("spanlet_gpu_memcpy_bytes_total", "counter", "bytes",
+           "Bytes copied by the CUDA driver's copy calls, by the direction the call states "
+           "(h2d, d2h, d2d; other: unified-address copies whose direction the call does not say)",
+           (*WORKLOAD, "direction"), _gpu("spanlet_gpu_memcpy_bytes_total")),
+    Metric("spanlet_pod_cpu_throttled_seconds_total", "counter", "seconds",
+           "CFS throttled time of the pod's cgroup (cpu.stat throttled_usec on cgroup v2, "
+           "throttled_time on v1)", WORKLOAD[:2], Source("spanlet.cpu_throttle")),
+)
+
 PROBES = Source("spanlet.probes.base")
 
 SELF = (
@@ -292,7 +311,7 @@ SELF = (
            ENGINE),
 )
 
-CATALOGUE: tuple[Metric, ...] = (*KERNEL, *DEVICE, *SERVING_LAYER, *SELF)
+CATALOGUE: tuple[Metric, ...] = (*KERNEL, *DEVICE, *SERVING_LAYER, *ANATOMY, *SELF)
 BY_NAME: dict[str, Metric] = {m.name: m for m in CATALOGUE}
 # The 17 of METRICS.md, in its order.
 SERVING_METRICS: tuple[Metric, ...] = tuple(sorted((m for m in CATALOGUE if m.number),

@@ -9,6 +9,7 @@ import threading
 from collections import defaultdict
 from typing import Callable, Iterable, Protocol
 
+from spanlet.cpu_throttle import PodCpuThrottle
 from spanlet.metrics import Family, Sample, device, kernel, labels
 from spanlet.metrics.catalogue import family
 
@@ -83,6 +84,15 @@ def _by_workload(fam: Family, counts: dict[int, int], workload, **extra: str) ->
     return fam
 
 
+def spanlet_pod_cpu_throttled_seconds_total(throttle: ThrottleSource, workload) -> Family:
+    """Each pod cgroup's CFS throttled time, labelled by its pod (pod cgroups
+    whose pod the enricher does not know: one sample, with empty labels)."""
+    def pod(cgroup: int) -> dict[str, str]:
+        w = workload(cgroup)
+        return {"namespace": w["namespace"], "pod": w["pod"]}
+    return _by_workload(family("spanlet_pod_cpu_throttled_seconds_total"), throttle.throttled(), pod)
+
+
 def foreign_metrics(join, workload) -> list[Family]:
     """Kernel facts rows for a span's ids not added to it (DESIGN.md, Span
     context): by reason, and by the pod whose cgroup made them."""
@@ -153,16 +163,19 @@ def store_metrics(store: StoreStats | None) -> list[Family]:
 
 class MetricEngine:
     """Reads the sources the daemon hands it, each when asked (scrape or
-    export time): the probes' maps, the join, the export queues, NVML."""
+    export time): the probes' maps, the join, the export queues, NVML, the
+    pods' cgroups (cpu_throttle: by default this node's cgroup file system)."""
 
     def __init__(self, *, probes: ProbeSources, names: CgroupNames, join: JoinStats,
                  span_export: Stats, receiver: Stats, nvml: NvmlSource,
                  memory_peaks: Callable[[], dict[str, float]], store: StoreStats | None = None,
-                 serving: FamilySource | None = None, scheduler: HintSource | None = None):
+                 serving: FamilySource | None = None, scheduler: HintSource | None = None,
+                 cpu_throttle: ThrottleSource | None = None):
         self.probes, self.names, self.join = probes, names, join
         self.span_export, self.receiver, self.store = span_export, receiver, store
         self.nvml, self.memory_peaks = nvml, memory_peaks
         self.serving, self.scheduler = serving, scheduler
+        self.cpu_throttle = cpu_throttle if cpu_throttle is not None else PodCpuThrottle()
         self.scrape_errors: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
 
@@ -188,7 +201,8 @@ class MetricEngine:
             out += self._guard("gpu_launch", lambda: [
                 kernel.spanlet_gpu_kernel_launches_total(gpu, self._workload),
                 *kernel.spanlet_gpu_graph_launches_total(gpu, self._workload),
-                kernel.spanlet_gpu_sync_wait_seconds(gpu, self._workload)])
+                kernel.spanlet_gpu_sync_wait_seconds(gpu, self._workload),
+                kernel.spanlet_gpu_memcpy_bytes_total(gpu, self._workload)])
         if tc is not None:
             out += self._guard("tc_classify", lambda: [
                 *kernel.spanlet_network_bytes_total(tc), kernel.spanlet_jitter_sensitivity_score(tc),
@@ -209,6 +223,8 @@ class MetricEngine:
         if self.serving is not None:
             out += self._guard("serving", self.serving.families)
         out += self._guard("join", lambda: [spanlet_span_kernel_coverage_ratio(self.join)])
+        out += self._guard("cpu_throttle", lambda: [
+            spanlet_pod_cpu_throttled_seconds_total(self.cpu_throttle, self._workload)])
         if self.scheduler is not None:
             out += self._guard("scheduler", lambda: [scheduler_batch_size_hint(self.scheduler)])
         out += self._guard("self", lambda: self_metrics(self))
@@ -284,3 +300,7 @@ class FamilySource(Protocol):
 
 class HintSource(Protocol):
     def hints(self) -> dict: ...
+
+
+class ThrottleSource(Protocol):
+    def throttled(self) -> dict[int, float]: ...   # pod cgroup id → CFS throttled seconds

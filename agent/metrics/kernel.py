@@ -43,6 +43,15 @@ def spanlet_gpu_graph_launches_total(gpu, workload: Workload) -> list[Family]:
                         workload, False)]
 
 
+def spanlet_gpu_memcpy_bytes_total(gpu, workload: Workload) -> Family:
+    sums: dict = defaultdict(int)
+    for (cgroup, direction), n in gpu.memcpy_bytes().items():
+        sums[labels(**workload(cgroup), direction=direction)] += n
+    fam = family("spanlet_gpu_memcpy_bytes_total")
+    fam.samples = [Sample(k, v) for k, v in sorted(sums.items())]
+    return fam
+
+
 def spanlet_gpu_sync_wait_seconds(gpu, workload: Workload) -> Family:
     fam = family("spanlet_gpu_sync_wait_seconds")
     acc: dict = {}

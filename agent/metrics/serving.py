@@ -1,5 +1,6 @@
-"""Serving-layer metrics (METRICS.md #9-#16) computed from the OTLP spans that the
-receiver has joined to kernel events; one class per metric, named after it.
+"""Serving-layer metrics (METRICS.md #9-#16, and the request anatomy's
+histograms) computed from the OTLP spans that the receiver has joined to
+kernel events; one class per metric, named after it.
 
 How the daemon drives it: `observe(resource_spans, now)` after each join (any
 receiver thread), `roll(now, device)` once per window, `families()` at scrape or
@@ -61,6 +62,15 @@ Readings of METRICS.md that the code rests on (every threshold is a field of
   waiting for their partner are evicted after `alignment_ttl_s` or past
   `alignment_max_pending` and counted (reason alignment_evicted). Labels
   namespace and pod: each the value both spans agree on, else "".
+- Request anatomy: spanlet_request_cpu_seconds and
+  spanlet_request_runqueue_seconds observe a request's kernel.request.cpu_ns
+  and kernel.request.runqueue_ns (its in-process subtree's, summed by
+  spanlet.request_totals before the spans come here), in seconds, labels as
+  #9, only for requests that carry them (int or double, finite, >= 0, at most
+  max_duration_s). Each bucket of a series keeps an exemplar of its latest
+  observation: the request's trace and span ids, the value, and the agent's
+  wall clock when it was observed (later than the one it replaces, as
+  Prometheus's exemplar storage wants).
 - #16 CMSD: per window and pod, the mean of the raw (not normalised) sampled
   embeddings of each modality (at most `embedding_samples_per_window`, a
   uniform reservoir sample; the window's first kept embedding fixes its
@@ -74,20 +84,24 @@ Readings of METRICS.md that the code rests on (every threshold is a field of
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
 import threading
+import time
 from array import array
+from bisect import bisect_left
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from spanlet.metrics import Family, Labels, Sample, labels
+from spanlet.metrics import Exemplar, Family, Labels, Sample, labels
+from spanlet.request_totals import REQUEST_CPU_NS, REQUEST_RUNQUEUE_NS
 
 try:
     from spanlet._wire import serving_spans as _serving_spans
@@ -113,11 +127,14 @@ EVENT_FIRST_TOKEN = "first_token"
 RES_NAMESPACE = "k8s.namespace.name"
 RES_POD = "k8s.pod.name"
 _WANTED = frozenset((ATTR_MODALITY, ATTR_SLO_CLASS, ATTR_MODEL, ATTR_TTFT, ATTR_OUTPUT_TOKENS,
-                     ATTR_KV_CACHE, ATTR_PTS, ATTR_DEGRADED_FROM, ATTR_DEGRADED_TO, ATTR_EMBEDDING))
+                     ATTR_KV_CACHE, ATTR_PTS, ATTR_DEGRADED_FROM, ATTR_DEGRADED_TO, ATTR_EMBEDDING,
+                     REQUEST_CPU_NS, REQUEST_RUNQUEUE_NS))
 
 # A span that is not a request, has no events and none of these keys adds to
-# no metric (the others of _WANTED only label what these start).
-_TRIGGER_KEYS = tuple(sorted(k.encode() for k in _WANTED - {ATTR_MODALITY, ATTR_SLO_CLASS, ATTR_MODEL}))
+# no metric (the others of _WANTED only label what these start, or are read
+# from requests only).
+_TRIGGER_KEYS = tuple(sorted(k.encode() for k in _WANTED - {ATTR_MODALITY, ATTR_SLO_CLASS, ATTR_MODEL,
+                                                           REQUEST_CPU_NS, REQUEST_RUNQUEUE_NS}))
 
 
 def _any_trigger(blob: bytes) -> bool:
@@ -127,6 +144,13 @@ def _any_trigger(blob: bytes) -> bool:
 
 SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE = trace_pb2.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK   # 0x100
 SPAN_FLAGS_CONTEXT_IS_REMOTE = trace_pb2.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK           # 0x200
+
+# Upper bounds (seconds) of the request anatomy's histograms (a config key would
+# be serving.request_cpu_bounds_s / serving.request_runqueue_bounds_s).
+REQUEST_CPU_BOUNDS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                        2.5, 5.0, 10.0, 30.0)
+REQUEST_RUNQUEUE_BOUNDS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                             0.1, 0.25, 0.5, 1.0, 2.5)
 
 SLO_NONE = "none"        # no slo.class attribute
 SLO_OTHER = "other"      # a class without a configured target
@@ -289,6 +313,59 @@ class TimeToFirstTokenSeconds(_HistogramMetric):
             raise _Reject(OUT_OF_RANGE)
         return x
 
+
+
+class _RequestAnatomySeconds(_HistogramMetric):
+    """A histogram per series of one kernel.request.* attribute (ns) of
+    requests, in seconds; each bucket keeps the exemplar of its latest
+    observation."""
+
+    attribute: str
+    bounds: tuple[float, ...]
+
+    def __init__(self, s):
+        self.hist = _Histograms(self.bounds)
+        self.max_s = s.max_duration_s
+        self.exemplars: dict[Labels, list] = {}      # per series, per bucket: Exemplar or None
+        self.seen: dict[Labels, float] = {}          # when each series was last observed
+
+    def observe(self, span: trace_pb2.Span, value: common_pb2.AnyValue, lab: Labels, now: float,
+                wall_s: float) -> None:
+        seconds = _non_negative(value) / 1e9
+        if seconds > self.max_s:
+            raise _Reject(OUT_OF_RANGE)
+        self.hist.observe(lab, seconds, now)
+        row = self.exemplars.get(lab)
+        if row is None:
+            row = self.exemplars[lab] = [None] * (len(self.bounds) + 1)
+        row[bisect_left(self.bounds, seconds)] = Exemplar(bytes(span.trace_id), bytes(span.span_id),
+                                                          seconds, wall_s)
+        self.seen[lab] = now
+
+    def expire(self, cutoff: float) -> None:
+        self.hist.expire(cutoff)
+        for lab in [k for k, t in self.seen.items() if t < cutoff]:
+            del self.seen[lab], self.exemplars[lab]
+
+    def family(self) -> Family:
+        return family(self.name, [dataclasses.replace(h, exemplars=tuple(self.exemplars[h.labels]))
+                                  for h in self.hist.samples()])
+
+
+class RequestCpuSeconds(_RequestAnatomySeconds):
+    """Request anatomy: CPU time of a request's in-process span subtree."""
+
+    name = "spanlet_request_cpu_seconds"
+    attribute = REQUEST_CPU_NS
+    bounds = REQUEST_CPU_BOUNDS_S
+
+
+class RequestRunqueueSeconds(_RequestAnatomySeconds):
+    """Request anatomy: the same request's time runnable, waiting for a CPU."""
+
+    name = "spanlet_request_runqueue_seconds"
+    attribute = REQUEST_RUNQUEUE_NS
+    bounds = REQUEST_RUNQUEUE_BOUNDS_S
 
 
 class P99LatencyVolatilityRatio(_WindowGauge):
@@ -560,9 +637,11 @@ class ServingMetrics:
 
     `settings`: a spanlet.config.ServingSettings, or any object with its
     attributes. `start`: the beginning of the first window on the caller's clock (the same
-    clock as `now`); without it the first window starts at the first call."""
+    clock as `now`); without it the first window starts at the first call.
+    `wall_clock`: epoch seconds, for exemplars (never going back)."""
 
-    def __init__(self, settings, start: float | None = None):
+    def __init__(self, settings, start: float | None = None,
+                 wall_clock: Callable[[], float] = time.time):
         s = self.s = settings
         rng = random.Random(0)        # sampling need not be unpredictable, only uniform
         self._lock = threading.Lock()
@@ -579,6 +658,9 @@ class ServingMetrics:
         self.alignment = ModalityAlignmentDelaySeconds(s)
         self.degradations = ModalityDegradationsTotal()
         self.drift = EmbeddingDriftScore(s, rng)
+        self.anatomy = (RequestCpuSeconds(s), RequestRunqueueSeconds(s))
+        self._wall_clock = wall_clock
+        self._wall_s = 0.0                # of the observe() under way, never less than before
 
     # -- input -------------------------------------------------------------------
     def observe(self, resource_spans: Iterable[trace_pb2.ResourceSpans], now: float,
@@ -588,6 +670,7 @@ class ServingMetrics:
         with self._lock:
             if self._window_start is None:
                 self._window_start = now
+            self._wall_s = max(self._wall_s, self._wall_clock())
             for i, rs in enumerate(resource_spans):
                 ns, pod = _resource_strings(rs)
                 w = _Workload(self._limiter.value("namespace", ns, now) if ns else "",
@@ -623,6 +706,10 @@ class ServingMetrics:
             lab = self._labels(w, modality, slo_class)
             if request:
                 self._try(self._observe_request, span, lab, slo_class, now)
+                for metric in self.anatomy:
+                    value = attrs.get(metric.attribute)
+                    if value is not None:
+                        self._try(metric.observe, span, value, lab, now, self._wall_s)
             if ttft is not None or first_token is not None:
                 self._try(self.time_to_first_token.observe, span, first_token, ttft, lab, now)
         if ATTR_OUTPUT_TOKENS in attrs or ATTR_KV_CACHE in attrs:
@@ -694,6 +781,8 @@ class ServingMetrics:
                          self.alignment.hist):
                 hist.expire(cutoff)
             self.degradations.expire(cutoff)
+            for metric in self.anatomy:
+                metric.expire(cutoff)
             self._limiter.prune(now)
             self._label_cache = {}
 
@@ -729,4 +818,5 @@ class ServingMetrics:
             return [self.request_duration.family(), self.time_to_first_token.family(),
                     self.volatility.family(), self.compliance.family(),
                     self.throughput_decay.family(), self.alignment.family(),
-                    self.degradations.family(), self.drift.family(), rejected, overflow]
+                    self.degradations.family(), self.drift.family(),
+                    *(metric.family() for metric in self.anatomy), rejected, overflow]

@@ -1,6 +1,7 @@
 """The span path: OTLP spans received, joined to the kernel facts of their
-threads (those of the sender's own pod: senders.py), named after their
-Kubernetes workload, and exported upstream."""
+threads (those of the sender's own pod: senders.py), their requests' totals
+summed (request_totals.py), named after their Kubernetes workload, and
+exported upstream."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from spanlet.config import Config
 from spanlet.join import SpanJoin
 from spanlet.k8s import K8sEnricher, PodWatcher
 from spanlet.pipeline.senders import SenderOrigins
+from spanlet.request_totals import RequestTotals
 
 from spanlet.exporters.otlp.span_exporter import OtlpSpanExporter
 from spanlet.exporters.otlp.receiver import OtlpReceiver
@@ -27,19 +29,21 @@ log = logging.getLogger("spanlet")
 
 
 class SpanPath:
-    """OTLP spans in → k8s resource names and kernel facts joined → upstream."""
+    """OTLP spans in → kernel facts joined → request totals → k8s resource
+    names → the serving metrics and the store (on_joined), and upstream."""
 
     def __init__(self, cfg: Config, on_joined: Callable[[list, list | None], None] | None = None):
         self.cfg = cfg
         self.on_joined = on_joined
         self.exporter = OtlpSpanExporter(cfg.otlp)
         self.join = SpanJoin(cfg.join, on_late=self._export_late)
+        self.request_totals = RequestTotals()
         self.pods = PodWatcher(cfg.node_name)
         self.enricher = K8sEnricher(cfg.node_name, pods=self.pods)
         self.senders = SenderOrigins(self.enricher.cgroups, self.pods)
         self.receiver = OtlpReceiver(cfg.otlp, self.on_request)
         self.receiver.origins = self.senders.counts
-        # requests held back for their batched steps: (due, request, cgroups, held), in due order
+        # requests held back for their batched steps: (due, request, cgroups, held, origin), in due order
         self._held: deque = deque()
         self._held_cv = threading.Condition()
         self._releaser: threading.Thread | None = None
@@ -69,22 +73,29 @@ class SpanPath:
         origin = self.senders.origin(peer)
         cgroups = self.join.join(request.resource_spans, held, origin=origin, blobs=blobs)
         if held:
-            self._hold(request, cgroups, held)
+            self._hold(request, cgroups, held, origin)
         else:
-            self._finish(request, cgroups, blobs)
+            self._finish(request, cgroups, blobs, origin)
         return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
-    def _finish(self, request: ExportTraceServiceRequest, cgroups: list[int], blobs: list | None = None) -> None:
-        """The joined spans named and passed on; `blobs` the join's bytes of
-        them (SpanJoin.join), None for spans changed since (held ones)."""
-        for rs, cgroup in zip(request.resource_spans, cgroups):
+    def _finish(self, request: ExportTraceServiceRequest, cgroups: list[int], blobs: list | None = None,
+                origin=None) -> None:
+        """The joined spans summed into their requests (on the resource as it
+        came: it names the process), named and passed on; `blobs` the join's
+        bytes of them (SpanJoin.join), None for spans changed since (held
+        ones), made current by the request totals."""
+        resource_spans = request.resource_spans
+        if blobs is None:
+            blobs = [None] * len(resource_spans)
+        self.request_totals.apply(resource_spans, blobs, origin)
+        for rs, cgroup in zip(resource_spans, cgroups):
             self._name_resource(rs, cgroup)
         if self.on_joined is not None:
-            self.on_joined(request.resource_spans, blobs)
-        self.exporter.export(request.resource_spans)
+            self.on_joined(resource_spans, blobs)
+        self.exporter.export(resource_spans)
 
     # -- requests held back for their batched steps (only once a step was seen) ------
-    def _hold(self, request, cgroups: list[int], held: list) -> None:
+    def _hold(self, request, cgroups: list[int], held: list, origin=None) -> None:
         """The whole export request waits join.batch_wait_s (its request spans
         for their steps), then goes on as any other; one thread releases them,
         started on the first hold."""
@@ -93,7 +104,7 @@ class SpanPath:
                 due = 0.0
             else:
                 due = time.monotonic() + self.cfg.join.batch_wait_s
-            self._held.append((due, request, cgroups, held))
+            self._held.append((due, request, cgroups, held, origin))
             if self._releaser is None:
                 self._releaser = threading.Thread(target=self._release_loop, name="spanlet-batch-hold",
                                                   daemon=True)
@@ -105,17 +116,17 @@ class SpanPath:
             with self._held_cv:
                 while True:
                     if self._held and (self._stopping or self._held[0][0] <= time.monotonic()):
-                        _, request, cgroups, held = self._held.popleft()
+                        entry = self._held.popleft()
                         break
                     if self._stopping:
                         return
                     self._held_cv.wait(self._held[0][0] - time.monotonic() if self._held else None)
-            self._release(request, cgroups, held)
+            self._release(*entry[1:])
 
-    def _release(self, request, cgroups: list[int], held: list) -> None:
+    def _release(self, request, cgroups: list[int], held: list, origin=None) -> None:
         try:
             self.join.release(held)
-            self._finish(request, cgroups)
+            self._finish(request, cgroups, None, origin)
         except Exception:
             log.exception("releasing held spans failed")
 
@@ -134,8 +145,8 @@ class SpanPath:
             releaser.join(5.0)
         with self._held_cv:                   # what the thread did not reach
             rest, self._held = list(self._held), deque()
-        for _, request, cgroups, held in rest:
-            self._release(request, cgroups, held)
+        for entry in rest:
+            self._release(*entry[1:])
 
     def _name_resource(self, rs: trace_pb2.ResourceSpans, cgroup_id: int) -> None:
         """Kubernetes names of where the kernel events came from, unless the

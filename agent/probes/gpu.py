@@ -99,7 +99,49 @@ DRIVER_SYNC_HOOKS = (
     Hook("cuCtxSynchronize_v2", SYNC, "call"),   # CUDA 13's cudaDeviceSynchronize; not in 535
     Hook("cuEventSynchronize", SYNC, "call", True),
 )
-DRIVER_HOOKS = DRIVER_LAUNCH_HOOKS + DRIVER_GRAPH_HOOKS + DRIVER_SYNC_HOOKS
+COPY = "gpu_copy_return"
+
+
+def _copy(sym: str, fn: str) -> tuple[Hook, Hook]:
+    # A copy or allocation call and its per-thread-default-stream twin
+    # (_ptds for a synchronous call, _ptsz for an Async one, as cuda.h names
+    # them), one entry program for both; a synchronous copy's return probe
+    # times it (memcpy_ns).
+    sync = fn.startswith("gpu_copy") and not fn.endswith("_async")
+    ret, kind = (COPY, "call") if sync else ("", "entry")
+    return Hook(sym, ret, kind, fn=fn), Hook(sym + ("_ptds" if sync else "_ptsz"), ret, kind, fn=fn)
+
+
+# GPU memory traffic: every copy the runtime makes reaches one of these once
+# (the runtime is never hooked for copies: nothing nests). The unversioned
+# cuMemcpyHtoD & co. are the 32-bit-pointer ABI that cuda.h has not named
+# since CUDA 3.2; the array copies (HtoA, AtoH, ...) and CUDA 12.8's batch
+# copies are not hooked.
+DRIVER_COPY_HOOKS = (
+    *_copy("cuMemcpyHtoD_v2", "gpu_copy_h2d"),
+    *_copy("cuMemcpyDtoH_v2", "gpu_copy_d2h"),
+    *_copy("cuMemcpyDtoD_v2", "gpu_copy_d2d"),
+    *_copy("cuMemcpyHtoDAsync_v2", "gpu_copy_h2d_async"),
+    *_copy("cuMemcpyDtoHAsync_v2", "gpu_copy_d2h_async"),
+    *_copy("cuMemcpyDtoDAsync_v2", "gpu_copy_d2d_async"),
+    *_copy("cuMemcpy", "gpu_copy_unified"),
+    *_copy("cuMemcpyAsync", "gpu_copy_unified_async"),
+    *_copy("cuMemcpyPeer", "gpu_copy_peer"),
+    *_copy("cuMemcpyPeerAsync", "gpu_copy_peer_async"),
+    *_copy("cuMemcpy2D_v2", "gpu_copy_2d"),
+    *_copy("cuMemcpy2DUnaligned_v2", "gpu_copy_2d"),
+    *_copy("cuMemcpy2DAsync_v2", "gpu_copy_2d_async"),
+    *_copy("cuMemcpy3D_v2", "gpu_copy_3d"),
+    *_copy("cuMemcpy3DAsync_v2", "gpu_copy_3d_async"),
+    Hook("cuMemAlloc_v2", fn="gpu_alloc_bytes"),
+    *_copy("cuMemAllocAsync", "gpu_alloc_bytes"),
+    Hook("cuMemAllocPitch_v2", fn="gpu_alloc_pitch"),
+)
+# gpu_copy_* in gpu_launch.bpf.c (GPU_COPY_*): the direction label of each key
+COPY_DIRECTIONS = ("h2d", "d2h", "d2d", "other")
+# struct gpu_copy_key: cgroup id, direction
+COPY_KEY = struct.Struct("=QB7x")
+DRIVER_HOOKS = DRIVER_LAUNCH_HOOKS + DRIVER_GRAPH_HOOKS + DRIVER_SYNC_HOOKS + DRIVER_COPY_HOOKS
 # gpu.runtime_hooks: the runtime's launches and syncs too (api="runtime"); the
 # driver call each makes is then nested and not counted again.
 RUNTIME_HOOKS = (
@@ -598,7 +640,7 @@ class GpuProbe(Probe):
     def _reap_calls(self) -> None:
         """Delete the call records of threads that no longer exist: a thread
         killed inside a call never reaches its return probe."""
-        for name in (b"gpu_launch_calls", b"gpu_sync_calls", b"gpu_graph_calls"):
+        for name in (b"gpu_launch_calls", b"gpu_sync_calls", b"gpu_graph_calls", b"gpu_copy_calls"):
             table = self.bpf[name]
             for key, call in list(table.items()):
                 pid, tid = call.pid_tgid >> 32, call.pid_tgid & 0xFFFFFFFF
@@ -629,21 +671,37 @@ class GpuProbe(Probe):
         (api graph). Launches recorded during a stream capture are not here."""
         return self._per_cpu_counts(b"spanlet_gpu_kernel_launches_total")
 
-    def _per_cpu_rows(self, name: bytes) -> Iterator[tuple[CountKey, list[int]]]:
-        """(key, the value's u64 fields summed over the CPUs) of a per-CPU
-        hash keyed by gpu_count_key, read in batches and unpacked whole (a
-        scrape with 100 pods reads these maps: no ctypes object per field)."""
+    def _per_cpu_sums(self, name: bytes, key: struct.Struct) -> Iterator[tuple[tuple, list[int]]]:
+        """(key's fields, the value's u64 fields summed over the CPUs) of a
+        per-CPU hash, read in batches and unpacked whole (a scrape with 100
+        pods reads these maps: no ctypes object per field)."""
         table = self.bpf[name]
         fields = C.sizeof(table.sLeaf) // 8
         keys, values = read_batches(table)
-        n = len(keys) // COUNT_KEY.size
+        n = len(keys) // key.size
         ncpu = len(values) // (n * fields * 8) if n else 0
         rows = struct.iter_unpack(f"={fields}Q", values)
-        for cgroup, modality, api in COUNT_KEY.iter_unpack(keys):
+        for k in key.iter_unpack(keys):
             acc = list(next(rows))
             for _ in range(ncpu - 1):
                 acc = list(map(operator.add, acc, next(rows)))
+            yield k, acc
+
+    def _per_cpu_rows(self, name: bytes) -> Iterator[tuple[CountKey, list[int]]]:
+        """The sums of a per-CPU hash keyed by gpu_count_key."""
+        for (cgroup, modality, api), acc in self._per_cpu_sums(name, COUNT_KEY):
             yield (cgroup, _modality(modality), events.Api(api)), acc
+
+    def memcpy_bytes(self) -> dict[tuple[int, str], int]:
+        """Bytes the driver's copy calls were asked to copy, per (cgroup id,
+        direction: COPY_DIRECTIONS), counted at entry."""
+        out: dict[tuple[int, str], int] = {}
+        if self.bpf is None:
+            return out
+        for (cgroup, direction), (n,) in self._per_cpu_sums(b"spanlet_gpu_memcpy_bytes_total", COPY_KEY):
+            key = (cgroup, COPY_DIRECTIONS[direction] if direction < len(COPY_DIRECTIONS) else "other")
+            out[key] = out.get(key, 0) + n
+        return out
 
     def _per_cpu_counts(self, name: bytes) -> dict[CountKey, int]:
         out: dict[CountKey, int] = {}

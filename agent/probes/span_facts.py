@@ -84,6 +84,15 @@ class KernelFacts:
     iowait_ns: int = 0
     switches: int = 0
     preemptions: int = 0
+    # GPU memory traffic: bytes copied per direction, copy calls, time in
+    # synchronous copies, device memory asked for
+    memcpy_h2d_bytes: int = 0
+    memcpy_d2h_bytes: int = 0
+    memcpy_d2d_bytes: int = 0
+    memcpy_other_bytes: int = 0
+    memcpy_calls: int = 0
+    memcpy_ns: int = 0
+    alloc_bytes: int = 0
 
 
 @dataclass
@@ -100,7 +109,7 @@ class SpanFactsStats:
 
 
 # struct span_facts_val, field by field (agent/events.py SpanFactsVal)
-_VAL = struct.Struct("<16Q2I")
+_VAL = struct.Struct("<23Q2I")
 assert _VAL.size == C.sizeof(events.SpanFactsVal)
 
 
@@ -108,12 +117,12 @@ def decode(trace_id: bytes, span_id: int, val, clock: events.MonotonicClock,
            offset: int = 0) -> KernelFacts:
     """A row from the packed bytes of its value (at `offset` in `val`)."""
     (driver, runtime, launch_ns, sync_wait_ns, syncs, violations, graph_launches, graph_kernels,
-     cpu_ns, runqueue_ns, blocked_ns, iowait_ns, switches, preemptions,
+     cpu_ns, runqueue_ns, blocked_ns, iowait_ns, switches, preemptions, *memory,
      cgroup_id, first_ns, pid, sampled) = _VAL.unpack_from(val, offset)
     return KernelFacts(trace_id, span_id, cgroup_id, pid, clock.to_epoch(first_ns),
                        driver + runtime, {"driver": driver, "runtime": runtime}, launch_ns,
                        sync_wait_ns, syncs, violations, graph_launches, graph_kernels, sampled,
-                       cpu_ns, runqueue_ns, blocked_ns, iowait_ns, switches, preemptions)
+                       cpu_ns, runqueue_ns, blocked_ns, iowait_ns, switches, preemptions, *memory)
 
 
 class _Elem:

@@ -1,5 +1,6 @@
 """Upstream OTLP export of the metric engine's Families: every interval one ExportMetricsServiceRequest
-(cumulative sums, gauges, explicit-bucket histograms), collected and sent by the batching worker."""
+(cumulative sums, gauges, explicit-bucket histograms with their buckets' exemplars), collected and
+sent by the batching worker."""
 
 from __future__ import annotations
 
@@ -136,6 +137,10 @@ def _add_point(data, fam: Family, sample, node: str, start_ns: int, now_ns: int)
                                   count=sample.count, sum=sample.sum)
         dp.explicit_bounds.extend(sample.bounds)
         dp.bucket_counts.extend(sample.bucket_counts)
+        for e in sample.exemplars:
+            if e is not None:
+                dp.exemplars.add(time_unix_nano=round(e.time_s * 1e9), as_double=e.value,
+                                 trace_id=e.trace_id, span_id=e.span_id)
     else:
         dp = data.data_points.add(time_unix_nano=now_ns, as_double=float(sample.value))
         if fam.type == "counter":

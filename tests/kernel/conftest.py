@@ -99,3 +99,16 @@ def probes():
     yield gpu
     for p in reversed(started):
         p.stop()
+
+
+@pytest.fixture
+def traced(standin, spawn, probes):
+    """start(**gpu) → (workload, span probe, GPU probe): a workload with the
+    stand-ins loaded, the span context and GPU probes sharing the span facts."""
+    def start(**gpu):
+        span = probes.span_ctx()
+        w = spawn(standin.workload)
+        w.load(standin.lib_dir)
+        gpu = probes(pin_dir=span.shared_pin_dir(), **gpu)
+        return w, span, gpu
+    return start

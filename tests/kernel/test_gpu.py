@@ -17,7 +17,7 @@ import pytest
 
 from spanlet import events
 from spanlet.events import Api, Entry, Modality
-from spanlet.probes.gpu import ENTRY_FNS, probe_sites
+from spanlet.probes.gpu import DRIVER_HOOKS, ENTRY_FNS, probe_sites
 
 import cuda_standin
 from gpu_harness import cgroup_id, counts, launch_line, launches, mine, read_events
@@ -289,24 +289,26 @@ def _prog_ids(bpf) -> set[int]:
 
 @pytest.mark.parametrize("multi", [True, False], ids=["uprobe_multi", "perf-events"])
 @pytest.mark.parametrize("timed, programs, uprobes, uretprobes, links", [
-    # default: on the driver only, 33 functions: an entry-only uprobe on each
-    # of the 9 launch, 2 graph-launch, 2 graph-node and 2 destroy calls; entry
-    # and return on the 5 syncs and on the 13 capture, create and instantiate
-    # calls. Perf-event uprobes: 26 entry programs (some shared by a call's
-    # variants) and 2 return ones. uprobe_multi: 3 links (gpu_entry, which
-    # tells the function by the attach cookie, and the 2 return programs).
-    (False, 28, 33, 18, 3),
+    # default: on the driver only, 67 functions: an entry-only uprobe on each
+    # of the 9 launch, 2 graph-launch, 2 graph-node and 2 destroy calls, the
+    # 14 asynchronous copies and the 4 allocations; entry and return on the 5
+    # syncs, on the 13 capture, create and instantiate calls and on the 16
+    # synchronous copies. Perf-event uprobes: 42 entry programs (some shared
+    # by a call's variants) and 3 return ones. uprobe_multi: 4 links
+    # (gpu_entry, which tells the function by the attach cookie, and the 3
+    # return programs).
+    (False, 45, 67, 34, 4),
     # timing and runtime hooks: the 9 driver launches get their return probe,
     # and 10 runtime calls (6 launches, 4 syncs) are hooked on both ends;
-    # links: 4 on the driver, 3 on the runtime, of 4 programs
-    (True, 39, 43, 37, 4 + 3)], ids=["default", "timed-runtime"])
+    # links: 5 on the driver, 3 on the runtime, of 5 programs
+    (True, 56, 77, 53, 5 + 3)], ids=["default", "timed-runtime"])
 def test_stop_removes_programs_and_uprobes(standin, spawn, probes, timed, programs, uprobes,
                                            uretprobes, links, multi):
     w = spawn(standin.workload)
     w.load(standin.lib_dir)
     gpu = probes("all", timing=timed, runtime_hooks=timed, uprobe_multi=multi)
     ids = _prog_ids(gpu.bpf)
-    assert len(ids) == ((4 if timed else 3) if multi else programs)
+    assert len(ids) == ((5 if timed else 4) if multi else programs)
     libs = mine(gpu.libraries(), standin.lib_dir)
     paths = {lib.path for lib in libs}
     ours = _probes_on(paths)
@@ -392,7 +394,7 @@ def test_a_function_another_tool_probes_gets_its_own_uprobe(standin, spawn, prob
         w.load(lib_dir)
         gpu = probes("off", timing=False, runtime_hooks=False)
         (lib,) = mine(gpu.libraries(), lib_dir)
-        assert lib.missing == [] and len(lib.symbols) == 33
+        assert lib.missing == [] and len(lib.symbols) == len(DRIVER_HOOKS)
         if where == "probe site":
             assert lib.links and lib.probe_events   # the rest in links, cuLaunchKernel on its own
         else:

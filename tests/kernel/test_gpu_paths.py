@@ -6,7 +6,6 @@ arguments of each; stream capture, graphs and their replays; the sync calls."""
 
 from __future__ import annotations
 
-import secrets
 import shutil
 
 import pytest
@@ -15,7 +14,7 @@ from spanlet import events
 from spanlet.events import Api, Entry, Modality
 from spanlet.metrics import kernel as kernel_metrics
 
-from gpu_harness import cgroup_id, counts, launch_line, launches, read_events
+from gpu_harness import MODES, cgroup_id, counts, in_span, launch_line, launches, read_events
 
 pytestmark = pytest.mark.kernel
 
@@ -52,35 +51,6 @@ LEGACY = [
     ("cuLaunchGrid", 3, (40, 30, 1), 0, Entry.cuLaunchGrid),
     ("cuLaunchGridAsync", 4, (50, 60, 1), 0x44, Entry.cuLaunchGridAsync),
 ]
-
-
-def ids() -> tuple[bytes, int]:
-    return secrets.token_bytes(16), int.from_bytes(secrets.token_bytes(8), "big") | 1
-
-
-@pytest.fixture
-def traced(standin, spawn, probes):
-    """start(**gpu) → (workload, span probe, GPU probe): a workload with the
-    stand-ins loaded, the span context and GPU probes sharing the span facts."""
-    def start(**gpu):
-        span = probes.span_ctx()
-        w = spawn(standin.workload)
-        w.load(standin.lib_dir)
-        gpu = probes(pin_dir=span.shared_pin_dir(), **gpu)
-        return w, span, gpu
-    return start
-
-
-def in_span(span, w, modality=Modality.text) -> tuple[bytes, int]:
-    trace_id, span_id = ids()
-    span.set(w.tid, trace_id, span_id, modality)
-    return trace_id, span_id
-
-
-MODES = {  # label → GPU probe settings
-    "default": dict(timing=False, runtime_hooks=False),       # one entry-only driver probe
-    "timed+runtime": dict(timing=True, runtime_hooks=True),   # both layers, return probes
-}
 
 
 # -- launches --------------------------------------------------------------------

@@ -55,6 +55,17 @@ LAUNCHES = [  # (entry point, count, grid, block, shared mem, stream)
     ("cuLaunch", 1, (1, 1, 1), (0, 0, 0), 0, 0),
 ]
 SYNCS = ["cuStreamSynchronize", "cuStreamSynchronize_ptsz", "cuCtxSynchronize", "cuEventSynchronize"]
+# (copy or allocation line, calls, bytes copied h2d, d2h, d2d, other, bytes allocated)
+COPIES = [
+    ("cuMemcpyHtoD_v2 2 1000", 2, (2000, 0, 0, 0), 0),
+    ("cuMemcpyDtoHAsync_v2_ptsz 1 3000", 1, (0, 3000, 0, 0), 0),
+    ("cuMemcpyDtoD_v2_ptds 1 5000", 1, (0, 0, 5000, 0), 0),
+    ("cuMemcpyAsync 3 7", 3, (0, 0, 0, 21), 0),
+    ("cuMemcpy2D_v2 1 1 2 64 3", 1, (192, 0, 0, 0), 0),    # host to device, 64 x 3
+    ("cuMemcpy3DAsync_v2 1 2 1 4 5 6", 1, (0, 120, 0, 0), 0),
+    ("cuMemAlloc_v2 2 4096", 0, (0, 0, 0, 0), 8192),
+    ("cuMemAllocPitch_v2 1 100 3", 0, (0, 0, 0, 0), 300),
+]
 
 
 def test_the_real_driver_is_probed_on_the_jump_after_each_trampolines_compare(libcuda):
@@ -100,7 +111,8 @@ def test_the_real_driver_symbols_are_hooked_and_what_reaches_them_counted(libcud
                 "begin cuStreamBeginCapture_v2 0x51 0", launches("cuLaunchKernel", 3, 0x51),
                 "end cuStreamEndCapture 0x51",
                 "replay cuGraphLaunch 0x1234 3", "replay cuGraphLaunch_ptsz 0x1234 2",
-                *(f"{name} 0" for name in SYNCS))
+                *(f"{name} 0" for name in SYNCS),
+                *(f"copy {line}" for line, *_ in COPIES))
     n = sum(c[1] for c in LAUNCHES) + 3
     assert out[:len(LAUNCHES)] == [f"failed {c[1]} {NOT_INITIALIZED}" for c in LAUNCHES]
     assert out[len(LAUNCHES):len(LAUNCHES) + 4] == [
@@ -113,6 +125,13 @@ def test_the_real_driver_symbols_are_hooked_and_what_reaches_them_counted(libcud
     assert {k[2]: c for k, (c, _) in counts(gpu.sync_wait(), cg).items()} == {Api.driver: len(SYNCS)}
     row = span.facts.take(*real)
     assert (row.launches, row.graph_launches, row.graph_kernels, row.syncs) == (n, 5, 0, len(SYNCS))
+    # every copy and allocation refused (no cuInit) after its entry: counted as asked
+    assert [line.split()[:3] for line in out[-len(COPIES):]] == [
+        ["copy", line.split()[0], line.split()[1]] for line, *_ in COPIES]
+    assert (row.memcpy_h2d_bytes, row.memcpy_d2h_bytes, row.memcpy_d2d_bytes, row.memcpy_other_bytes) == \
+        tuple(map(sum, zip(*(b for _, _, b, _ in COPIES))))
+    assert row.memcpy_calls == sum(c for _, c, _, _ in COPIES)
+    assert row.alloc_bytes == sum(a for *_, a in COPIES)
 
     got = sorted(read_events(gpu, w.pid, n + len(SYNCS)), key=lambda e: e.hdr.ts_ns)
     launched = [e for e in got if e.kind == events.Kind.GPU_LAUNCH]

@@ -21,13 +21,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from facts_fakes import FakeFacts
 from spanlet import config
 from spanlet.exporters.clickhouse import rows
-from spanlet.join import SpanJoin
+from spanlet.join import MEMORY_FIELDS, SpanJoin
 
 pytestmark = pytest.mark.kernel
 
 FIELDS = ("launches_driver", "launches_runtime", "launch_ns", "sync_wait_ns", "syncs", "violations",
           "graph_launches", "graph_kernels", "cpu_ns", "runqueue_ns", "blocked_ns", "iowait_ns", "switches",
-          "preemptions")
+          "preemptions", *MEMORY_FIELDS)
 
 
 def _request(rnd: random.Random, trace_ids: list[bytes]) -> ExportTraceServiceRequest:
@@ -71,8 +71,8 @@ def _plan(rnd: random.Random, req) -> list:
 
 
 def _put_rows(plan, span, fake: FakeFacts | None = None) -> None:
-    for trace_id, span_id, rows in plan:
-        for cg, vals in rows:
+    for trace_id, span_id, cg_rows in plan:
+        for cg, vals in cg_rows:
             span.facts.put_row(trace_id, span_id, cg, first_ns=10, pid=1, **vals)
             if fake is not None:
                 fake.add(trace_id, span_id, driver=vals["launches_driver"],

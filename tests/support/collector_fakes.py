@@ -69,14 +69,15 @@ def sources(probes, nvml_available=False):
                            snapshot=lambda: {}, errors={})
     return SimpleNamespace(cfg=cfg, probes=StartedProbes(probes), names=names, join=SpanJoin(cfg.join, facts=FakeFacts()),
                            span_export=span_export, receiver=receiver, nvml=nvml, memory_peaks={},
-                           store=None, serving=None, scheduler=None)
+                           store=None, serving=None, scheduler=None,
+                           cpu_throttle=SimpleNamespace(throttled=lambda: {}))
 
 
 def engine(src) -> MetricEngine:
     return MetricEngine(probes=src.probes, names=src.names, join=src.join,
                         span_export=src.span_export, receiver=src.receiver, nvml=src.nvml,
                         memory_peaks=lambda: src.memory_peaks, store=src.store,
-                        serving=src.serving, scheduler=src.scheduler)
+                        serving=src.serving, scheduler=src.scheduler, cpu_throttle=src.cpu_throttle)
 
 
 def registry(src):
@@ -93,7 +94,8 @@ def every_source():
     gpu_buckets[12] = 2
     key = (11, events.Modality.image, events.Api.driver)
     gpu = FakeProbe("gpu_launch", launches=lambda: {key: 5}, sync_waits=lambda: {key: (2, 5_000_000, gpu_buckets)},
-                    graph_launches=lambda: {key: 3}, unknown_graph_launches=lambda: {key: 1})
+                    graph_launches=lambda: {key: 3}, unknown_graph_launches=lambda: {key: 1},
+                    memcpy_bytes=lambda: {(11, "h2d"): 4096})
     tc = FakeProbe("tc_classify", totals=lambda: {("ingress", "rtp", "audio"): (10, 1420)},
                    jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)},
                    rejected=lambda: {"rtp_invalid": 1}, uncounted=lambda: {"fragment": 1})
@@ -105,6 +107,7 @@ def every_source():
                        memory_free_bytes=1, pcie_tx_ratio=0.1, pcie_rx_ratio=0.2)
     d.nvml.snapshot = lambda: {"GPU-0": sample}
     d.memory_peaks = {"GPU-0": 0.5}
+    d.cpu_throttle = SimpleNamespace(throttled=lambda: {11: 1.5})
     d.serving = serving_with_every_metric()
     d.scheduler = Scheduler()
     d.scheduler.update(WindowInputs(), time.time())
@@ -144,7 +147,8 @@ def serving_with_every_metric() -> ServingMetrics:
             for key, value in (("mm.modality", modality), ("slo.class", "gold"),
                                ("gen_ai.request.model", "m"), ("gen_ai.usage.output_tokens", 100),
                                ("mm.pts_ns", 10**9 + i * 50_000_000), ("mm.degraded_from", "image"),
-                               ("mm.degraded_to", "text"), ("mm.embedding", [1.0, w + i + 0.5])):
+                               ("mm.degraded_to", "text"), ("mm.embedding", [1.0, w + i + 0.5]),
+                               ("kernel.request.cpu_ns", 3_000_000), ("kernel.request.runqueue_ns", 200_000)):
                 _attr(span, key, value)
         s.observe([rs], now=w * 10.0 + 1)
         s.roll(now=(w + 1) * 10.0)

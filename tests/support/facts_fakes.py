@@ -4,6 +4,7 @@ taken, listed, deleted and counted the same way."""
 
 from __future__ import annotations
 
+from spanlet.join import ANATOMY_FIELDS
 from spanlet.probes.span_facts import KernelFacts, SpanFactsStats
 
 
@@ -37,8 +38,7 @@ class FakeFacts:
             self.st.created += 1
             return new
         for name in ("launches", "launch_ns", "sync_wait_ns", "syncs", "violations",
-                     "graph_launches", "graph_kernels", "cpu_ns", "runqueue_ns", "blocked_ns", "iowait_ns",
-                     "switches", "preemptions"):
+                     "graph_launches", "graph_kernels", *ANATOMY_FIELDS):
             setattr(old, name, getattr(old, name) + getattr(new, name))
         return old
 

@@ -1,12 +1,15 @@
 """What the GPU probe's tests share: where cgroup v2 is mounted, the cgroup id
 the kernel stamps a process's records with, one cgroup's share of the probe's
-counts, and the workload's script lines."""
+counts, the workload's script lines, and spans to put it in."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from pathlib import Path
+
+from spanlet.events import Modality
 
 
 def cgroup2_root() -> Path:
@@ -69,3 +72,21 @@ def launch_line(api: str, n: int, grid, block, shmem: int, stream: int, func: in
 def launches(api: str, n: int, stream: int = 0) -> str:
     """`n` launches through `api` with unit dims."""
     return launch_line(api, n, (1, 1, 1), (1, 1, 1), 0, stream)
+
+
+def ids() -> tuple[bytes, int]:
+    """A fresh (trace id, span id)."""
+    return secrets.token_bytes(16), int.from_bytes(secrets.token_bytes(8), "big") | 1
+
+
+def in_span(span, w, modality=Modality.text) -> tuple[bytes, int]:
+    """Put workload `w`'s thread in a fresh span (the span context probe `span`)."""
+    trace_id, span_id = ids()
+    span.set(w.tid, trace_id, span_id, modality)
+    return trace_id, span_id
+
+
+MODES = {  # label → GPU probe settings
+    "default": dict(timing=False, runtime_hooks=False),       # one entry-only driver probe
+    "timed+runtime": dict(timing=True, runtime_hooks=True),   # both layers, return probes
+}

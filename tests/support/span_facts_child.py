@@ -217,7 +217,7 @@ def thread_exit(n: int) -> None:
 
 def marks(count: int) -> None:
     for j in range(count):
-        with tracer.start_as_current_span("mark", attributes=ATTRS) as s:
+        with tracer.start_as_current_span("mark", attributes=ATTRS):
             launch(1)
 
 

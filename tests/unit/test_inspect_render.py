@@ -132,7 +132,8 @@ VIEWS = {
          "received_unix_ns": 2, "gpu_launches": 0, "gpu_sync_wait_s": 0.0, "rx_bytes": 0,
          "tx_bytes": 0, "violations": 0, "links": 0, "batch_steps": 12,
          "batch_gpu_launches": 1234.5678, "batch_gpu_graph_launches": 3.25,
-         "batch_gpu_sync_wait_s": 0.0123456, "cpu_s": 0.0213, "runqueue_s": 0.0199, "blocked_s": 0.4512},
+         "batch_gpu_sync_wait_s": 0.0123456, "cpu_s": 0.0213, "runqueue_s": 0.0199, "blocked_s": 0.4512,
+         "memcpy_h2d_bytes": 3 << 20, "memcpy_d2h_bytes": 4096},
         {"trace_id": "ef" * 16, "span_id": "cf" * 8, "name": "engine.step", "service": "engine",
          "namespace": "ns", "pod": "engine-0", "start_unix_ns": 1, "duration_s": 0.02,
          "received_unix_ns": 2, "gpu_launches": 400, "gpu_sync_wait_s": 0.1, "rx_bytes": 0,
@@ -195,6 +196,7 @@ def test_every_view_fits_80_columns(op):
         assert "12 steps, share: 1.23e+03 launch, 3.25 graph, 0.0123 stall s" in words, words
         assert "step of 8 requests" in words
         assert "cpu 0.021 runq 0.020 blk 0.451" in words, words
+        assert "h2d 3.0 MiB d2h 4.0 KiB" in words, words
 
 
 def test_ask_reports_a_missing_socket(tmp_path):

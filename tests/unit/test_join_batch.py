@@ -64,7 +64,7 @@ def batch_attrs(s):
 
 
 def shares(steps, launches, graph=0.0, sync=0.0, graph_kernels=0.0, cpu=0.0, runqueue=0.0, blocked=0.0,
-           iowait=0.0):
+           iowait=0.0, h2d=0.0, d2h=0.0, d2d=0.0, other=0.0):
     return {"kernel.batch.steps": steps, "kernel.batch.gpu.launches": pytest.approx(launches, abs=1e-6),
             "kernel.batch.gpu.graph_launches": pytest.approx(graph, abs=1e-6),
             "kernel.batch.gpu.graph_kernels": pytest.approx(graph_kernels, abs=1e-6),
@@ -72,7 +72,11 @@ def shares(steps, launches, graph=0.0, sync=0.0, graph_kernels=0.0, cpu=0.0, run
             "kernel.batch.sched.cpu_ns": pytest.approx(cpu, abs=1e-6),
             "kernel.batch.sched.runqueue_ns": pytest.approx(runqueue, abs=1e-6),
             "kernel.batch.sched.blocked_ns": pytest.approx(blocked, abs=1e-6),
-            "kernel.batch.sched.iowait_ns": pytest.approx(iowait, abs=1e-6)}
+            "kernel.batch.sched.iowait_ns": pytest.approx(iowait, abs=1e-6),
+            "kernel.batch.gpu.memcpy_h2d_bytes": pytest.approx(h2d, abs=1e-6),
+            "kernel.batch.gpu.memcpy_d2h_bytes": pytest.approx(d2h, abs=1e-6),
+            "kernel.batch.gpu.memcpy_d2d_bytes": pytest.approx(d2d, abs=1e-6),
+            "kernel.batch.gpu.memcpy_other_bytes": pytest.approx(other, abs=1e-6)}
 
 
 def make(**cfg):
@@ -83,8 +87,9 @@ def make(**cfg):
 @pytest.mark.parametrize("steps_first", [True, False])
 def test_each_request_gets_its_weighted_share_of_each_of_its_steps(steps_first):
     j, facts, _ = make()
-    facts.add(STEP_TRACE, 900, driver=10, graph_launches=3, graph_kernels=21, sync_wait_ns=7000)
-    facts.add(STEP_TRACE, 901, driver=6, sync_wait_ns=600)
+    facts.add(STEP_TRACE, 900, driver=10, graph_launches=3, graph_kernels=21, sync_wait_ns=7000,
+              memcpy_h2d_bytes=5000, memcpy_other_bytes=10)
+    facts.add(STEP_TRACE, 901, driver=6, sync_wait_ns=600, memcpy_d2h_bytes=300)
     facts.add(STEP_TRACE, 899, driver=1)
     # a first step somewhere (the agent now knows this node batches)
     j.join(rs(step(899, [(50, None)])))
@@ -102,9 +107,11 @@ def test_each_request_gets_its_weighted_share_of_each_of_its_steps(steps_first):
     assert batch_attrs(s1) == {}              # nothing on them until released
     j.release(held)
     # step 900: weights 1, 3, 1 of 5; step 901: 2, 1 of 3
-    assert batch_attrs(s1) == shares(2, 10 * 1 / 5 + 6 * 2 / 3, 3 / 5, 7000 / 5 + 600 * 2 / 3, 21 / 5)
-    assert batch_attrs(s2) == shares(1, 10 * 3 / 5, 9 / 5, 7000 * 3 / 5, 63 / 5)
-    assert batch_attrs(s3) == shares(2, 10 / 5 + 6 / 3, 3 / 5, 7000 / 5 + 600 / 3, 21 / 5)
+    assert batch_attrs(s1) == shares(2, 10 * 1 / 5 + 6 * 2 / 3, 3 / 5, 7000 / 5 + 600 * 2 / 3, 21 / 5,
+                                     h2d=1000, d2h=200, other=2)
+    assert batch_attrs(s2) == shares(1, 10 * 3 / 5, 9 / 5, 7000 * 3 / 5, 63 / 5, h2d=3000, other=6)
+    assert batch_attrs(s3) == shares(2, 10 / 5 + 6 / 3, 3 / 5, 7000 / 5 + 600 / 3, 21 / 5,
+                                     h2d=1000, d2h=100, other=2)
     assert batch_attrs(s4) == {}               # a request in no step
     # the steps keep their own facts
     st900 = steps[0].scope_spans[0].spans[0]
@@ -250,7 +257,9 @@ def test_held_spans_are_bounded():
 
 def test_every_gpu_and_time_fact_of_a_step_is_shared():
     assert [f for _, f in BATCH_SHARES] == ["launches", "graph_launches", "graph_kernels", "sync_wait_ns",
-                                            "cpu_ns", "runqueue_ns", "blocked_ns", "iowait_ns"]
+                                            "cpu_ns", "runqueue_ns", "blocked_ns", "iowait_ns",
+                                            "memcpy_h2d_bytes", "memcpy_d2h_bytes", "memcpy_d2d_bytes",
+                                            "memcpy_other_bytes"]
 
 
 def test_the_span_path_holds_requests_for_batch_wait_s_then_exports_them_with_their_shares():

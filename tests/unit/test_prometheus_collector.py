@@ -22,7 +22,8 @@ def test_kernel_metrics_with_workload_labels():
     gpu = FakeProbe("gpu_launch",
                     launches=lambda: {(11, M.image, A.driver): 5, (11, M.image, A.runtime): 3,
                                       (12, M.audio, A.driver): 1},
-                    sync_waits=lambda: {(11, M.image, A.runtime): (2, 5_000_000, buckets)})
+                    sync_waits=lambda: {(11, M.image, A.runtime): (2, 5_000_000, buckets)},
+                    memcpy_bytes=lambda: {(11, "h2d"): 1 << 20, (11, "d2h"): 4096, (12, "other"): 7})
     tc = FakeProbe("tc_classify",
                    totals=lambda: {("ingress", "rtp", "audio"): (10, 1420)},
                    jitter=lambda: {("rtp", "audio"): JitterStats(100, 10, 0.1, 100, 10)},
@@ -47,6 +48,10 @@ def test_kernel_metrics_with_workload_labels():
                                 {**w, "modality": "image", "api": "driver"}) == 5
     assert reg.get_sample_value("spanlet_gpu_kernel_launches_total",
                                 {**w, "pod": "pod-12", "modality": "audio", "api": "driver"}) == 1
+    assert reg.get_sample_value("spanlet_gpu_memcpy_bytes_total", {**w, "direction": "h2d"}) == 1 << 20
+    assert reg.get_sample_value("spanlet_gpu_memcpy_bytes_total", {**w, "direction": "d2h"}) == 4096
+    assert reg.get_sample_value("spanlet_gpu_memcpy_bytes_total",
+                                {**w, "pod": "pod-12", "direction": "other"}) == 7
     h = {**w, "modality": "image", "api": "runtime"}
     assert reg.get_sample_value("spanlet_gpu_sync_wait_seconds_count", h) == 2
     assert reg.get_sample_value("spanlet_gpu_sync_wait_seconds_sum", h) == 0.005

@@ -219,7 +219,7 @@ def test_a_request_span_keeps_its_batch_shares_in_span_attributes(backend):
     request = ss.spans.add(name="POST /generate", trace_id=bytes(range(16)), span_id=b"\x01" * 8, kind=2,
                            start_time_unix_nano=T0, end_time_unix_nano=T0 + 5)
     shares = _Shares(0.0, 0)
-    shares.steps, shares.values = 3, [12.5, 0.25, 1.75, 1500.0, 2e6, 3e5, 0.0, 0.0]
+    shares.steps, shares.values = 3, [12.5, 0.25, 1.75, 1500.0, 2e6, 3e5, 0.0, 0.0, 4096.0, 0.0, 0.0, 0.0]
     put_shares(request, shares)
     step = ss.spans.add(name="engine.step", trace_id=bytes(range(1, 17)), span_id=b"\x02" * 8, kind=1,
                         start_time_unix_nano=T0, end_time_unix_nano=T0 + 5)
@@ -234,7 +234,9 @@ def test_a_request_span_keeps_its_batch_shares_in_span_attributes(backend):
         "kernel.batch.gpu.graph_launches": "0.25", "kernel.batch.gpu.graph_kernels": "1.75",
         "kernel.batch.gpu.sync_wait_ns": "1500", "kernel.batch.sched.cpu_ns": "2000000",
         "kernel.batch.sched.runqueue_ns": "300000", "kernel.batch.sched.blocked_ns": "0",
-        "kernel.batch.sched.iowait_ns": "0"}
+        "kernel.batch.sched.iowait_ns": "0", "kernel.batch.gpu.memcpy_h2d_bytes": "4096",
+        "kernel.batch.gpu.memcpy_d2h_bytes": "0", "kernel.batch.gpu.memcpy_d2d_bytes": "0",
+        "kernel.batch.gpu.memcpy_other_bytes": "0"}
 
 
 def _one(build) -> bytes:

@@ -367,6 +367,92 @@ EXPORT CUresult impl_cuCtxSynchronize_v2(CUcontext ctx)
     return CUDA_SUCCESS;
 }
 
+/* -- memory traffic ---------------------------------------------------------------
+ * No device memory: copies check their arguments and move nothing, allocations
+ * hand out distinct fake addresses. Bytes asked for are kept (observable). */
+typedef unsigned long long CUdeviceptr;
+volatile unsigned long long standin_copied_bytes;
+static volatile unsigned long long next_device_address = 0x7f0000000000ULL;
+
+static CUresult copy(size_t bytes)
+{
+    standin_copied_bytes += bytes;
+    return CUDA_SUCCESS;
+}
+
+#define COPY_1D(n, ...) EXPORT CUresult impl_##n(__VA_ARGS__) { return copy(ByteCount); }
+COPY_1D(cuMemcpyHtoD_v2, CUdeviceptr dst, const void *src, size_t ByteCount)
+COPY_1D(cuMemcpyHtoD_v2_ptds, CUdeviceptr dst, const void *src, size_t ByteCount)
+COPY_1D(cuMemcpyDtoH_v2, void *dst, CUdeviceptr src, size_t ByteCount)
+COPY_1D(cuMemcpyDtoH_v2_ptds, void *dst, CUdeviceptr src, size_t ByteCount)
+COPY_1D(cuMemcpyDtoD_v2, CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
+COPY_1D(cuMemcpyDtoD_v2_ptds, CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
+COPY_1D(cuMemcpy, CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
+COPY_1D(cuMemcpy_ptds, CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
+COPY_1D(cuMemcpyHtoDAsync_v2, CUdeviceptr dst, const void *src, size_t ByteCount, CUstream s)
+COPY_1D(cuMemcpyHtoDAsync_v2_ptsz, CUdeviceptr dst, const void *src, size_t ByteCount, CUstream s)
+COPY_1D(cuMemcpyDtoHAsync_v2, void *dst, CUdeviceptr src, size_t ByteCount, CUstream s)
+COPY_1D(cuMemcpyDtoHAsync_v2_ptsz, void *dst, CUdeviceptr src, size_t ByteCount, CUstream s)
+COPY_1D(cuMemcpyDtoDAsync_v2, CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream s)
+COPY_1D(cuMemcpyDtoDAsync_v2_ptsz, CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream s)
+COPY_1D(cuMemcpyAsync, CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream s)
+COPY_1D(cuMemcpyAsync_ptsz, CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream s)
+COPY_1D(cuMemcpyPeer, CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t ByteCount)
+COPY_1D(cuMemcpyPeer_ptds, CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t ByteCount)
+COPY_1D(cuMemcpyPeerAsync, CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t ByteCount,
+        CUstream s)
+COPY_1D(cuMemcpyPeerAsync_ptsz, CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc,
+        size_t ByteCount, CUstream s)
+
+/* The 2D and 3D copies: the extent from the descriptor (CUDA_MEMCPY2D / 3D). */
+#define COPY_DESC(n, T, ...) EXPORT CUresult impl_##n(const T *p, ##__VA_ARGS__) \
+    { return p ? copy(EXTENT_##T(p)) : CUDA_ERROR_INVALID_VALUE; }
+#define EXTENT_CUDA_MEMCPY2D(p) ((p)->WidthInBytes * (p)->Height)
+#define EXTENT_CUDA_MEMCPY3D(p) ((p)->WidthInBytes * (p)->Height * (p)->Depth)
+COPY_DESC(cuMemcpy2D_v2, CUDA_MEMCPY2D)
+COPY_DESC(cuMemcpy2D_v2_ptds, CUDA_MEMCPY2D)
+COPY_DESC(cuMemcpy2DUnaligned_v2, CUDA_MEMCPY2D)
+COPY_DESC(cuMemcpy2DUnaligned_v2_ptds, CUDA_MEMCPY2D)
+COPY_DESC(cuMemcpy2DAsync_v2, CUDA_MEMCPY2D, CUstream s)
+COPY_DESC(cuMemcpy2DAsync_v2_ptsz, CUDA_MEMCPY2D, CUstream s)
+COPY_DESC(cuMemcpy3D_v2, CUDA_MEMCPY3D)
+COPY_DESC(cuMemcpy3D_v2_ptds, CUDA_MEMCPY3D)
+COPY_DESC(cuMemcpy3DAsync_v2, CUDA_MEMCPY3D, CUstream s)
+COPY_DESC(cuMemcpy3DAsync_v2_ptsz, CUDA_MEMCPY3D, CUstream s)
+
+static CUresult alloc(CUdeviceptr *dptr, size_t bytes)
+{
+    if (!dptr || !bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    *dptr = __sync_fetch_and_add(&next_device_address, (bytes + 255) & ~255ULL);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult impl_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    return alloc(dptr, bytesize);
+}
+
+EXPORT CUresult impl_cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream s)
+{
+    return alloc(dptr, bytesize);
+}
+
+EXPORT CUresult impl_cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream s)
+{
+    return alloc(dptr, bytesize);
+}
+
+/* Rows padded to a pitch of 512 bytes, as drivers pad them. */
+EXPORT CUresult impl_cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes,
+                                        size_t Height, unsigned int ElementSizeBytes)
+{
+    if (!pPitch)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pPitch = (WidthInBytes + 511) & ~(size_t)511;
+    return alloc(dptr, *pPitch * Height);
+}
+
 /* -- the exports ---------------------------------------------------------------- */
 DRIVER_EXPORT(cuLaunchKernel)
 DRIVER_EXPORT(cuLaunchKernel_ptsz)
@@ -401,3 +487,37 @@ DRIVER_EXPORT(cuStreamSynchronize_ptsz)
 DRIVER_EXPORT(cuEventSynchronize)
 DRIVER_EXPORT(cuCtxSynchronize)
 DRIVER_EXPORT(cuCtxSynchronize_v2)
+DRIVER_EXPORT(cuMemcpyHtoD_v2)
+DRIVER_EXPORT(cuMemcpyHtoD_v2_ptds)
+DRIVER_EXPORT(cuMemcpyDtoH_v2)
+DRIVER_EXPORT(cuMemcpyDtoH_v2_ptds)
+DRIVER_EXPORT(cuMemcpyDtoD_v2)
+DRIVER_EXPORT(cuMemcpyDtoD_v2_ptds)
+DRIVER_EXPORT(cuMemcpy)
+DRIVER_EXPORT(cuMemcpy_ptds)
+DRIVER_EXPORT(cuMemcpyHtoDAsync_v2)
+DRIVER_EXPORT(cuMemcpyHtoDAsync_v2_ptsz)
+DRIVER_EXPORT(cuMemcpyDtoHAsync_v2)
+DRIVER_EXPORT(cuMemcpyDtoHAsync_v2_ptsz)
+DRIVER_EXPORT(cuMemcpyDtoDAsync_v2)
+DRIVER_EXPORT(cuMemcpyDtoDAsync_v2_ptsz)
+DRIVER_EXPORT(cuMemcpyAsync)
+DRIVER_EXPORT(cuMemcpyAsync_ptsz)
+DRIVER_EXPORT(cuMemcpyPeer)
+DRIVER_EXPORT(cuMemcpyPeer_ptds)
+DRIVER_EXPORT(cuMemcpyPeerAsync)
+DRIVER_EXPORT(cuMemcpyPeerAsync_ptsz)
+DRIVER_EXPORT(cuMemcpy2D_v2)
+DRIVER_EXPORT(cuMemcpy2D_v2_ptds)
+DRIVER_EXPORT(cuMemcpy2DUnaligned_v2)
+DRIVER_EXPORT(cuMemcpy2DUnaligned_v2_ptds)
+DRIVER_EXPORT(cuMemcpy2DAsync_v2)
+DRIVER_EXPORT(cuMemcpy2DAsync_v2_ptsz)
+DRIVER_EXPORT(cuMemcpy3D_v2)
+DRIVER_EXPORT(cuMemcpy3D_v2_ptds)
+DRIVER_EXPORT(cuMemcpy3DAsync_v2)
+DRIVER_EXPORT(cuMemcpy3DAsync_v2_ptsz)
+DRIVER_EXPORT(cuMemAlloc_v2)
+DRIVER_EXPORT(cuMemAllocAsync)
+DRIVER_EXPORT(cuMemAllocAsync_ptsz)
+DRIVER_EXPORT(cuMemAllocPitch_v2)

@@ -29,6 +29,9 @@ typedef int (*begin_fn)(void *, int);
 typedef int (*inst_fn)(void *, void *, unsigned long long);
 typedef int (*void_fn)(void);
 typedef void (*set_us_fn)(unsigned int);
+typedef int (*copy_fn)(void *, const void *, size_t);
+typedef int (*copy_async_fn)(void *, const void *, size_t, void *);
+typedef int (*alloc_fn)(void *, size_t);
 
 static struct {
     launch_fn launch, launch_ptsz;
@@ -40,9 +43,13 @@ static struct {
     handle_fn stream_sync, stream_sync_ptsz, event_sync, exec_destroy, graph_destroy;
     void_fn ctx_sync;
     set_us_fn set_ctx_sync_us;
+    copy_fn copy[5];          /* by cudaMemcpyKind */
+    copy_async_fn copy_async[5];
+    alloc_fn alloc;
 } cu;
 
 volatile unsigned long standin_runtime_launches;
+volatile unsigned long standin_runtime_copies;
 
 static void *sym(void *h, const char *name)
 {
@@ -80,6 +87,18 @@ __attribute__((constructor)) static void load_driver(void)
     cu.event_sync = (handle_fn)sym(h, "cuEventSynchronize");
     cu.ctx_sync = (void_fn)sym(h, "cuCtxSynchronize");
     cu.set_ctx_sync_us = (set_us_fn)sym(h, "standin_set_ctx_sync_us");
+    /* cudaMemcpyKind: host to host, host to device, device to host, device
+     * to device, default (unified addressing: the driver finds the direction) */
+    static const char *const copies[5] = {"cuMemcpy", "cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2",
+                                          "cuMemcpyDtoD_v2", "cuMemcpy"};
+    static const char *const async_copies[5] = {"cuMemcpyAsync", "cuMemcpyHtoDAsync_v2",
+                                                "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoDAsync_v2",
+                                                "cuMemcpyAsync"};
+    for (int i = 0; i < 5; i++) {
+        cu.copy[i] = (copy_fn)sym(h, copies[i]);
+        cu.copy_async[i] = (copy_async_fn)sym(h, async_copies[i]);
+    }
+    cu.alloc = (alloc_fn)sym(h, "cuMemAlloc_v2");
 }
 
 #define EXPORT __attribute__((noinline, visibility("default")))
@@ -214,4 +233,35 @@ void standin_set_device_sync_us(unsigned int us)
 EXPORT cudaError_t cudaDeviceSynchronize(void)
 {
     return cu.ctx_sync();
+}
+
+/* -- memory -------------------------------------------------------------------- */
+enum cudaMemcpyKind { cudaMemcpyHostToHost, cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost,
+                      cudaMemcpyDeviceToDevice, cudaMemcpyDefault };
+#define cudaErrorInvalidMemcpyDirection 21
+
+EXPORT cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind)
+{
+    if ((unsigned)kind > cudaMemcpyDefault)
+        return cudaErrorInvalidMemcpyDirection;
+    int r = cu.copy[kind](dst, src, count);
+    standin_runtime_copies++;   /* work after the call: not a tail call */
+    return r;
+}
+
+EXPORT cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind,
+                                   cudaStream_t stream)
+{
+    if ((unsigned)kind > cudaMemcpyDefault)
+        return cudaErrorInvalidMemcpyDirection;
+    int r = cu.copy_async[kind](dst, src, count, stream);
+    standin_runtime_copies++;
+    return r;
+}
+
+EXPORT cudaError_t cudaMalloc(void **devPtr, size_t size)
+{
+    int r = cu.alloc(devPtr, size);
+    standin_runtime_copies++;
+    return r;
 }

@@ -36,12 +36,15 @@ def span_ctx_probe(*overrides: str):
         p.stop()
 
 
-def run_child(probe, spin: Path, *args: str) -> dict[tuple[bytes, int], tuple[int, ...]]:
-    """child.py's spans: (trace, span) -> its own figures; the marker attached first."""
+def run_child(probe, spin: Path, *args: str, cgroup: Path | None = None) -> dict[tuple[bytes, int], tuple[int, ...]]:
+    """child.py's spans: (trace, span) -> its own figures; the marker attached first
+    (and the child moved into `cgroup` once started, before its spans)."""
     proc = subprocess.Popen([sys.executable, str(HERE / "child.py"), str(spin), *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
         assert proc.stdout.readline().startswith("ready")
+        if cgroup is not None:
+            (cgroup / "cgroup.procs").write_text(str(proc.pid))
         wait_for(lambda: probe.refresh() or probe.libraries, 10, "the marker attached")
         proc.stdin.write("go\n")
         proc.stdin.flush()

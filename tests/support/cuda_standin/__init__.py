@@ -20,6 +20,9 @@ the workload program over its stdin/stdout protocol:
     destroy SYMBOL HANDLE  a cu/cudaGraph(Exec)Destroy call -> "destroy RC"
     SYNC-SYMBOL US         one sync (cusync|cudasync|devsync, or a real name: cuCtxSynchronize,
                            cuEventSynchronize, ...) "waiting" US µs -> "sync NAME NS"
+    copy SYMBOL N ARGS...  N copy or allocation calls (driver cuMemcpy*/cuMemAlloc*, or
+                           cudaMemcpy(Async) BYTES KIND, cudaMalloc BYTES; see workload.c)
+                           -> "copy NAME FAILED NS"
     bench|benchrt N        N back-to-back cuLaunchKernel|cudaLaunchKernel -> "bench N NS"
     benchx ENTRY N         N back-to-back launches through ENTRY -> "benchx N NS"
     benchgraph SYMBOL EXEC N           N back-to-back replays -> "benchgraph N NS"

@@ -326,6 +326,92 @@ static void paced(unsigned long n, double rate)
     printf("paced %lu %llu\n", n, (unsigned long long)(now_ns() - t0));
 }
 
+/* copy SYMBOL N ARGS...: N calls of a driver copy or allocation call, or of
+ * the runtime's cudaMemcpy(Async)/cudaMalloc, by its real name; the arguments
+ * that matter per shape:
+ *   1D copies (cuMemcpy*, _v2, Async, _ptds, _ptsz, Peer)   BYTES
+ *   2D/3D copies (cuMemcpy2D*, cuMemcpy3D*)   SRC-TYPE DST-TYPE WIDTH HEIGHT [DEPTH]
+ *   cuMemAlloc_v2, cuMemAllocAsync(_ptsz)     BYTES
+ *   cuMemAllocPitch_v2                        WIDTH HEIGHT
+ *   cudaMemcpy, cudaMemcpyAsync               BYTES KIND (cudaMemcpyKind)
+ *   cudaMalloc                                BYTES
+ * prints "copy NAME FAILED NS" (how long the N calls took) */
+static char host_buf[64];
+
+static int copy_once(const char *name, void *fn, unsigned long long *a)
+{
+    unsigned long long dev = 0x7f0000001000ULL;
+    void *host = host_buf, *stream = (void *)0x21;
+    if (!strncmp(name, "cudaMemcpy", 10)) {
+        if (strstr(name, "Async"))
+            return ((int (*)(void *, const void *, size_t, int, void *))fn)(host, host, a[0], (int)a[1], stream);
+        return ((int (*)(void *, const void *, size_t, int))fn)(host, host, a[0], (int)a[1]);
+    }
+    if (!strcmp(name, "cudaMalloc") || !strncmp(name, "cuMemAlloc_v2", 13)
+        || !strncmp(name, "cuMemAllocAsync", 15)) {
+        void *out = NULL;
+        if (strstr(name, "Async"))
+            return ((int (*)(void **, size_t, void *))fn)(&out, a[0], stream);
+        return ((int (*)(void **, size_t))fn)(&out, a[0]);
+    }
+    if (!strcmp(name, "cuMemAllocPitch_v2")) {
+        unsigned long long out;
+        size_t pitch;
+        return ((int (*)(void *, size_t *, size_t, size_t, unsigned))fn)(&out, &pitch, a[0], a[1], 4);
+    }
+    if (strstr(name, "2D") || strstr(name, "3D")) {
+        CUDA_MEMCPY2D d2 = {0};
+        CUDA_MEMCPY3D d3 = {0};
+        void *desc;
+        if (strstr(name, "2D")) {
+            d2.srcMemoryType = (CUmemorytype)a[0];
+            d2.dstMemoryType = (CUmemorytype)a[1];
+            d2.WidthInBytes = a[2];
+            d2.Height = a[3];
+            desc = &d2;
+        } else {
+            d3.srcMemoryType = (CUmemorytype)a[0];
+            d3.dstMemoryType = (CUmemorytype)a[1];
+            d3.WidthInBytes = a[2];
+            d3.Height = a[3];
+            d3.Depth = a[4];
+            desc = &d3;
+        }
+        if (strstr(name, "Async"))
+            return ((int (*)(const void *, void *))fn)(desc, stream);
+        return ((int (*)(const void *))fn)(desc);
+    }
+    if (strstr(name, "Peer")) {
+        if (strstr(name, "Async"))
+            return ((int (*)(unsigned long long, void *, unsigned long long, void *, size_t, void *))fn)(
+                dev, NULL, dev, NULL, a[0], stream);
+        return ((int (*)(unsigned long long, void *, unsigned long long, void *, size_t))fn)(
+            dev, NULL, dev, NULL, a[0]);
+    }
+    /* HtoD, DtoH, DtoD, cuMemcpy: (dst, src, bytes[, stream]); pointers as words */
+    if (strstr(name, "Async"))
+        return ((int (*)(unsigned long long, unsigned long long, size_t, void *))fn)(dev, dev, a[0], stream);
+    return ((int (*)(unsigned long long, unsigned long long, size_t))fn)(dev, dev, a[0]);
+}
+
+static void copies(const char *rest)
+{
+    char name[64];
+    unsigned long long n, a[5] = {0, 0, 0, 0, 1};
+    if (sscanf(rest, "%63s %lli %lli %lli %lli %lli %lli", name, &n, &a[0], &a[1], &a[2], &a[3], &a[4]) < 3) {
+        printf("error bad copy line: %s\n", rest);
+        return;
+    }
+    void *fn = lookup(name);
+    if (!fn)
+        return;
+    int failed = 0;
+    uint64_t t0 = now_ns();
+    for (unsigned long long i = 0; i < n; i++)
+        failed += copy_once(name, fn, a) != 0;
+    printf("copy %s %d %llu\n", name, failed, (unsigned long long)(now_ns() - t0));
+}
+
 static int is_sync(const char *cmd)
 {
     return !strcmp(cmd, "cusync") || !strcmp(cmd, "cudasync") || !strcmp(cmd, "devsync")
@@ -348,6 +434,8 @@ static void run(const char *line)
              || !strcmp(cmd, "addnode") || !strcmp(cmd, "inst") || !strcmp(cmd, "replay")
              || !strcmp(cmd, "destroy"))
         graph_call(cmd, rest);
+    else if (!strcmp(cmd, "copy"))
+        copies(rest);
     else if (!strcmp(cmd, "bench"))
         bench(cmd, entry_named("cuLaunchKernel"), strtoul(rest, NULL, 0));
     else if (!strcmp(cmd, "benchrt"))

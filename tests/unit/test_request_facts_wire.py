@@ -1,0 +1,134 @@
+"""spanlet._wire.request_facts (native/spanlet_wire.c), the per-span read of the
+request totals (agent/request_totals.py): against an oracle over the parsed
+span, on random spans with every kind of value the attributes can hold, and
+on the edge cases one by one."""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+
+import pytest
+from opentelemetry.proto.common.v1 import common_pb2
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from spanlet import _wire
+from spanlet.request_totals import _KEYS, TOTALS
+
+N = len(TOTALS)
+SUMMED = [b"kernel." + k for k, _ in _KEYS]
+OTHER_KEYS = [b"kernel.gpu.launches", b"kernel.request.cpu_ns", b"kernel.request.x", b"kernel.", b"kernel",
+              b"http.route", b"kernel.sched.cpu_nsx", b"kernel.request."]
+
+
+def oracle(span: trace_pb2.Span) -> tuple[list | None, bool]:
+    sums, has_totals = [0.0] * N, False
+    index = {b"kernel." + k: i for k, i in _KEYS}
+    for kv in span.attributes:
+        key, kind = kv.key.encode(), kv.value.WhichOneof("value")
+        if kind not in ("int_value", "double_value"):
+            continue
+        x = getattr(kv.value, kind)
+        if key.startswith(b"kernel.request.") and len(key) > len(b"kernel.request."):
+            has_totals = True
+        elif key in index:
+            if kind == "int_value" and x >= 0 or kind == "double_value" and 0.0 < x < math.inf:
+                sums[index[key]] += x
+    return (sums if any(sums) else None), has_totals
+
+
+def value(rnd: random.Random, kv: common_pb2.KeyValue) -> None:
+    kind = rnd.randrange(7)
+    if kind == 0:
+        kv.value.int_value = rnd.choice([0, 1, 5, 1 << 40, -3, (1 << 63) - 1, -(1 << 63)])
+    elif kind == 1:
+        kv.value.double_value = rnd.choice([0.0, 0.5, 12.25, -1.0, math.inf, -math.inf, math.nan, 1e300])
+    elif kind == 2:
+        kv.value.string_value = "12"
+    elif kind == 3:
+        kv.value.bool_value = True
+    elif kind == 4:
+        kv.value.bytes_value = b"\x18\x05"
+    elif kind == 5:
+        kv.value.array_value.values.add().int_value = 4
+    # 6: no value
+
+
+def random_span(rnd: random.Random) -> trace_pb2.Span:
+    s = trace_pb2.Span(trace_id=rnd.randbytes(16), span_id=rnd.randbytes(8), name="s")
+    for _ in range(rnd.randrange(12)):
+        kv = s.attributes.add(key=rnd.choice(SUMMED + OTHER_KEYS).decode())
+        value(rnd, kv)
+    # the same keys on an event and a link: never read
+    ev = s.events.add(name="e")
+    ev.attributes.add(key=SUMMED[0].decode()).value.int_value = 1000
+    s.links.add(trace_id=rnd.randbytes(16), span_id=rnd.randbytes(8)).attributes.add(
+        key="kernel.request.cpu_ns").value.int_value = 7
+    return s
+
+
+def read(span_bytes: bytes, pad: bytes = b"\x01\x02") -> tuple:
+    blob = pad + span_bytes + pad
+    return _wire.request_facts(blob, len(pad), len(pad) + len(span_bytes), _KEYS)
+
+
+def test_random_spans_read_as_the_parsed_span_says():
+    rnd = random.Random(7)
+    for _ in range(3000):
+        s = random_span(rnd)
+        assert read(s.SerializeToString()) == oracle(s), s
+
+
+def test_each_summed_key_lands_in_its_total():
+    for key, i in _KEYS:
+        s = trace_pb2.Span()
+        s.attributes.add(key=(b"kernel." + key).decode()).value.int_value = 9
+        s.attributes.add(key=(b"kernel." + key).decode()).value.double_value = 0.5   # a key twice: both
+        sums, has_totals = read(s.SerializeToString())
+        assert sums == [9.5 if j == i else 0.0 for j in range(N)] and not has_totals
+
+
+def test_the_last_field_of_a_value_wins_as_a_parse_keeps():
+    sched = "kernel." + _KEYS[0][0].decode()
+    # AnyValue{int_value: 5, string_value: "x"}: a parse keeps the string (no number)
+    kv = common_pb2.KeyValue(key=sched)
+    raw = kv.SerializeToString() + b"\x12\x05" + b"\x18\x05" + b"\x0a\x01x"
+    span = b"\x4a" + bytes((len(raw),)) + raw
+    assert trace_pb2.Span.FromString(span).attributes[0].value.WhichOneof("value") == "string_value"
+    assert read(span) == (None, False)
+    # AnyValue{string_value: "x", int_value: 5}: the int
+    raw = kv.SerializeToString() + b"\x12\x05" + b"\x0a\x01x" + b"\x18\x05"
+    span = b"\x4a" + bytes((len(raw),)) + raw
+    assert read(span) == ([5.0] + [0.0] * (N - 1), False)
+
+
+@pytest.mark.parametrize("cut", range(1, 29))
+def test_bytes_not_well_formed_add_nothing_and_never_fail(cut):
+    """Cut inside the second attribute: the first one, whole, is not read either."""
+    s = trace_pb2.Span()
+    s.attributes.add(key="kernel." + _KEYS[0][0].decode()).value.int_value = 300
+    s.attributes.add(key="kernel.request.cpu_ns").value.int_value = 1      # 29 bytes
+    b = s.SerializeToString()[:-cut]
+    with pytest.raises(Exception):
+        trace_pb2.Span.FromString(b)
+    assert read(b) == (None, False)
+    assert read(b"\xff") == (None, False)
+
+
+def test_bad_arguments_are_errors_not_crashes():
+    with pytest.raises(ValueError):
+        _wire.request_facts(b"abc", 2, 1, _KEYS)
+    with pytest.raises(ValueError):
+        _wire.request_facts(b"abc", 0, 4, _KEYS)
+    with pytest.raises(TypeError):
+        _wire.request_facts(b"abc", 0, 3, ((b"x",),))
+    with pytest.raises(ValueError):
+        _wire.request_facts(b"abc", 0, 3, ((b"x", 99),))
+
+
+def test_a_double_is_read_bit_for_bit():
+    s = trace_pb2.Span()
+    s.attributes.add(key="kernel." + _KEYS[0][0].decode()).value.double_value = 0.1
+    sums, _ = read(s.SerializeToString())
+    assert struct.pack("<d", sums[0]) == struct.pack("<d", 0.1)
