@@ -21,10 +21,13 @@ for where in (ROOT, ROOT / "grafana"):  # run as a script from anywhere; panels.
 
 from panels import (CH, CH_FORMATS, CLICKHOUSE, Panel, Threshold, catalogue_thresholds,  # noqa: E402,F401
                     ch, ch_var, dashboard, describe, ds_var, prom, prom_var, row, text_var)
-from spanlet.join import FACT_ATTRIBUTES  # noqa: E402
+from opentelemetry.proto.trace.v1 import trace_pb2  # noqa: E402
+from spanlet.join import BATCH_SHARES, FACT_ATTRIBUTES  # noqa: E402
 from spanlet.exporters.clickhouse.queries import FINAL_READ, GPU_STALL_ATTRIBUTE, NAMESPACE_ATTRIBUTE, POD_ATTRIBUTE  # noqa: E402
-from spanlet.exporters.clickhouse.schema import KERNEL_EVENTS, TRACES  # noqa: E402
+from spanlet.exporters.clickhouse.rows import SPAN_KINDS  # noqa: E402
+from spanlet.exporters.clickhouse.schema import KERNEL_EVENTS, TRACES, quote_string  # noqa: E402
 from spanlet.metrics import catalogue  # noqa: E402
+from spanlet.metrics.serving import ATTR_MODALITY, ATTR_SLO_CLASS, MODALITIES, SLO_NONE  # noqa: E402
 
 OUT = ROOT / "grafana" / "dashboards"
 
@@ -528,6 +531,112 @@ def sandbox() -> dict:
 
 # -- (e) request drill-down (ClickHouse) -----------------------------------------------------------
 
+# Request anatomy (DESIGN.md): where a request's time went. A request is a span
+# of kind Server, as spanlet_request_duration_seconds counts them (the store
+# keeps no span flags, so a server span under a local parent counts too); its
+# modality and class are the labels of that metric: mm.modality folded into
+# MODALITIES ("other" otherwise), slo.class as the span names it, "none" without.
+SERVER_KIND = SPAN_KINDS[trace_pb2.Span.SPAN_KIND_SERVER]
+OTHER_MODALITY = "other"          # serving._modality's fallback
+REQUEST_TOTALS = "kernel.request."  # + a kernel.sched.* field: the server span's in-process subtree total
+MODALITY_SQL = (f"if(SpanAttributes['{ATTR_MODALITY}'] IN ({', '.join(map(quote_string, MODALITIES))}), "
+                f"SpanAttributes['{ATTR_MODALITY}'], '{OTHER_MODALITY}')")
+SLO_CLASS_SQL = (f"if(mapContains(SpanAttributes, '{ATTR_SLO_CLASS}'), "
+                 f"SpanAttributes['{ATTR_SLO_CLASS}'], '{SLO_NONE}')")
+ANATOMY_QUANTILES = (50, 95, 99)
+SLOWEST_REQUESTS = 20
+_OWN_FACT = {field: attr for attr, field in FACT_ATTRIBUTES}
+_BATCH_SHARE = {field: attr for attr, field in BATCH_SHARES}
+ANATOMY_HOW = (
+    "CPU, run queue and blocked (which holds the uninterruptible, I/O, wait) are the request's "
+    f"{REQUEST_TOTALS}* totals (its in-process span subtree) where the server span carries them, "
+    "else its own kernel.sched.* (the greater of the two: a subtree never has less than its root), "
+    "plus its share of batched steps (kernel.batch.sched.*). GPU sync wait is the server span's own "
+    f"{GPU_STALL_ATTRIBUTE} plus its batched steps' share (kernel.batch.gpu.sync_wait_ns); the sync "
+    "waits of child spans have no subtree total and stay in CPU or blocked. A thread waiting for the "
+    "GPU is blocked (blocking sync) or on a CPU (spin), so the GPU sync wait is taken out of blocked "
+    "first, then CPU: nothing is counted twice. Other = duration - the rest, floored at 0 (time "
+    "outside the request's spans: queues, awaiting other tasks).")
+
+
+def _attr_ns(attr: str) -> str:
+    return f"toUInt64OrZero(SpanAttributes['{attr}'])"
+
+
+def _thread_state_ns(field: str) -> str:
+    """A request's time in one scheduler state (ANATOMY_HOW)."""
+    total, own = _attr_ns(REQUEST_TOTALS + field), _attr_ns(_OWN_FACT[field])
+    return f"greatest({total}, {own}) + {_attr_ns(_BATCH_SHARE[field])}"
+
+
+def anatomy_requests() -> str:
+    """The requests in the range, one row each with its anatomy in ns
+    (cpu_ns, run_queue_ns, blocked_ns, gpu_sync_wait_ns, other_ns)."""
+    where = " AND ".join([f"SpanKind = '{SERVER_KIND}'", span_filters(),
+                          ch_in(MODALITY_SQL, "modality"), ch_in(SLO_CLASS_SQL, "slo_class")])
+    return ("SELECT Timestamp, TraceId, SpanId, ServiceName, SpanName, "
+            f"ResourceAttributes['{POD_ATTRIBUTE}'] AS pod, Duration, "
+            f"{MODALITY_SQL} AS modality, {SLO_CLASS_SQL} AS slo_class, "
+            f"{_thread_state_ns('cpu_ns')} AS cpu_all_ns, {_thread_state_ns('runqueue_ns')} AS run_queue_ns, "
+            f"{_thread_state_ns('blocked_ns')} AS blocked_all_ns, "
+            f"{_attr_ns(GPU_STALL_ATTRIBUTE)} + {_attr_ns(_BATCH_SHARE['sync_wait_ns'])} AS gpu_sync_wait_ns, "
+            "least(blocked_all_ns, gpu_sync_wait_ns) AS sync_when_blocked_ns, "
+            "blocked_all_ns - sync_when_blocked_ns AS blocked_ns, "
+            "cpu_all_ns - least(cpu_all_ns, gpu_sync_wait_ns - sync_when_blocked_ns) AS cpu_ns, "
+            "toUInt64(greatest(toInt64(Duration) - toInt64(cpu_ns + run_queue_ns + blocked_ns + "
+            "gpu_sync_wait_ns), 0)) AS other_ns "
+            f"FROM {DB}.{TRACES} WHERE {where}")
+
+
+def anatomy_at_quantiles() -> str:
+    """Per modality, class and quantile q: the mean anatomy in seconds of the
+    requests ranked by duration within half a percentile of q, and always the
+    one at q's nearest rank ceil(q n)."""
+    qs = ", ".join(str(q) for q in ANATOMY_QUANTILES)
+    group = "modality, slo_class"
+    return ("SELECT concat(modality, ' ', slo_class, ' p', toString(q)) AS requests, "
+            "avg(cpu_ns) / 1e9 AS `CPU`, avg(run_queue_ns) / 1e9 AS `run queue`, "
+            "avg(blocked_ns) / 1e9 AS `blocked`, avg(gpu_sync_wait_ns) / 1e9 AS `GPU sync wait`, "
+            "avg(other_ns) / 1e9 AS `other` "
+            "FROM (SELECT *, row_number() OVER by_duration AS duration_rank, "
+            f"count() OVER (PARTITION BY {group}) AS in_group "
+            f"FROM ({anatomy_requests()}) "
+            f"WINDOW by_duration AS (PARTITION BY {group} ORDER BY Duration, TraceId, SpanId)) "
+            f"ARRAY JOIN [{qs}] AS q "
+            "WHERE duration_rank = intDiv(q * in_group + 99, 100) "
+            "OR 2 * abs(100 * toInt64(duration_rank) - q * toInt64(in_group)) <= in_group "
+            f"GROUP BY {group}, q ORDER BY {group}, q")
+
+
+def request_anatomy() -> list[Panel]:
+    quantiles = "/".join(f"p{q}" for q in ANATOMY_QUANTILES)
+    return [
+        row("Request anatomy"),
+        Panel("barchart", f"Where the time of a request went, at {quantiles} of its duration",
+              [ch(anatomy_at_quantiles())],
+              description=(
+                  "Server spans (requests) per modality and SLO class, in the modality and class "
+                  f"variables. At each of {quantiles}: the requests whose rank by duration is within "
+                  "half a percentile of it (at least the one at its nearest rank), their components "
+                  "averaged: a bar is made of whole requests, its parts add up to their mean "
+                  "duration, close to the quantile. (The quantiles of each component "
+                  "would not add up to a duration: the p99 of CPU and the p99 of the run queue are "
+                  "other requests.) " + ANATOMY_HOW),
+              unit="s", stack=True, min=0, w=24, h=9, options={"xField": "requests"}),
+        trace_table(f"Slowest requests' anatomy (the {SLOWEST_REQUESTS} slowest)",
+                    "SELECT Timestamp AS time, TraceId AS trace_id, SpanId AS span_id, "
+                    "ServiceName AS service, SpanName AS span, pod, modality, slo_class, "
+                    "Duration AS duration, cpu_ns AS cpu, run_queue_ns AS run_queue, "
+                    "blocked_ns AS blocked, gpu_sync_wait_ns AS gpu_sync_wait, other_ns AS other "
+                    f"FROM ({anatomy_requests()}) "
+                    f"ORDER BY duration DESC, trace_id, span_id LIMIT {SLOWEST_REQUESTS}",
+                    "The slowest server spans in the range, in the modality and class variables, "
+                    "split as in the chart above; a trace id opens its trace. " + ANATOMY_HOW, h=9,
+                    duration="ns", cpu="ns", run_queue="ns", blocked="ns", gpu_sync_wait="ns",
+                    other="ns"),
+    ]
+
+
 def drilldown() -> dict:
     spans_where = span_filters()
     ev_where = " AND ".join(["$__timeFilter(Timestamp)", ch_in("K8sNamespace", "namespace"),
@@ -605,8 +714,10 @@ def drilldown() -> dict:
                   f"FROM {DB}.{KERNEL_EVENTS} WHERE {ev_where} "
                   f"GROUP BY time, kind ORDER BY time", "timeSeries")],
               description="Rows of kernel_events per interval.", stack=True, w=24, h=7),
+        *request_anatomy(),
     ]
     attr = f"FROM {DB}.{TRACES} WHERE $__timeFilter(Timestamp) ORDER BY 1"
+    requests = f"FROM {DB}.{TRACES} WHERE SpanKind = '{SERVER_KIND}' AND $__timeFilter(Timestamp) ORDER BY 1"
     return dashboard(
         "spanlet-request-drilldown", "spanlet / Request drill-down",
         "Spans with the kernel facts the agent joined to them, the slowest GPU stalls, sandbox "
@@ -616,6 +727,8 @@ def drilldown() -> dict:
          ch_var("namespace", "Namespace", f"SELECT DISTINCT {ns_col} {attr}"),
          ch_var("pod", "Pod", f"SELECT DISTINCT {pod_col} {attr}"),
          ch_var("service", "Service", f"SELECT DISTINCT ServiceName {attr}"),
+         ch_var("modality", "Modality (request anatomy)", f"SELECT DISTINCT {MODALITY_SQL} {requests}"),
+         ch_var("slo_class", "SLO class (request anatomy)", f"SELECT DISTINCT {SLO_CLASS_SQL} {requests}"),
          text_var("trace_id", "Trace id", "", "32 hex digits; empty: every trace")],
         panels)
 

@@ -81,7 +81,7 @@ def ch(sql: str, query_type: str = "table") -> dict:
 
 @dataclass
 class Panel:
-    kind: str                              # timeseries, stat, table, bargauge, heatmap
+    kind: str                              # timeseries, stat, table, bargauge, barchart, heatmap
     title: str
     targets: list[dict]
     description: str = ""
@@ -124,6 +124,9 @@ def _field_config(p: Panel) -> dict:
             "showPoints": "never", "spanNulls": False,
             "stacking": {"mode": "normal" if p.stack else "none", "group": "A"},
             "thresholdsStyle": {"mode": "line+area" if p.thresholds else "off"}}
+    elif p.kind == "barchart":
+        defaults["custom"] = {"lineWidth": 1, "fillOpacity": 80, "gradientMode": "none",
+                              "thresholdsStyle": {"mode": "off"}}
     if p.custom:
         defaults.setdefault("custom", {}).update(p.custom)
     if p.links:
@@ -132,11 +135,19 @@ def _field_config(p: Panel) -> dict:
     return {"defaults": defaults, "overrides": overrides}
 
 
+def _legend_and_tooltip(calcs: list[str]) -> dict:
+    return {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True, "calcs": calcs},
+            "tooltip": {"mode": "multi", "sort": "desc"}}
+
+
 def _options(p: Panel) -> dict:
     if p.kind == "timeseries":
-        base = {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
-                           "calcs": ["lastNotNull", "max"]},
-                "tooltip": {"mode": "multi", "sort": "desc"}}
+        base = _legend_and_tooltip(["lastNotNull", "max"])
+    elif p.kind == "barchart":
+        # x: the panel's first string field (or options xField); `stack` stacks the numeric fields
+        base = {"orientation": "auto", "stacking": "normal" if p.stack else "none", "showValue": "never",
+                "barWidth": 0.8, "groupWidth": 0.7, "xTickLabelRotation": 0, "xTickLabelMaxLength": 0,
+                "fullHighlight": False, **_legend_and_tooltip([])}
     elif p.kind == "stat":
         base = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
                 "colorMode": "background", "graphMode": "area", "textMode": "auto",

@@ -26,6 +26,29 @@ OTHER = bytes(range(2, 18))
 SERVICE = "demo-serving"
 
 
+# The two requests' (server spans') anatomy: span 1 with its subtree's totals
+# (kernel.request.*, more than its own) and a batched step's share of GPU sync
+# wait, more than its blocked time; span 4 with only its own scheduler facts and
+# a step's CPU share, more than its duration in all.
+REQUEST_ATTRIBUTES = {
+    1: {"mm.modality": "text", "slo.class": "gold", "kernel.sched.cpu_ns": 1_000_000,
+        "kernel.request.cpu_ns": 2_000_000, "kernel.sched.runqueue_ns": 100_000,
+        "kernel.request.runqueue_ns": 500_000, "kernel.request.blocked_ns": 600_000,
+        "kernel.batch.gpu.sync_wait_ns": 999_000},
+    4: {"kernel.sched.cpu_ns": 3_000_000, "kernel.batch.sched.cpu_ns": 500_000,
+        "kernel.sched.runqueue_ns": 2_000_000, "kernel.sched.blocked_ns": 1_000_000},
+}
+
+
+def _set_attributes(span: trace_pb2.Span, attributes: dict) -> None:
+    for k, v in attributes.items():
+        value = span.attributes.add(key=k).value
+        if isinstance(v, str):
+            value.string_value = v
+        else:
+            value.int_value = v
+
+
 def _spans() -> list[trace_pb2.ResourceSpans]:
     """A trace of a SERVER span (an error) with two children 3 s later, and
     one span of another trace."""
@@ -42,6 +65,7 @@ def _spans() -> list[trace_pb2.ResourceSpans]:
                          end_time_unix_nano=NOW + at_s * 10**9 + 5_000_000)
         s.attributes.add(key="kernel.gpu.launches").value.int_value = sid * 10
         s.attributes.add(key="kernel.gpu.sync_wait_ns").value.int_value = sid * 1000
+        _set_attributes(s, REQUEST_ATTRIBUTES.get(sid, {}))
         if error:
             s.status.code = trace_pb2.Status.STATUS_CODE_ERROR
     return [rs]
@@ -161,6 +185,8 @@ DASHBOARD_ANSWERS = {
     ("spanlet / Request drill-down", "variable namespace"): (_ALL, [("prod",)]),
     ("spanlet / Request drill-down", "variable pod"): (_ALL, [("web-0",)]),
     ("spanlet / Request drill-down", "variable service"): (_ALL, [(SERVICE,)]),
+    ("spanlet / Request drill-down", "variable modality"): (_ALL, [("other",), ("text",)]),
+    ("spanlet / Request drill-down", "variable slo_class"): (_ALL, [("gold",), ("none",)]),
     ("spanlet / Request drill-down", "Spans in range"): (_ALL, [(4,)]),
     ("spanlet / Request drill-down", "Spans with kernel facts"): (_ALL, [(1,)]),
     ("spanlet / Request drill-down", "GPU stall time in range"): (_ALL, [(10_000 / 1e9,)]),
@@ -188,6 +214,15 @@ DASHBOARD_ANSWERS = {
                                   ("SANDBOX", "web-0", 40, 41, TRACE.hex(), SID[1])]),
     ("spanlet / Request drill-down", "Kernel events per interval by kind"): (
         _SORTED, _by_bucket([(2, "SANDBOX", 1), (4, "SANDBOX", 1), (5, "GPU_LAUNCH", 1)])),
+    # span 1: the GPU sync wait (1 ms) takes all of blocked (0.6 ms) and 0.4 ms of CPU (2 ms);
+    # span 4: 4 us of blocked (1 ms); its parts (6.5 ms) exceed its 5 ms: other is 0
+    ("spanlet / Request drill-down", "Where the time of a request went, at p50/p95/p99 of its duration"): (
+        _ALL, [(f"other none p{q}", 0.0035, 0.002, 0.000996, 0.000004, 0.0) for q in (50, 95, 99)]
+        + [(f"text gold p{q}", 0.0016, 0.0005, 0.0, 0.001, 0.0019) for q in (50, 95, 99)]),
+    ("spanlet / Request drill-down", "Slowest requests' anatomy (the 20 slowest)"): (
+        _cols(1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13),
+        [(TRACE.hex(), SID[1], "web-0", "text", "gold", 5_000_000, 1_600_000, 500_000, 0, 1_000_000, 1_900_000),
+         (OTHER.hex(), SID[4], "web-0", "other", "none", 5_000_000, 3_500_000, 2_000_000, 996_000, 4000, 0)]),
     ("spanlet / Sandbox", "By pool, rule and action in the time range"): (
         _cols(0, 1, 2, 3, 4, 5, 6, 7), [(7, "unauthorized", "audit", 2, 2, 2, 8192, 1 << 20)]),
     ("spanlet / Sandbox", "Violations per interval by pool"): (
@@ -225,6 +260,66 @@ def test_spanlets_reads_and_every_dashboard_query_answer_exactly(store):
         assert _numbers(project(b.query(sql))) == _numbers(want), f"{dash} / {panel}: {sql}"
         answered.add((dash, panel))
     assert answered == set(DASHBOARD_ANSWERS)
+
+
+ANATOMY = "spanlet / Request drill-down"
+AT_QUANTILES = "Where the time of a request went, at p50/p95/p99 of its duration"
+SLOWEST = "Slowest requests' anatomy (the 20 slowest)"
+
+
+def _request(rank: int) -> dict:
+    """The facts of the request of this rank in its group: CPU growing as the
+    square of the rank, so that a mean over ranks differs from its middle one."""
+    return {"kernel.sched.cpu_ns": rank * rank * 10, "kernel.request.runqueue_ns": rank * 1000}
+
+
+def _group(trace: bytes, modality: str, slo_class: str, durations_ms: list[int]) -> trace_pb2.ResourceSpans:
+    """Server spans of one modality and class, their span ids in an order other than by duration."""
+    rs = trace_pb2.ResourceSpans()
+    rs.resource.attributes.add(key="service.name").value.string_value = SERVICE
+    ss = rs.scope_spans.add()
+    for i in range(len(durations_ms)):
+        start = NOW + i * 10**6
+        span_id = (i * 37) % len(durations_ms) + 1
+        s = ss.spans.add(trace_id=trace, span_id=span_id.to_bytes(8, "big"), name="infer",
+                         kind=trace_pb2.Span.SPAN_KIND_SERVER, start_time_unix_nano=start,
+                         end_time_unix_nano=start + durations_ms[i] * 10**6)
+        _set_attributes(s, {"mm.modality": modality, "slo.class": slo_class, **_request(i + 1)})
+    return rs
+
+
+def test_request_anatomy_averages_the_requests_at_each_quantile(store):
+    """Ranked by duration in their modality and class, p50/p95/p99 take the
+    requests within half a percentile of the quantile, and always the one at
+    its nearest rank ceil(q n); only the modalities and classes chosen."""
+    _, b, _ = store
+    audio, video, silver = bytes([0xA0] * 16), bytes([0xB0] * 16), bytes([0xC0] * 16)
+    groups = [_group(audio, "audio", "bronze", list(range(1, 201))),          # rank = i + 1
+              _group(video, "video", "bronze", [1000 + i for i in range(1, 8)]),
+              _group(silver, "video", "silver", [5000] * 3)]                  # another class: left out
+    b.insert(schema.TRACES, rows.SPAN_PROTO_COLUMNS, rows.span_proto_rows(groups))
+    got = {panel: b.query(sql) for _, panel, sql in gq.clickhouse_queries(
+        DB, since_ns=NOW - 3600 * 10**9, until_ns=NOW + 60 * 10**9,
+        selected={"modality": ["audio", "video"], "slo_class": ["bronze"]}) if panel in (AT_QUANTILES, SLOWEST)}
+
+    def anatomy(ranks: tuple[int, ...], duration_ms) -> tuple:
+        cpu = sum(_request(r)["kernel.sched.cpu_ns"] for r in ranks) / len(ranks)
+        run_queue = sum(_request(r)["kernel.request.runqueue_ns"] for r in ranks) / len(ranks)
+        duration = sum(duration_ms(r) * 10**6 for r in ranks) / len(ranks)
+        return tuple(round(v / 1e9, 12) for v in (cpu, run_queue, 0, 0, duration - cpu - run_queue))
+
+    # n = 200: a band of three ranks; n = 7: no rank is within half a percentile, the nearest only
+    want = [(f"audio bronze p{q}", *anatomy(ranks, lambda r: r)) for q, ranks in
+            ((50, (99, 100, 101)), (95, (189, 190, 191)), (99, (197, 198, 199)))]
+    want += [(f"video bronze p{q}", *anatomy(ranks, lambda r: 1000 + r)) for q, ranks in
+             ((50, (4,)), (95, (7,)), (99, (7,)))]
+    assert _numbers(got[AT_QUANTILES]) == want
+
+    slowest = [(r[1], r[6], r[8]) for r in got[SLOWEST]]
+    assert slowest == [(video.hex(), "video", (1000 + i) * 10**6) for i in range(7, 0, -1)] + \
+        [(audio.hex(), "audio", i * 10**6) for i in range(200, 187, -1)]
+    top = got[SLOWEST][0]
+    assert _numbers([top[9:]]) == [(490, 7000, 0, 0, 1007 * 10**6 - 7490)]
 
 
 def test_a_table_without_a_column_spanlet_writes_is_refused_in_one_line(tmp_path, caplog):

@@ -569,6 +569,7 @@ def kernel_rows() -> FakeFacts:
     """The span facts rows the kernel made for the events above (their counts)."""
     facts = FakeFacts()
     facts.add(TRACE_A, 1, driver=2, launch_ns=12000, sync_wait_ns=3_000_000, syncs=1, violations=1,
+              cpu_ns=20_000_000, runqueue_ns=5_000_000, blocked_ns=10_000_000,
               cgroup_id=7, pid=100, first_ns=T0 + 1000)
     facts.add(TRACE_B, 2, sync_wait_ns=9_000_000, syncs=1, cgroup_id=7, pid=100, first_ns=T0 + 5000)
     return facts
@@ -581,10 +582,13 @@ def spans() -> list[trace_pb2.ResourceSpans]:
         rs.resource.attributes.add(key=k).value.string_value = v
     ss = rs.scope_spans.add()
     for trace, span_id, ms in ((TRACE_A, 1, 40), (TRACE_B, 2, 25), (TRACE_B, 3, 5)):
-        ss.spans.add(trace_id=trace, span_id=span_id.to_bytes(8, "big"), name=f"infer-{span_id}",
-                     kind=trace_pb2.Span.SPAN_KIND_SERVER, start_time_unix_nano=T0,
-                     end_time_unix_nano=T0 + ms * 10**6,
-                     parent_span_id=b"" if span_id != 3 else (2).to_bytes(8, "big"))
+        span = ss.spans.add(trace_id=trace, span_id=span_id.to_bytes(8, "big"), name=f"infer-{span_id}",
+                            kind=trace_pb2.Span.SPAN_KIND_SERVER, start_time_unix_nano=T0,
+                            end_time_unix_nano=T0 + ms * 10**6,
+                            parent_span_id=b"" if span_id != 3 else (2).to_bytes(8, "big"))
+        if span_id == 1:
+            for k, v in (("mm.modality", "image"), ("slo.class", "silver")):
+                span.attributes.add(key=k).value.string_value = v
     return [rs]
 
 
@@ -628,7 +632,7 @@ def test_clickhouse_query_list_covers_panels_variables_and_links():
                     if t["datasource"]["type"] == gq.CLICKHOUSE)
     assert len([t for t in titles if " / link: " not in t[1] and not t[1].startswith("variable ")]) \
         == n_targets
-    assert sum(1 for _, p in titles if p.startswith("variable ")) == 3
+    assert sum(1 for _, p in titles if p.startswith("variable ")) == 5
     assert any("link: Trace view (ClickHouse store)" in p for _, p in titles)
 
 
@@ -639,7 +643,9 @@ def test_clickhouse_query_runs_on_the_store_and_returns_rows(store, dash, panel,
 
 
 SELECTED = {"node": [NODE], "namespace": [POD[0]], "pod": [POD[1]], "service": ["demo-serving"],
-            "rule": ["exec"], "action": ["audit", "kill"]}
+            "rule": ["exec"], "action": ["audit", "kill"], "modality": ["image"], "slo_class": ["silver"]}
+ANATOMY_CHART = "Where the time of a request went, at p50/p95/p99 of its duration"
+ANATOMY_TABLE = "Slowest requests' anatomy (the 20 slowest)"
 
 
 def test_clickhouse_queries_filtered_to_one_workload(store):
@@ -648,12 +654,14 @@ def test_clickhouse_queries_filtered_to_one_workload(store):
                                    selected=SELECTED)
     assert any("K8sPodName IN ('pod-a')" in sql for _, _, sql in chosen)
     assert any("Action IN ('audit','kill')" in sql for _, _, sql in chosen)
+    assert any("'other') IN ('image')" in sql for _, p, sql in chosen if p == ANATOMY_TABLE)
     for dash, panel, sql in chosen:
         assert store.query(sql), f"{dash} / {panel} returned no rows:\n{sql}"
     other = gq.clickhouse_queries("spanlet", since_ns=NOW - 3600 * 10**9, until_ns=NOW + 60 * 10**9,
                                   selected={**SELECTED, "pod": ["pod-b"]})
     for dash, panel, sql in other:
-        if panel in ("Spans and their kernel facts (newest first)", "Recent violations"):
+        if panel in ("Spans and their kernel facts (newest first)", "Recent violations", ANATOMY_CHART,
+                     ANATOMY_TABLE):
             assert store.query(sql) == [], f"{dash} / {panel}: pod filter not applied"
 
 
@@ -677,6 +685,35 @@ def test_drilldown_answers_exactly(store):
     assert [(r["traceID"], r["operationName"]) for r in trace] == [(TRACE_A.hex(), "infer-1")]
     kinds = {r["kind"] for r in named(store, _query(dash, "Kernel events (newest first)"))}
     assert kinds == {"GPU_LAUNCH", "GPU_SYNC", "SANDBOX"}
+    # the scheduler's facts the join put on span 1 (40 ms), its GPU sync wait (3 ms) taken out of blocked
+    slowest = named(store, _query(dash, ANATOMY_TABLE))
+    assert [(r["span_id"], r["modality"], r["slo_class"]) for r in slowest] == [
+        ((1).to_bytes(8, "big").hex(), "image", "silver"), ((2).to_bytes(8, "big").hex(), "other", "none"),
+        ((3).to_bytes(8, "big").hex(), "other", "none")]
+    assert [slowest[0][c] for c in ("cpu", "run_queue", "blocked", "gpu_sync_wait", "other")] == [
+        20_000_000, 5_000_000, 7_000_000, 3_000_000, 5_000_000]
+    chart = named(store, _query(dash, ANATOMY_CHART))
+    assert list(chart[0]) == ["requests", "CPU", "run queue", "blocked", "GPU sync wait", "other"]
+    assert [tuple(r.values()) for r in chart if r["requests"].startswith("image")] == [
+        (f"image silver p{q}", 0.02, 0.005, 0.007, 0.003, 0.005) for q in (50, 95, 99)]
+
+
+def test_request_anatomy_row_reads_the_boards_variables_and_links_its_traces():
+    d = DASHBOARDS[IDS.index("request-drilldown.json")][1]
+    at = next(i for i, p in enumerate(d["panels"]) if p["title"] == "Request anatomy")
+    assert d["panels"][at]["type"] == "row"
+    chart, table = d["panels"][at + 1:at + 3]
+    assert (chart["title"], table["title"]) == (ANATOMY_CHART, ANATOMY_TABLE)
+    assert chart["type"] == "barchart" and chart["options"]["stacking"] == "normal"
+    assert chart["fieldConfig"]["defaults"]["unit"] == "s" and chart["options"]["xField"] == "requests"
+    assert {"modality", "slo_class"} <= set(gq.variables(d))
+    for p in (chart, table):
+        sql = p["targets"][0]["rawSql"]
+        assert "${modality:sqlstring}" in sql and "${slo_class:sqlstring}" in sql and "SpanKind = 'Server'" in sql
+    stalls = next(p for p in gq.panels(d) if p["title"] == "Slowest GPU stalls")
+    trace_ids = [[o for o in p["fieldConfig"]["overrides"] if o["matcher"]["options"] == "trace_id"]
+                 for p in (table, stalls)]
+    assert trace_ids[0] == trace_ids[1] and trace_ids[0][0]["properties"][0]["id"] == "links"
 
 
 def test_sandbox_by_pool_answers_exactly(store):
