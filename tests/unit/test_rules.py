@@ -28,6 +28,12 @@ SELF_ALERTS = {
     "SpanletScrapeErrors": ("spanlet_scrape_errors_total", "increase(spanlet_scrape_errors_total[10m]) > 0"),
 }
 
+# The request anatomy's (METRICS.md "Request anatomy"; its defaults are ours).
+ANATOMY_ALERTS = {
+    "SpanletPodCpuThrottled": ("spanlet_pod_cpu_throttled_seconds_total",
+                               "rate(spanlet_pod_cpu_throttled_seconds_total[5m]) > 0.1"),
+}
+
 # Labels each family is exported with besides `node` (the contract with the
 # exporter; `le` on histogram buckets). Rules may group by and match on these
 # only, and the promtool test series may carry only these plus job/instance.
@@ -50,6 +56,7 @@ EXPORTED_LABELS = {
     "spanlet_probe_attached": {"probe"},
     "spanlet_events_dropped_total": {"probe"},
     "spanlet_scrape_errors_total": {"source"},
+    "spanlet_pod_cpu_throttled_seconds_total": {"namespace", "pod"},
 }
 SCRAPE_LABELS = {"job", "instance"}
 
@@ -129,7 +136,7 @@ def test_threshold_table_covers_every_metrics_md_default():
 
 
 def test_no_alert_outside_the_tables(alerts):
-    expected = {t.alert for t in THRESHOLDS} | set(SELF_ALERTS)
+    expected = {t.alert for t in THRESHOLDS} | set(SELF_ALERTS) | set(ANATOMY_ALERTS)
     assert set(alerts) == expected
 
 
@@ -174,9 +181,9 @@ def test_memory_alert_says_it_keeps_to_the_ratio(alerts):
     assert "1.2 GiB" in text and "not exported" in text
 
 
-@pytest.mark.parametrize("name", sorted(SELF_ALERTS))
-def test_self_metric_alerts(alerts, name):
-    metric, fragment = SELF_ALERTS[name]
+@pytest.mark.parametrize("name", sorted({**SELF_ALERTS, **ANATOMY_ALERTS}))
+def test_self_and_anatomy_metric_alerts(alerts, name):
+    metric, fragment = {**SELF_ALERTS, **ANATOMY_ALERTS}[name]
     rule = alerts[name]
     assert fragment in " ".join(rule["expr"].split())
     assert rule["labels"]["metric"] == metric
