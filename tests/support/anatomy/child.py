@@ -1,17 +1,21 @@
 """A serving process for the request-anatomy tests: the real OTel SDK with the
 spanlet processor (the production marker, uprobed by the test's agent).
 
-    child.py LIBSPIN threads CPU THREADS SPANS CPU_MS SLEEP_MS PIPE_MS
+    child.py LIBSPIN threads CPU THREADS SPANS CPU_MS SLEEP_MS PIPE_MS [LIBCUDA]
         THREADS threads pinned to CPU, each running SPANS spans: in each, spin
         CPU_MS of its own CPU time (C, the GIL let go), sleep SLEEP_MS, read a
-        pipe that another thread writes PIPE_MS later. Per span prints
-        "span TRACE SPAN" and twice RUN_NS WAIT_NS WALL_NS SWITCHES
-        INVOLUNTARY: the thread's own CPU time (CLOCK_THREAD_CPUTIME_ID:
-        schedstat's run field lags up to a tick for a running thread), its
-        /proc/thread-self/schedstat wait (run queue), its monotonic time and
-        its context switches (/proc/thread-self/status), read just inside the
-        span's edges, then just outside them: the span's own figures lie
-        between the two (equal where nothing ran between a mark and a read).
+        pipe that another thread writes PIPE_MS later and, with LIBCUDA (a
+        libcuda shaped like the real one), copy to and from the device
+        (cuMemcpyHtoD_v2, cuMemcpyDtoH_v2: bytes distinct per thread and
+        span). Per span prints "span TRACE SPAN", twice RUN_NS WAIT_NS WALL_NS
+        SWITCHES INVOLUNTARY, then H2D_BYTES D2H_BYTES: the thread's own CPU
+        time (CLOCK_THREAD_CPUTIME_ID: schedstat's run field lags up to a tick
+        for a running thread), its /proc/thread-self/schedstat wait (run
+        queue), its monotonic time and its context switches
+        (/proc/thread-self/status), read just inside the span's edges, then
+        just outside them: the span's own figures lie between the two (equal
+        where nothing ran between a mark and a read); then the bytes it copied
+        each way (0 without LIBCUDA).
     child.py LIBSPIN coroutines LOOP TASKS STEPS STEP_MS
         TASKS coroutines on one asyncio or uvloop loop, each in its span,
         each step spinning STEP_MS of CPU; per span prints
@@ -66,15 +70,29 @@ def say(span, *numbers) -> None:
         print(f"span {ctx.trace_id:032x} {ctx.span_id:016x}", *numbers, flush=True)
 
 
-def worker(cpu: int, spans: int, cpu_ms: float, sleep_ms: float, pipe_ms: float, start: threading.Barrier):
+def copies(cuda, index: int, span_no: int) -> tuple[int, int]:
+    """Copy to the device and back (bytes distinct per thread and span): (h2d, d2h)."""
+    if cuda is None:
+        return 0, 0
+    h2d, d2h = 1000 * (index + 1) + span_no, 3000 * (index + 1) + span_no
+    host = ctypes.create_string_buffer(max(h2d, d2h))
+    device = ctypes.c_ulonglong(0x7f0000001000)
+    assert cuda.cuMemcpyHtoD_v2(device, host, ctypes.c_size_t(h2d)) == 0
+    assert cuda.cuMemcpyDtoH_v2(host, device, ctypes.c_size_t(d2h)) == 0
+    return h2d, d2h
+
+
+def worker(index: int, cpu: int, spans: int, cpu_ms: float, sleep_ms: float, pipe_ms: float,
+           start: threading.Barrier, cuda):
     os.sched_setaffinity(0, {cpu})          # this thread only
     start.wait()
-    for _ in range(spans):
+    for span_no in range(spans):
         r, w = os.pipe()
         before = reading()
         with tracer.start_as_current_span("request") as span:
             start = reading()
             spin(int(cpu_ms * MS))
+            copied = copies(cuda, index, span_no)
             time.sleep(sleep_ms / 1000)
             threading.Timer(pipe_ms / 1000, os.write, (w, b"x")).start()
             os.read(r, 1)
@@ -82,13 +100,14 @@ def worker(cpu: int, spans: int, cpu_ms: float, sleep_ms: float, pipe_ms: float,
         after = reading()
         os.close(r)
         os.close(w)
-        say(span, *(e - s for e, s in zip(end, start)), *(a - b for a, b in zip(after, before)))
+        say(span, *(e - s for e, s in zip(end, start)), *(a - b for a, b in zip(after, before)), *copied)
 
 
-def threads(cpu, n, spans, cpu_ms, sleep_ms, pipe_ms) -> None:
+def threads(cpu, n, spans, cpu_ms, sleep_ms, pipe_ms, libcuda="") -> None:
+    cuda = ctypes.CDLL(libcuda) if libcuda else None
     start = threading.Barrier(int(n))
-    ts = [threading.Thread(target=worker, args=(int(cpu), int(spans), float(cpu_ms), float(sleep_ms),
-                                                float(pipe_ms), start)) for _ in range(int(n))]
+    ts = [threading.Thread(target=worker, args=(i, int(cpu), int(spans), float(cpu_ms), float(sleep_ms),
+                                                float(pipe_ms), start, cuda)) for i in range(int(n))]
     for t in ts:
         t.start()
     for t in ts:
