@@ -1,7 +1,7 @@
 """What the request anatomy (the scheduler's tracepoints, sched.enabled) costs a
 context switch, side by side in one run: two processes pinned to one CPU
 ping-pong a byte over two pipes (every round trip two switches), with no
-agent, with the agent and sched.enabled false, and with the agent's defaults;
+agent, with the agent and sched.enabled false, and with sched.enabled true;
 each with the two processes outside any span and inside one (marked through
 a C build of the marker's probed function, named as the extension is, so
 that the agent attaches to it: the C loop cannot load a Python extension). Rounds alternate
@@ -175,7 +175,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="spanlet-sched-bench-"))
     exe, marker = build(tmp)
-    ways = ("no agent", "agent, sched off", "agent, defaults")
+    ways = ("no agent", "agent, sched off", "agent, sched on")
     runs: dict[tuple[str, str], list[float]] = {(w, s): [] for w in ways for s in ("outside", "inside")}
     programs: dict[str, list[float]] = {"outside": [], "inside": []}
     stats = Path("/proc/sys/kernel/bpf_stats_enabled")
@@ -184,13 +184,13 @@ def main() -> None:
         stats.write_text("1")
         for _ in range(args.rounds):
             for way in ways:
-                agent = None if way == "no agent" else start_agent(way == "agent, defaults", tmp)
+                agent = None if way == "no agent" else start_agent(way == "agent, sched on", tmp)
                 try:
                     for where, m in (("outside", None), ("inside", str(marker))):
                         t0, _ = program_ns(agent)
                         runs[way, where].append(pingpong(exe, args.trips, m, agent))
                         t1, _ = program_ns(agent)
-                        if way == "agent, defaults":
+                        if way == "agent, sched on":
                             programs[where].append((t1 - t0) / (2 * args.trips))
                 finally:
                     if agent is not None:
@@ -204,8 +204,8 @@ def main() -> None:
     for way in ways:
         print(f"  {way:<24} {med[way, 'outside']:14.1f} {med[way, 'inside']:14.1f}")
     for label, a, b in (("agent (sched off) adds", "no agent", "agent, sched off"),
-                        ("the anatomy adds", "agent, sched off", "agent, defaults"),
-                        ("the whole agent adds", "no agent", "agent, defaults")):
+                        ("the anatomy adds", "agent, sched off", "agent, sched on"),
+                        ("the whole agent adds", "no agent", "agent, sched on")):
         print(f"  {label:<24} {med[b, 'outside'] - med[a, 'outside']:14.1f} "
               f"{med[b, 'inside'] - med[a, 'inside']:14.1f}")
     print(f"  {'anatomy programs (bpf stats)':<24} {statistics.median(programs['outside']):14.1f} "
