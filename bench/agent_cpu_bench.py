@@ -10,7 +10,7 @@ stand-in libraries that only this bench maps. CPU from /proc/<agent>/stat, RSS f
 verdict). Also prints how many spans arrived upstream with exactly their launches, and the
 agent's stop time on SIGTERM against its shutdown_timeout_s.
 
-    sudo .venv/bin/python bench/agent_cpu_bench.py [--seconds 10] [--idle-seconds S] [--set KEY=VALUE]
+    sudo .venv/bin/python bench/agent_cpu_bench.py [--seconds 10] [--idle-seconds S] [--tree N] [--set KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -165,6 +165,9 @@ def main() -> int:
                     help="seconds of the idle window before the load (default: --seconds)")
     ap.add_argument("--spans", type=float, default=1000, help="spans per second")
     ap.add_argument("--launches", type=int, default=50, help="GPU launches inside each span")
+    ap.add_argument("--tree", type=int, default=1,
+                    help="spans a request: 1, root spans; N > 1, a SERVER span and N - 1 children "
+                         "(each with its launches), whose facts the request totals sum")
     ap.add_argument("--processor", choices=("batch-sdk", "batch", "simple"), default="batch-sdk",
                     help="the app's span processor: the SDK's BatchSpanProcessor with its defaults "
                          "(batch-sdk: every 5 s or 512 spans), one exporting every 50 ms (batch), or "
@@ -188,14 +191,17 @@ def main() -> int:
                 time.sleep(1 + cfg.store.batch_interval_s)
                 idle = measure(agent.pid, a.seconds if a.idle_seconds is None else a.idle_seconds)
                 load = threading.Thread(target=child.command,
-                                        args=(f"paced {a.spans} {a.launches} {a.seconds + 1}",))
+                                        args=(f"paced {a.spans} {a.launches} {a.seconds + 1} {a.tree}",))
                 load.start()
                 time.sleep(0.5)
                 loaded = measure(agent.pid, a.seconds)
                 load.join()
                 child.command("flush", "flushed")
-            sent = int(a.spans * (a.seconds + 1))
+            sent = -(-int(a.spans * (a.seconds + 1)) // a.tree) * a.tree
             got, exact, late = exact_spans(upstream, a.launches, sent)
+            with upstream.lock:
+                summed = sum(1 for spans in upstream.by_ids.values() for s in spans
+                             if s.name == "paced" and "kernel.request.cpu_ns" in kernel_attrs(s))
         finally:
             stopped = stop_time(agent, shutdown_timeout_s + 10)
     upstream.rx.stop()
@@ -203,6 +209,7 @@ def main() -> int:
     print(f"agent at {a.spans:,.0f} spans/s x {a.launches} launches in each "
           f"({a.spans * a.launches:,.0f} launches/s inside spans), store and export on, {a.seconds:.0f} s loaded"
           + (f", {a.idle_seconds:.0f} s idle" if a.idle_seconds is not None else " and idle")
+          + (f"; in requests of {a.tree} spans" if a.tree > 1 else "")
           + (f"; settings {' '.join(a.agent_set)}" if a.agent_set else ""))
     print(f"  {'':34}{'figure':>16}   goal")
     print(f"  {'CPU idle (share of one core)':34}{idle['cpu']:>16.1%}")
@@ -211,6 +218,9 @@ def main() -> int:
         print(line)
     print("\n".join(rss_lines(idle, loaded, WARMUP_S)))
     print(f"  {'spans upstream / exact launches':34}{got:>8,} /{exact:>6,}   all of {sent:,} exact")
+    if a.tree > 1:
+        print(f"  {'requests with kernel.request.*':34}{summed:>16,}   {sent // a.tree:,} "
+              f"(with sched.enabled)")
     print(f"  {'late records':34}{late:>16,}   0")
     print(f"  {'stop on SIGTERM (s)':34}"
           f"{(f'{stopped:.2f}' if stopped is not None else 'killed'):>16}   <= shutdown_timeout_s "

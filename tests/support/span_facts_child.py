@@ -26,7 +26,8 @@ span it ended (N: the launches made inside it), then "done":
     impersonate TRACE_HEX SPAN_HEX N   a span with exactly those ids (a child of a remote
                       parent in that trace, its span id forced), N launches in it: the
                       impostor of the trust tests (with "none": never exported)
-    paced RATE LAUNCHES SECONDS   RATE spans/s, LAUNCHES each, for SECONDS (benches); prints
+    paced RATE LAUNCHES SECONDS [TREE]   RATE spans/s, LAUNCHES each, for SECONDS (benches);
+                      TREE > 1: in requests of a SERVER span and TREE - 1 children; prints
                       "paced SPANS LATE_S" (the schedule it kept) instead of span lines
     flush             force_flush the provider -> "flushed"
     exit              shut the provider down (exports what is left) and exit at once
@@ -255,7 +256,9 @@ def impersonate(trace_hex: str, span_hex: str, n: int) -> None:
     report(s, n)
 
 
-def paced(rate: float, launches: int, seconds: float) -> None:
+def paced(rate: float, launches: int, seconds: float, tree: int = 1) -> None:
+    """`tree` 1: root spans; else requests of a SERVER span and tree - 1
+    children, each span with its own launches."""
     t0, done, step = time.monotonic(), 0, 1.0 / rate
     total = int(rate * seconds)
     while done < total:
@@ -263,9 +266,16 @@ def paced(rate: float, launches: int, seconds: float) -> None:
         now = time.monotonic()
         if due > now:
             time.sleep(due - now)
-        with tracer.start_as_current_span("paced", attributes=ATTRS):
-            launch(launches)
-        done += 1
+        if tree == 1:
+            with tracer.start_as_current_span("paced", attributes=ATTRS):
+                launch(launches)
+        else:
+            with tracer.start_as_current_span("paced", attributes=ATTRS, kind=trace.SpanKind.SERVER):
+                launch(launches)
+                for _ in range(tree - 1):
+                    with tracer.start_as_current_span("paced", attributes=ATTRS):
+                        launch(launches)
+        done += tree
     print(f"paced {done} {time.monotonic() - t0 - seconds:.3f}", flush=True)
 
 
@@ -279,7 +289,7 @@ COMMANDS = {
     "thread_exit": lambda a: thread_exit(int(a[0])),
     "outside": lambda a: launch(int(a[0])),
     "marks": lambda a: marks(int(a[0])),
-    "paced": lambda a: paced(float(a[0]), int(a[1]), float(a[2])),
+    "paced": lambda a: paced(float(a[0]), int(a[1]), float(a[2]), *map(int, a[3:4])),
     "open": lambda a: open_span(int(a[0])),
     "close": lambda a: close_span(),
     "impersonate": lambda a: impersonate(a[0], a[1], int(a[2])),
