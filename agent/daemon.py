@@ -103,7 +103,7 @@ class Daemon:
         self.memory_peaks: dict[str, float] = {}   # per GPU, of the last window
         self.probes = StartedProbes()
         self.metrics = MetricEngine(**self._sources(), serving=self.serving,
-                                    scheduler=self.scheduler)
+                                    scheduler=self.scheduler, request_totals=self.spans.request_totals)
         self.admin = AdminServer(cfg, **self._sources(), families=self.metrics.families,
                                  hints=self.scheduler.hints)
         self.registry = SpanletRegistry()

@@ -197,6 +197,10 @@ SELF = (
            "Graph replays whose graph the agent did not see made (made before it attached, or "
            "pushed out of its bounded maps): their kernels are not in #1",
            (*WORKLOAD, "modality"), _gpu("spanlet_gpu_unknown_graph_launches_total")),
+    Metric("spanlet_request_totals_dropped_subtrees_total", "counter", "",
+           "Span subtrees that waited for their server span's request totals (kernel.request.*) "
+           "and were dropped: age (past its trace's 600 s), traces or subtrees (the bounds of "
+           "what waits), trace_full (256 in one trace)", ("reason",), Source("spanlet.request_totals")),
     Metric("spanlet_span_marks_total", "counter", "",
            "Span marker calls seen (span starts and ends of instrumented threads)", (),
            Source("spanlet.probes.span_ctx", "spanlet_span_marks_total")),

@@ -10,6 +10,7 @@ from collections import defaultdict
 from typing import Callable, Iterable, Protocol
 
 from spanlet.cpu_throttle import PodCpuThrottle
+from spanlet.request_totals import DROP_REASONS
 from spanlet.metrics import Family, Sample, device, kernel, labels
 from spanlet.metrics.catalogue import family
 
@@ -70,8 +71,18 @@ def self_metrics(src: MetricEngine) -> list[Family]:
             *batch_metrics(join, src._workload),
             *foreign_metrics(join, src._workload),
             *span_facts_metrics(join, src._workload),
+            *request_totals_metrics(src.request_totals),
             _single("spanlet_export_queue_spans", exp.get("queue_spans", 0)),
             _single("spanlet_nvml_available", 1 if src.nvml.status.available else 0)]
+
+
+def request_totals_metrics(totals: RequestTotalsSource | None) -> list[Family]:
+    """The waiting subtrees the request totals dropped, by reason (none
+    without a span path: the family stays empty)."""
+    fam = family("spanlet_request_totals_dropped_subtrees_total")
+    if totals is not None:
+        fam.samples = [Sample(labels(reason=r), totals.stats.dropped[r]) for r in DROP_REASONS]
+    return [fam]
 
 
 def _by_workload(fam: Family, counts: dict[int, int], workload, **extra: str) -> Family:
@@ -170,12 +181,13 @@ class MetricEngine:
                  span_export: Stats, receiver: Stats, nvml: NvmlSource,
                  memory_peaks: Callable[[], dict[str, float]], store: StoreStats | None = None,
                  serving: FamilySource | None = None, scheduler: HintSource | None = None,
-                 cpu_throttle: ThrottleSource | None = None):
+                 cpu_throttle: ThrottleSource | None = None, request_totals: RequestTotalsSource | None = None):
         self.probes, self.names, self.join = probes, names, join
         self.span_export, self.receiver, self.store = span_export, receiver, store
         self.nvml, self.memory_peaks = nvml, memory_peaks
         self.serving, self.scheduler = serving, scheduler
         self.cpu_throttle = cpu_throttle if cpu_throttle is not None else PodCpuThrottle()
+        self.request_totals = request_totals
         self.scrape_errors: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
 
@@ -304,3 +316,7 @@ class HintSource(Protocol):
 
 class ThrottleSource(Protocol):
     def throttled(self) -> dict[int, float]: ...   # pod cgroup id → CFS throttled seconds
+
+
+class RequestTotalsSource(Protocol):
+    stats: object        # .dropped: Counter by request_totals.DROP_REASONS

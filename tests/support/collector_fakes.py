@@ -23,6 +23,7 @@ from spanlet.metrics.serving import ServingMetrics
 from spanlet.nvml import GpuSample
 from spanlet.probes.base import ProbeStatus
 from spanlet.probes.tc.flows import JitterStats
+from spanlet.request_totals import RequestTotals
 from spanlet.scheduler import Scheduler, WindowInputs
 
 
@@ -70,14 +71,15 @@ def sources(probes, nvml_available=False):
     return SimpleNamespace(cfg=cfg, probes=StartedProbes(probes), names=names, join=SpanJoin(cfg.join, facts=FakeFacts()),
                            span_export=span_export, receiver=receiver, nvml=nvml, memory_peaks={},
                            store=None, serving=None, scheduler=None,
-                           cpu_throttle=SimpleNamespace(throttled=lambda: {}))
+                           cpu_throttle=SimpleNamespace(throttled=lambda: {}), request_totals=RequestTotals())
 
 
 def engine(src) -> MetricEngine:
     return MetricEngine(probes=src.probes, names=src.names, join=src.join,
                         span_export=src.span_export, receiver=src.receiver, nvml=src.nvml,
                         memory_peaks=lambda: src.memory_peaks, store=src.store,
-                        serving=src.serving, scheduler=src.scheduler, cpu_throttle=src.cpu_throttle)
+                        serving=src.serving, scheduler=src.scheduler, cpu_throttle=src.cpu_throttle,
+                        request_totals=src.request_totals)
 
 
 def registry(src):

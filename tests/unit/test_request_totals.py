@@ -17,6 +17,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from spanlet import config
 from spanlet.pipeline.spans import SpanPath
+import collector_fakes
 from facts_fakes import FakeFacts
 from spanlet.request_totals import (REQUEST_BLOCKED_NS, REQUEST_CPU_NS, REQUEST_MEMCPY_H2D_BYTES,
                                     REQUEST_RUNQUEUE_NS, TOTALS, _MARKS, RequestTotals)
@@ -216,6 +217,13 @@ def test_waiting_subtrees_are_bounded_and_their_drops_counted():
     assert request_attrs(got[1]) == sched(12, 0, 0)            # spans 6 and 7
     assert t.stats.as_dict() == {"summed": 1, "dropped_age": 0, "dropped_traces": 1,
                                  "dropped_subtrees": 2, "dropped_trace_full": 1}
+    # and the self-metric says so, by reason
+    src = collector_fakes.sources([])
+    src.request_totals = t
+    fam = next(f for f in collector_fakes.engine(src).families()
+               if f.name == "spanlet_request_totals_dropped_subtrees_total")
+    assert {dict(x.labels)["reason"]: x.value for x in fam.samples} == {
+        "age": 0, "traces": 1, "subtrees": 2, "trace_full": 1}
 
 
 def test_bytes_of_the_join_are_patched_for_many_spans_and_scopes():
