@@ -360,6 +360,15 @@ class JoinConfig(_Section):
     # own oldest shares (or holds no more of its spans), never another's.
     batch_max_pending_per_pod: int = Field(default=16_384, ge=16, le=10_000_000)
     batch_max_held_per_pod: int = Field(default=25_000, ge=16, le=10_000_000)
+    # Request totals (kernel.request.*): span subtrees that wait for their
+    # server span, which the process exports after them. Bounded in traces
+    # (process and trace id), in subtrees in all and in one trace, and in age
+    # after the trace's last span; past a bound the oldest go, counted in
+    # spanlet_request_totals_dropped_subtrees_total.
+    request_totals_max_traces: int = Field(default=16_384, ge=16, le=10_000_000)
+    request_totals_max_subtrees: int = Field(default=32_768, ge=16, le=10_000_000)
+    request_totals_max_subtrees_per_trace: int = Field(default=256, ge=1, le=1_000_000)
+    request_totals_ttl_s: float = Field(default=600.0, gt=0, le=86_400)
 
 
 class StoreConfig(_Section):

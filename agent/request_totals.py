@@ -72,8 +72,8 @@ TOTALS = (
 )
 SCHED_TOTALS = 3              # the first three of TOTALS go on a span together
 
-# Bounds of what waits for its parent (a config key would be
-# join.request_totals_max_traces and friends).
+# Bounds of what waits for its parent: the defaults of the
+# join.request_totals_* settings (agent/config.py).
 MAX_TRACES = 16_384           # (process, trace)s with subtrees waiting
 MAX_SUBTREES = 32_768         # waiting subtrees in all (~250 bytes each)
 MAX_SUBTREES_PER_TRACE = 256  # one trace cannot push the others out

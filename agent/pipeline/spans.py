@@ -37,7 +37,9 @@ class SpanPath:
         self.on_joined = on_joined
         self.exporter = OtlpSpanExporter(cfg.otlp)
         self.join = SpanJoin(cfg.join, on_late=self._export_late)
-        self.request_totals = RequestTotals()
+        j = cfg.join
+        self.request_totals = RequestTotals(j.request_totals_max_traces, j.request_totals_max_subtrees,
+                                            j.request_totals_max_subtrees_per_trace, j.request_totals_ttl_s)
         self.pods = PodWatcher(cfg.node_name)
         self.enricher = K8sEnricher(cfg.node_name, pods=self.pods)
         self.senders = SenderOrigins(self.enricher.cgroups, self.pods)

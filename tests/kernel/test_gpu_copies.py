@@ -15,7 +15,7 @@ from gpu_harness import MODES, cgroup_id, in_span
 
 pytestmark = pytest.mark.kernel
 
-REPEATS = range(10)
+REPEATS = range(20)
 HOST, DEVICE, ARRAY, UNIFIED = 1, 2, 3, 4    # CUmemorytype
 H2D, D2H, D2D, OTHER = "h2d", "d2h", "d2d", "other"
 # cudaMemcpyKind

@@ -234,6 +234,16 @@ def test_bytes_of_the_join_are_patched_for_many_spans_and_scopes():
     assert all(request_attrs(got[n]) == sched(n * 1000 + 1, 0, 0) for n in range(1, 40))
 
 
+def test_the_span_path_bounds_the_waiting_subtrees_as_configured():
+    cfg = config.load(env={"SPANLET_JOIN_REQUEST_TOTALS_TTL_S": "5"}, overrides=[
+        "otlp.grpc_port=0", "otlp.http_port=0", "join.request_totals_max_traces=20",
+        "join.request_totals_max_subtrees=30", "join.request_totals_max_subtrees_per_trace=4"])
+    t = SpanPath(cfg).request_totals
+    assert (t.max_traces, t.max_subtrees, t.max_subtrees_per_trace, t.ttl_s) == (20, 30, 4, 5.0)
+    with pytest.raises(Exception):
+        config.load(env={}, overrides=["join.request_totals_max_subtrees_per_trace=0"])
+
+
 def test_the_span_path_puts_totals_on_before_metrics_and_export_see_them():
     cfg = config.load(env={}, overrides=["otlp.grpc_port=0", "otlp.http_port=0"])
     seen = []
