@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 import sysconfig
 import threading
 import tomllib
@@ -115,3 +116,11 @@ def forget_client_state(monkeypatch) -> None:
     monkeypatch.setattr(client, "_looks_left", client._LOOKS)
     monkeypatch.setattr(client, "_follow_flags", 0)
     monkeypatch.delenv(client.LIB_ENV, raising=False)
+    # A build loaded by path is imported under the package marker's name, and
+    # CPython keeps a single-phase extension in sys.modules: whatever the test
+    # leaves there goes at its end (the entry as it was comes back).
+    if client.MARKER_MODULE in sys.modules:
+        monkeypatch.setitem(sys.modules, client.MARKER_MODULE, sys.modules[client.MARKER_MODULE])
+    else:
+        monkeypatch.setitem(sys.modules, client.MARKER_MODULE, None)
+        monkeypatch.delitem(sys.modules, client.MARKER_MODULE)
