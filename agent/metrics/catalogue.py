@@ -199,8 +199,8 @@ SELF = (
            (*WORKLOAD, "modality"), _gpu("spanlet_gpu_unknown_graph_launches_total")),
     Metric("spanlet_request_totals_dropped_subtrees_total", "counter", "",
            "Span subtrees that waited for their server span's request totals (kernel.request.*) "
-           "and were dropped: age (past its trace's 600 s), traces or subtrees (the bounds of "
-           "what waits), trace_full (256 in one trace)", ("reason",), Source("spanlet.request_totals")),
+           "and were dropped: age (past join.request_totals_ttl_s), traces or subtrees (the bounds "
+           "of what waits), trace_full (join.request_totals_max_subtrees_per_trace)", ("reason",), Source("spanlet.request_totals")),
     Metric("spanlet_span_marks_total", "counter", "",
            "Span marker calls seen (span starts and ends of instrumented threads)", (),
            Source("spanlet.probes.span_ctx", "spanlet_span_marks_total")),
