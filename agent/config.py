@@ -344,7 +344,8 @@ class JoinConfig(_Section):
     # Individual kernel events added to a span as span events, at most.
     max_span_events: int = Field(default=32, ge=0, le=10_000)
     # Batched steps (a span with links to request spans): once the agent has
-    # seen a step span with GPU facts, a request (SERVER) span is held back
+    # seen a step span with facts to share (GPU work, or CPU time with
+    # sched.enabled), a request (SERVER) span is held back
     # at most this long for the steps that served it; a step that comes later
     # goes out as a late record of the request. 0: never hold. Nodes without
     # steps pay nothing.

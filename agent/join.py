@@ -100,6 +100,12 @@ BATCH_SHARES = (
 )
 BATCH_STEPS = "kernel.batch.steps"
 WEIGHT_KEY = "spanlet.weight"
+# on a step span: its links' weights in one array, in link order (instead of
+# spanlet.weight on each link; the OTel SDK copies a link's attributes per span)
+WEIGHTS_KEY = "spanlet.batch.weights"
+# on a step span: the tensor-parallel rank that made it, when not 0 (its facts
+# are shared, the step is counted by rank 0's span)
+SHARD_KEY = "spanlet.batch.shard"
 _SERVER = trace_pb2.Span.SPAN_KIND_SERVER
 # A Span.links entry on the wire: field 13 (0x6a), its length, then the link's
 # trace_id (field 1, 16 bytes: 0x0a 0x10). The bytes searched are the agent's
@@ -326,16 +332,32 @@ def put_shares(span: trace_pb2.Span, shares: _Shares) -> None:
         [p + packed[8 * i:8 * i + 8] for i, p in enumerate(_SHARE_PREFIXES)]))
 
 
+def _step_attributes(span: trace_pb2.Span) -> tuple[bool, list | None]:
+    """(whether a step span is another rank's part of a step: spanlet.batch.shard
+    > 0; its links' weights in one array, spanlet.batch.weights, if it has one)."""
+    shard, weights = False, None
+    for kv in span.attributes:
+        if kv.key == SHARD_KEY:
+            shard = kv.value.int_value > 0
+        elif kv.key == WEIGHTS_KEY and kv.value.HasField("array_value"):
+            weights = [_number(v) for v in kv.value.array_value.values]
+    return shard, weights
+
+
+def _number(v) -> float:
+    """An AnyValue as a weight: int or double, finite, >= 0, else 1."""
+    w = v.double_value if v.HasField("double_value") else \
+        float(v.int_value) if v.HasField("int_value") else 1.0
+    return w if 0.0 <= w < float("inf") else 1.0
+
+
 def _weight(link: trace_pb2.Span.Link) -> float:
     """A link's spanlet.weight (int or double, finite, >= 0), else 1."""
     if not link.attributes:
         return 1.0
     for kv in link.attributes:
         if kv.key == WEIGHT_KEY:
-            v = kv.value
-            w = v.double_value if v.HasField("double_value") else \
-                float(v.int_value) if v.HasField("int_value") else 1.0
-            return w if 0.0 <= w < float("inf") else 1.0
+            return _number(kv.value)
     return 1.0
 
 
@@ -720,15 +742,19 @@ class SpanJoin:
     def _step_locked(self, span: trace_pb2.Span, row: KernelRow | None, now: float,
                      owner: int = 0) -> None:
         """A step: its facts shared among the spans it links to, by weight. The
-        first with GPU facts tells the join that this node batches (from then
-        on request spans are held): spans with links and no GPU work do not."""
+        first with facts to share (GPU work, or CPU time with sched facts on)
+        tells the join that this node batches (from then on request spans are
+        held): spans with links and nothing to share do not. A shard (another
+        tensor-parallel rank's part of a step) adds its facts, not a step."""
         st = self.stats
         st.batch_steps += 1
         cap = self.cfg.batch_max_links
         weights: dict[SpanKey, float] = {}
         total = 0.0
+        shard, listed = _step_attributes(span)
+        n_listed = len(listed) if listed is not None else 0
         for i, link in enumerate(span.links):
-            w = _weight(link)
+            w = listed[i] if i < n_listed else _weight(link)
             total += w            # every link's weight: the kept ones get their true share
             if i >= cap or len(link.trace_id) != 16 or len(link.span_id) != 8:
                 st.batch_links_dropped += 1
@@ -745,6 +771,7 @@ class SpanJoin:
         if facts is not None and not self.steps_seen and any(facts):
             self.steps_seen = True
         first_ns = span.start_time_unix_nano
+        counted = 0 if shard else 1
         for k, w in weights.items():
             acc = self._held.get(k)
             if acc is None:
@@ -758,7 +785,7 @@ class SpanJoin:
                     if acc is None:
                         acc = _Shares(now, first_ns, owner)
                         self._add_share_locked(k, acc)
-            acc.steps += 1
+            acc.steps += counted
             if facts is not None:
                 frac = w / total
                 acc.values = [v + f * frac for v, f in zip(acc.values, facts)]

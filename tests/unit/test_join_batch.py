@@ -381,3 +381,39 @@ def test_spans_with_links_and_no_gpu_work_do_not_make_the_node_hold_requests():
     j.join(rs(step(902, [(1, 1)])))
     j.join(rs(span(3)), held)
     assert len(held) == 1 and j.steps_seen
+
+
+def test_a_shard_of_a_step_adds_its_facts_to_the_shares_but_not_a_step():
+    # tensor parallelism: ranks 1.. of a step carry spanlet.batch.shard (spanlet.vllm)
+    j, facts, _ = make()
+    facts.add(STEP_TRACE, 900, driver=10, cpu_ns=3000)
+    facts.add(STEP_TRACE, 901, driver=6, cpu_ns=900)
+    facts.add(STEP_TRACE, 902, driver=4)
+    rank0 = step(900, [(1, 1), (2, 2)])
+    rank1 = step(901, [(1, 1), (2, 2)])
+    rank1.attributes.add(key="spanlet.batch.shard").value.int_value = 1
+    rank0_again = step(902, [(1, 1)])
+    rank0_again.attributes.add(key="spanlet.batch.shard").value.int_value = 0   # rank 0 said: a step
+    j.join(rs(rank0, rank1, rank0_again))
+    requests = rs(span(1), span(2))
+    j.join(requests)
+    s1, s2 = requests[0].scope_spans[0].spans
+    assert batch_attrs(s1) == shares(2, 10 / 3 + 6 / 3 + 4, cpu=3000 / 3 + 900 / 3)
+    assert batch_attrs(s2) == shares(1, 20 / 3 + 12 / 3, cpu=6000 / 3 + 1800 / 3)
+
+
+def test_weights_in_one_array_on_the_step_stand_for_each_links_own():
+    # spanlet.batch.weights (spanlet.vllm): link i's weight is its element i; a link
+    # past the array's end has its own spanlet.weight (or 1); bad elements count 1
+    j, facts, _ = make()
+    facts.add(STEP_TRACE, 900, driver=12)
+    s = step(900, [(1, None), (2, 100), (3, None), (4, 5)])
+    arr = s.attributes.add(key="spanlet.batch.weights").value.array_value
+    arr.values.add().int_value = 3
+    arr.values.add().double_value = 1.0
+    arr.values.add().double_value = float("nan")
+    j.join(rs(s))
+    requests = rs(span(1), span(2), span(3), span(4))
+    j.join(requests)
+    got = [batch_attrs(x)["kernel.batch.gpu.launches"] for x in requests[0].scope_spans[0].spans]
+    assert got == pytest.approx([12 * 3 / 10, 12 * 1 / 10, 12 * 1 / 10, 12 * 5 / 10], abs=1e-9)
