@@ -55,8 +55,11 @@ def python(cache: Path = CACHE) -> Path:
         _run([str(py), "-m", "pip", "uninstall", "-y", "-q", *MISMATCHED], 300)
         _run([str(py), "-c", "import transformers, vllm; assert vllm.__version__ == %r" % VERSION], 300)
         done.write_text(VERSION + "\n")
-    # the checkout, editable, built with what the environment has (no index needed)
-    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)], 600)
+    # the checkout, as a user installs the client (no dependencies: vLLM has the
+    # OTel SDK), built in a folder of pip's with what the environment has: the
+    # checkout's own builds (its .venv's) are left as they are
+    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+          "--force-reinstall", str(ROOT)], 600)
     return py
 
 
@@ -79,7 +82,8 @@ class Server:
         full_env.update({"VLLM_CACHE_ROOT": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1",
                          "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                          **(env or {})})
-        # cwd: not the checkout (its spanlet.egg-info would shadow the installed entry points)
+        # cwd: not the checkout (its spanlet.egg-info would shadow the installed entry points,
+        # and its agent/ folder is no package of vLLM's environment)
         self.proc = subprocess.Popen(
             [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
              "--enforce-eager", "--dtype", "float32", "--max-model-len", "256",
