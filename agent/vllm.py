@@ -13,8 +13,11 @@ span to share to.
 How the request's span is known at step time. vLLM makes `llm_request` (a
 SERVER span, the incoming `traceparent` its parent) only when the request
 finishes, in the API server; the steps run earlier, in another process. So
-its span id is chosen, not drawn: both sides derive it from what both know,
-the trace id of the request's `traceparent` and vLLM's request id
+its span id is chosen, not drawn: the API server draws it as the HTTP request
+comes in and sends it to the engine in the request's trace headers
+(SPAN_HEADER); where there is none (a parallel-sampling child past the
+first, a second prompt of one HTTP request) both sides derive it from what
+both know, the trace id of the request's `traceparent` and vLLM's request id
 (`request_span_id`). The API server's `OutputProcessor.do_tracing` makes the
 span with that id; the engine's `Scheduler.schedule` puts the links of the
 step it scheduled, (trace id, that span id, tokens scheduled), on the
@@ -23,6 +26,11 @@ step it scheduled, (trace id, that span id, tokens scheduled), on the
 current in its thread while the model runs, so the step's facts (GPU launches,
 syncs, copies; CPU, run queue, blocked time) are its own. The links point at
 the real span: a trace viewer follows them too.
+
+The front end's own work (rendering the request: tokenizing, processing its
+images and audio) runs in the API server before the engine sees the request,
+inside `spanlet.vllm.front_end`, the chosen id's child (below): the agent adds
+its facts to llm_request's request totals (`kernel.request.*`).
 
 With tensor parallelism every rank makes its step span; ranks other than 0
 carry `spanlet.batch.shard` (their rank), and the agent counts a step once
@@ -35,9 +43,12 @@ turns the step spans off with one line; serving goes on.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import logging
 import os
+import random
+import re
 import threading
 
 # under vLLM's own logger: its lines come out where and as vLLM's do
@@ -51,13 +62,21 @@ SHARD = "spanlet.batch.shard"
 LINKS_ATTR = "_spanlet_links"
 _OPEN_ATTR = "_spanlet_open"        # on a worker wrapper: (span, context token) of its open step
 _IDS_ATTR = "_spanlet_ids"          # on an engine Request: (trace id, its span id), () untraced
-# the places the plugin hooks, as (module, class, method)
+# in vLLM's trace headers (API server → engine → back): the llm_request span id
+# the API server chose for the request as it came in
+SPAN_HEADER = "spanlet-llm-request-span-id"
+FRONT_END_SPAN_NAME = "spanlet.vllm.front_end"
+_CHILD = re.compile(r"\d+_")
+# the places the plugin hooks, as (module, class, method, in the API server
+# only); a class of None: a module function
 HOOKS = (
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
-    ("vllm.v1.worker.worker_base", "WorkerWrapperBase", "execute_model"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", False),
+    ("vllm.v1.worker.worker_base", "WorkerWrapperBase", "execute_model", False),
     # (0.32: not its own method, handed on to the worker by its __getattr__)
-    ("vllm.v1.worker.worker_base", "WorkerWrapperBase", "sample_tokens"),
-    ("vllm.v1.engine.output_processor", "OutputProcessor", "do_tracing"),
+    ("vllm.v1.worker.worker_base", "WorkerWrapperBase", "sample_tokens", False),
+    ("vllm.v1.engine.output_processor", "OutputProcessor", "do_tracing", True),
+    ("vllm.entrypoints.serve.engine.serving", "BaseServing", "_get_trace_headers", True),
+    ("vllm.entrypoints.launchers.app", None, "init_entrypoints_middleware", True),
 )
 
 _state = threading.local()          # .span_id: the id the next span of this thread gets
@@ -72,9 +91,21 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def request_span_id(trace_id: int, request_id: str) -> int:
-    """The span id of a request's `llm_request` span: 8 bytes of BLAKE2b over
-    its trace id and vLLM's (internal) request id; never 0."""
+def request_span_id(trace_id: int, request_id: str, headers=None) -> int:
+    """The span id of a request's `llm_request` span: the one the API server
+    chose as the request came in (SPAN_HEADER in its trace headers, the parent
+    of its front end's span), for the HTTP request's first engine request
+    (a request id that is no parallel-sampling child `<i>_...` but `0_...`);
+    otherwise 8 bytes of BLAKE2b over its trace id and vLLM's (internal)
+    request id. Never 0."""
+    chosen = headers.get(SPAN_HEADER) if headers else None
+    if chosen and (not _CHILD.match(request_id) or request_id.startswith("0_")):
+        try:
+            sid = int(chosen, 16)
+        except ValueError:
+            sid = 0
+        if 0 < sid < 1 << 64:
+            return sid
     h = hashlib.blake2b(trace_id.to_bytes(16, "big") + request_id.encode(), digest_size=8).digest()
     return int.from_bytes(h, "big") or 1
 
@@ -111,7 +142,7 @@ def _step_links(scheduler, out) -> tuple:
         ids = getattr(r, _IDS_ATTR, None)
         if ids is None:             # once a request: (trace id, its span id), or ()
             tid = trace_id_of(r.trace_headers)
-            ids = (tid, request_span_id(tid, rid)) if tid else ()
+            ids = (tid, request_span_id(tid, rid, r.trace_headers)) if tid else ()
             setattr(r, _IDS_ATTR, ids)
         if ids:
             links.append((*ids, n))
@@ -275,7 +306,7 @@ def _wrap_do_tracing(orig):
                 from opentelemetry import trace
                 tid = trace_id_of(engine_core_output.trace_headers)
                 if tid and _choose_ids_of(trace.get_tracer_provider()):
-                    sid = request_span_id(tid, req_state.request_id)
+                    sid = request_span_id(tid, req_state.request_id, engine_core_output.trace_headers)
             except Exception as e:
                 _step_aside("choosing the request span's id", e)
         _state.span_id = sid
@@ -286,19 +317,121 @@ def _wrap_do_tracing(orig):
     return do_tracing
 
 
+# -- the API server: the front end's own work, on the request's span ---------------------
+#
+# An HTTP request with a sampled traceparent gets, as it comes in (an ASGI
+# middleware), a span id chosen for its llm_request and a span of its own,
+# `spanlet.vllm.front_end`, the child of that id, current while the request
+# is rendered (tokenized, its images and audio processed) until it is handed
+# to the engine (`_get_trace_headers`, which also puts the chosen id into the
+# trace headers that go to the engine and come back to do_tracing). The agent
+# adds the front end's facts to its parent, llm_request, as the request's
+# totals (kernel.request.*): it is exported, by vLLM's own provider, before
+# llm_request is made.
+
+_front = contextvars.ContextVar("spanlet_vllm_front_end", default=None)
+_front_processor = None             # the span processor added to vLLM's provider, once
+
+
+def _open_front_end(tid: int):
+    """[span, context token, chosen llm_request id, handed on] or None."""
+    global _front_processor
+    from opentelemetry import context, trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+
+    provider = trace.get_tracer_provider()
+    if not hasattr(provider, "add_span_processor"):
+        return None                 # vLLM traces nothing (yet): no SDK provider
+    if _front_processor is None:
+        from spanlet.client import SpanletSpanProcessor
+        _front_processor = SpanletSpanProcessor()
+        provider.add_span_processor(_front_processor)
+    sid = random.getrandbits(64) or 1
+    parent = NonRecordingSpan(SpanContext(tid, sid, False, TraceFlags(TraceFlags.SAMPLED)))
+    span = provider.get_tracer("spanlet.vllm").start_span(
+        FRONT_END_SPAN_NAME, context=trace.set_span_in_context(parent), kind=SpanKind.INTERNAL)
+    state = [span, context.attach(trace.set_span_in_context(span)), sid, False]
+    _front.set(state)
+    return state
+
+
+def _end_front_end(state) -> None:
+    span, token = state[0], state[1]
+    if token is not None:
+        from opentelemetry import context
+        state[1] = None
+        try:
+            context.detach(token)
+        finally:
+            span.end()
+
+
+class FrontEndMiddleware:
+    """ASGI middleware of vLLM's app: an HTTP request's front end span."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        state = None
+        if scope.get("type") == "http" and not _broken:
+            try:
+                for k, v in scope.get("headers", ()):
+                    if k == b"traceparent":
+                        tid = trace_id_of({"traceparent": v.decode("latin-1")})
+                        state = _open_front_end(tid) if tid else None
+                        break
+            except Exception as e:
+                _step_aside("starting a front end span", e)
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            if state is not None:
+                _end_front_end(state)
+
+
+def _wrap_init_entrypoints_middleware(orig):
+    def init_entrypoints_middleware(args, app, *rest, **kwargs):
+        out = orig(args, app, *rest, **kwargs)
+        app.add_middleware(FrontEndMiddleware)
+        return out
+    return init_entrypoints_middleware
+
+
+def _wrap_get_trace_headers(orig):
+    async def _get_trace_headers(self, headers):
+        out = await orig(self, headers)
+        state = _front.get()
+        if state is not None and out and not state[3]:
+            state[3] = True         # the request's first engine request: llm_request gets the id
+            try:
+                out = {**out, SPAN_HEADER: f"{state[2]:016x}"}
+            finally:
+                _end_front_end(state)   # handed to the engine: the front end's work is done
+        return out
+    return _get_trace_headers
+
+
 _WRAPPERS = {"schedule": _wrap_schedule, "execute_model": _wrap_execute_model,
-             "sample_tokens": _wrap_sample_tokens, "do_tracing": _wrap_do_tracing}
+             "sample_tokens": _wrap_sample_tokens, "do_tracing": _wrap_do_tracing,
+             "_get_trace_headers": _wrap_get_trace_headers,
+             "init_entrypoints_middleware": _wrap_init_entrypoints_middleware}
 
 
 def _find(hooks=HOOKS) -> list[tuple[type, str, object]]:
     """Every hooked method, or ValueError naming the first one missing."""
     import importlib
+    import multiprocessing
+    api_server = multiprocessing.parent_process() is None   # engine core, workers: its children
     found = []
-    for mod, cls, meth in hooks:
+    for mod, cls, meth, front in hooks:
+        if front and not api_server:
+            continue
         try:
-            klass = getattr(importlib.import_module(mod), cls)
+            module = importlib.import_module(mod)
+            klass = module if cls is None else getattr(module, cls)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"{mod}.{cls} not found ({e})") from None
+            raise ValueError(f"{mod}.{cls or meth} not found ({e})") from None
         fn = vars(klass).get(meth)
         if fn is None and "__getattr__" in vars(klass):
             pass                    # the class hands it on to what it wraps: hooked as its own
@@ -337,11 +470,11 @@ def register() -> None:
 
 def unregister() -> None:
     """Puts back what register() hooked (tests)."""
-    global _broken, _worker_tracer
+    global _broken, _worker_tracer, _front_processor
     while _patched:
         klass, meth, fn = _patched.pop()
         if fn is None:
             delattr(klass, meth)
         else:
             setattr(klass, meth, fn)
-    _broken, _worker_tracer = False, None
+    _broken, _worker_tracer, _front_processor = False, None, None

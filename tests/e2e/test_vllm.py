@@ -5,7 +5,8 @@ completions, each with its own traceparent, comes out of the agent as vLLM's
 own `llm_request` span with `kernel.batch.steps` equal to its completion
 tokens (its prompt fits one step: no prefill chunks) and a CPU share > 0,
 and the shares of all requests add up to the CPU of the steps (the step
-spans spanlet.vllm made in vLLM's worker). Five runs.
+spans spanlet.vllm made in vLLM's worker); the API server's own work for it
+(its front end span, llm_request's child) is in its totals. Five runs.
 
 What it adds to `.ci/run`: the cached vLLM environment the first time (about
 two minutes), then ~30 s for the server's start and a few seconds a run."""
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.kernel
 RUNS = 5
 REQUESTS = 8
 STEP = "spanlet.batch.step"
+FRONT_END = "spanlet.vllm.front_end"
 PROMPTS = ["the quick brown fox", "a picture of a cat sitting on a mat",
            "spoken words turned into text", "frames of a video decoded and sent to the engine"]
 
@@ -116,6 +118,15 @@ def test_each_llm_request_gets_its_steps_and_its_share_of_their_cpu(agent, vllm,
         share_cpu += a["kernel.batch.sched.cpu_ns"]
     step_cpu = sum(attrs(s).get("kernel.sched.cpu_ns", 0) for s in steps)
     assert step_cpu > 0 and share_cpu == pytest.approx(step_cpu, rel=1e-9)
+    # the front end's own work (rendering the prompt) is on each request's span
+    # too: its front end span, the child of llm_request, in llm_request's totals
+    fronts = {(s.trace_id.hex(), s.parent_span_id.hex()): s for s in spans_named(agent, FRONT_END)}
+    for t, s in reqs.items():
+        front = attrs(fronts[(t, s.span_id.hex())])
+        a = attrs(s)
+        assert front.get("kernel.sched.cpu_ns", 0) > 0, front
+        assert a.get("kernel.request.cpu_ns") == front["kernel.sched.cpu_ns"] + round(
+            a["kernel.batch.sched.cpu_ns"]), (front, a)
     # every step came in time: no share went out as a late record
     late = [s for s in spans_named(agent, LATE_SPAN_NAME)
             if (s.trace_id.hex(), s.parent_span_id.hex()) in ids]

@@ -68,12 +68,23 @@ def fake_vllm(monkeypatch, missing: str = "") -> dict:
             ctx = TraceContextTextMapPropagator().extract(engine_core_output.trace_headers or {})
             self.provider.get_tracer("vllm").start_span("llm_request", context=ctx).end()
 
+    class BaseServing:
+        async def _get_trace_headers(self, headers):
+            return {"traceparent": headers["traceparent"]} if "traceparent" in headers else None
+
+    def init_entrypoints_middleware(args, app, supported_tasks):
+        app.middleware.append("cors")
+
     classes = {"Scheduler": Scheduler, "WorkerWrapperBase": WorkerWrapperBase,
-               "OutputProcessor": OutputProcessor}
+               "OutputProcessor": OutputProcessor, "BaseServing": BaseServing}
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.32.0"))
-    modules = {mod: types.ModuleType(mod) for mod, _, _ in plugin.HOOKS}
-    for mod, cls, _ in plugin.HOOKS:
-        if cls != missing:
+    modules = {mod: types.ModuleType(mod) for mod, *_ in plugin.HOOKS}
+    for mod, cls, meth, _ in plugin.HOOKS:
+        if cls is None:
+            if meth != missing:
+                setattr(modules[mod], meth, init_entrypoints_middleware)
+                classes[meth] = modules[mod]
+        elif cls != missing:
             setattr(modules[mod], cls, classes[cls])
     for mod, m in modules.items():
         monkeypatch.setitem(sys.modules, mod, m)
@@ -201,3 +212,50 @@ def test_an_error_at_step_time_turns_the_steps_off_with_one_line_and_serving_goe
     assert isinstance(out, SchedulerOutput) and not hasattr(out2, plugin.LINKS_ATTR)
     (rec,) = caplog.records
     assert "ZeroDivisionError" in rec.getMessage()
+
+
+def test_the_front_end_span_is_the_chosen_llm_request_ids_child_until_the_request_goes_to_the_engine(
+        vllm, monkeypatch):
+    import asyncio
+
+    classes, _ = vllm
+    exp = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exp))
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    monkeypatch.setattr(plugin, "_front_processor", object())     # no marker hooks in this process
+    app = types.SimpleNamespace(middleware=[], add_middleware=lambda cls: app.middleware.append(cls))
+    sys.modules["vllm.entrypoints.launchers.app"].init_entrypoints_middleware(None, app, ())
+    assert app.middleware == ["cors", plugin.FrontEndMiddleware]
+    seen = {}
+
+    async def handler(scope, receive, send):        # vLLM's app: render, then hand to the engine
+        seen["rendering"] = trace.get_current_span()
+        headers = await classes["BaseServing"]()._get_trace_headers({"traceparent": TP})
+        seen["headers"] = headers
+        seen["after"] = trace.get_current_span()
+        seen["second"] = await classes["BaseServing"]()._get_trace_headers({"traceparent": TP})
+
+    mw = plugin.FrontEndMiddleware(handler)
+    asyncio.run(mw({"type": "http", "headers": [(b"traceparent", TP.encode())]}, None, None))
+    (front,) = exp.get_finished_spans()
+    assert front.name == plugin.FRONT_END_SPAN_NAME and seen["rendering"] is not None
+    assert seen["rendering"].get_span_context() == front.get_span_context()
+    assert not seen["after"].get_span_context().is_valid          # ended as the request left
+    chosen = int(seen["headers"][plugin.SPAN_HEADER], 16)
+    assert front.parent.span_id == chosen and front.parent.trace_id == TID
+    assert not front.parent.is_remote                              # its facts go to llm_request
+    assert plugin.SPAN_HEADER not in seen["second"]                # a second prompt: its own id
+    # the engine links to the chosen id, do_tracing gives it to llm_request; a
+    # parallel-sampling child other than the first gets an id of its own
+    assert plugin.request_span_id(TID, "cmpl-1-0-abcd1234", seen["headers"]) == chosen
+    assert plugin.request_span_id(TID, "0_cmpl-1-0-abcd1234", seen["headers"]) == chosen
+    assert plugin.request_span_id(TID, "1_cmpl-1-0-abcd1234", seen["headers"]) == \
+        plugin.request_span_id(TID, "1_cmpl-1-0-abcd1234")
+
+    async def plain(scope, receive, send):
+        seen["plain"] = trace.get_current_span()
+
+    exp.clear()                                                    # no traceparent: nothing
+    asyncio.run(plugin.FrontEndMiddleware(plain)({"type": "http", "headers": []}, None, None))
+    assert not exp.get_finished_spans() and not seen["plain"].get_span_context().is_valid
