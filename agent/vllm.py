@@ -36,6 +36,10 @@ With tensor parallelism every rank makes its step span; ranks other than 0
 carry `spanlet.batch.shard` (their rank), and the agent counts a step once
 while adding every rank's facts to the shares.
 
+vLLM makes no llm_request for a request it aborts (its client went away): the
+plugin makes it (`OutputProcessor.abort_requests`), so the steps it took part
+in are kept; a preempted request keeps its id, and so its links.
+
 A vLLM whose internals moved (a class or method missing) makes the plugin log
 one line and step aside: nothing is patched then. Any error at step time
 turns the step spans off with one line; serving goes on.
@@ -75,6 +79,8 @@ HOOKS = (
     # (0.32: not its own method, handed on to the worker by its __getattr__)
     ("vllm.v1.worker.worker_base", "WorkerWrapperBase", "sample_tokens", False),
     ("vllm.v1.engine.output_processor", "OutputProcessor", "do_tracing", True),
+    ("vllm.v1.engine.output_processor", "OutputProcessor", "add_request", True),
+    ("vllm.v1.engine.output_processor", "OutputProcessor", "abort_requests", True),
     ("vllm.entrypoints.serve.engine.serving", "BaseServing", "_get_trace_headers", True),
     ("vllm.entrypoints.launchers.app", None, "init_entrypoints_middleware", True),
 )
@@ -290,10 +296,27 @@ class _ChosenIds:
 
 
 def _choose_ids_of(provider) -> bool:
+    """Makes the provider's id generator give a thread's next span the id
+    chosen for it. The generator object itself is changed: every tracer made
+    already holds it (the SDK keeps tracers by name)."""
     gen = getattr(provider, "id_generator", None)
     if gen is None:
         return False
-    if not isinstance(gen, _ChosenIds):
+    if isinstance(gen, _ChosenIds) or getattr(gen, "_spanlet_chosen", False):
+        return True
+    drawn = gen.generate_span_id
+
+    def generate_span_id() -> int:
+        sid = getattr(_state, "span_id", 0)
+        if sid:
+            _state.span_id = 0
+            return sid
+        return drawn()
+
+    try:
+        gen.generate_span_id = generate_span_id
+        gen._spanlet_chosen = True
+    except AttributeError:          # a generator that takes no attributes: wrapped instead
         provider.id_generator = _ChosenIds(gen)
     return True
 
@@ -315,6 +338,70 @@ def _wrap_do_tracing(orig):
         finally:
             _state.span_id = 0
     return do_tracing
+
+
+# -- the API server: requests vLLM aborts ------------------------------------------------
+#
+# vLLM makes no llm_request for a request aborted before it finished (the
+# client went away): the plugin makes it, so that the steps it took part in
+# are kept on it. Each request's trace headers are kept on its RequestState
+# (add_request); abort_requests ends those it takes away.
+
+_HEADERS_ATTR = "_spanlet_trace_headers"
+ABORTED = "spanlet.vllm.aborted"
+
+
+def _wrap_add_request(orig):
+    def add_request(self, request, *args, **kwargs):
+        out = orig(self, request, *args, **kwargs)
+        try:
+            headers = getattr(request, "trace_headers", None)
+            st = self.request_states.get(request.request_id) if headers else None
+            if st is not None and trace_id_of(headers):
+                setattr(st, _HEADERS_ATTR, headers)
+        except Exception as e:
+            _step_aside("noting a request's trace headers", e)
+        return out
+    return add_request
+
+
+def _aborted_span(st, headers) -> None:
+    import time
+
+    from opentelemetry import trace
+    from opentelemetry.trace import SpanKind
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    provider = trace.get_tracer_provider()
+    tid = trace_id_of(headers)
+    if not tid or not _choose_ids_of(provider):
+        return
+    arrival = getattr(getattr(st, "stats", None), "arrival_time", None) or time.time()
+    _state.span_id = request_span_id(tid, st.request_id, headers)
+    try:
+        provider.get_tracer("spanlet.vllm").start_span(
+            "llm_request", context=TraceContextTextMapPropagator().extract(headers), kind=SpanKind.SERVER,
+            start_time=int(arrival * 1e9),
+            attributes={"gen_ai.request.id": st.external_req_id, ABORTED: True}).end()
+    finally:
+        _state.span_id = 0
+
+
+def _wrap_abort_requests(orig):
+    def abort_requests(self, *args, **kwargs):
+        before = None
+        if not _broken and getattr(self, "tracing_enabled", False):
+            before = {rid: st for rid, st in self.request_states.items() if hasattr(st, _HEADERS_ATTR)}
+        out = orig(self, *args, **kwargs)
+        if before:
+            try:
+                for rid, st in before.items():
+                    if rid not in self.request_states:      # taken away: aborted
+                        _aborted_span(st, getattr(st, _HEADERS_ATTR))
+            except Exception as e:
+                _step_aside("making an aborted request's span", e)
+        return out
+    return abort_requests
 
 
 # -- the API server: the front end's own work, on the request's span ---------------------
@@ -342,6 +429,7 @@ def _open_front_end(tid: int):
     provider = trace.get_tracer_provider()
     if not hasattr(provider, "add_span_processor"):
         return None                 # vLLM traces nothing (yet): no SDK provider
+    _choose_ids_of(provider)        # before any tracer of ours exists
     if _front_processor is None:
         from spanlet.client import SpanletSpanProcessor
         _front_processor = SpanletSpanProcessor()
@@ -415,6 +503,7 @@ def _wrap_get_trace_headers(orig):
 _WRAPPERS = {"schedule": _wrap_schedule, "execute_model": _wrap_execute_model,
              "sample_tokens": _wrap_sample_tokens, "do_tracing": _wrap_do_tracing,
              "_get_trace_headers": _wrap_get_trace_headers,
+             "add_request": _wrap_add_request, "abort_requests": _wrap_abort_requests,
              "init_entrypoints_middleware": _wrap_init_entrypoints_middleware}
 
 

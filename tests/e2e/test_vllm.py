@@ -6,7 +6,9 @@ own `llm_request` span with `kernel.batch.steps` equal to its completion
 tokens (its prompt fits one step: no prefill chunks) and a CPU share > 0,
 and the shares of all requests add up to the CPU of the steps (the step
 spans spanlet.vllm made in vLLM's worker); the API server's own work for it
-(its front end span, llm_request's child) is in its totals. Five runs.
+(its front end span, llm_request's child) is in its totals. Five runs. A
+streamed request its client leaves (vLLM aborts it and makes no
+llm_request) gets one from the plugin, with the steps it took part in.
 
 What it adds to `.ci/run`: the cached vLLM environment the first time (about
 two minutes), then ~30 s for the server's start and a few seconds a run."""
@@ -131,3 +133,25 @@ def test_each_llm_request_gets_its_steps_and_its_share_of_their_cpu(agent, vllm,
     late = [s for s in spans_named(agent, LATE_SPAN_NAME)
             if (s.trace_id.hex(), s.parent_span_id.hex()) in ids]
     assert not late
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 5])
+def test_a_request_the_client_leaves_keeps_the_steps_it_took_part_in(agent, vllm, chunks):
+    # vLLM aborts it and makes no llm_request; the plugin makes it, with its steps
+    tid = random.Random(f"abort-{chunks}").getrandbits(128) | 1
+    got = vllm.stream_and_leave(PROMPTS[chunks % len(PROMPTS)], 240, f"00-{tid:032x}-{0xabc:016x}-01", chunks)
+    assert got == chunks
+    t = f"{tid:032x}"
+
+    def mine():
+        return [s for s in spans_named(agent, "llm_request") if s.trace_id.hex() == t]
+
+    wait_for(lambda: mine(), 60, "the aborted request's llm_request through the agent")
+    agent.settle()
+    (span,) = mine()
+    a = attrs(span)
+    assert any(kv.key == "spanlet.vllm.aborted" and kv.value.bool_value for kv in span.attributes), a
+    steps = [s for s in spans_named(agent, STEP)
+             if any(l.trace_id.hex() == t and l.span_id == span.span_id for l in s.links)]
+    assert chunks <= a.get("kernel.batch.steps", 0) == len(steps) < 240, a
+    assert a.get("kernel.batch.sched.cpu_ns", 0) > 0, a

@@ -134,6 +134,29 @@ class Server:
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.load(r)
 
+    def stream_and_leave(self, prompt: str, max_tokens: int, traceparent: str, chunks: int) -> int:
+        """A streamed completion left after `chunks` chunks (the connection closed:
+        vLLM aborts the request). Returns the chunks read."""
+        import http.client
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0, "ignore_eos": True, "stream": True})
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            c.request("POST", "/v1/completions", body,
+                      {"Content-Type": "application/json", "traceparent": traceparent})
+            r = c.getresponse()
+            got = 0
+            while got < chunks:
+                line = r.fp.readline()
+                if not line:
+                    break
+                got += line.startswith(b"data: {")
+            return got
+        finally:
+            if c.sock is not None:
+                c.sock.close()
+            c.close()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):

@@ -61,12 +61,25 @@ def fake_vllm(monkeypatch, missing: str = "") -> dict:
             return getattr(self.worker, attr)
 
     class OutputProcessor:
+        tracing_enabled = True
+
         def __init__(self, provider):
-            self.provider = provider
+            self.provider, self.request_states = provider, {}
+            self.tracer = provider.get_tracer("vllm")   # made before any id is chosen, and kept
+
+        def add_request(self, request, prompt, parent_req=None, request_index=0, queue=None):
+            self.request_states[request.request_id] = types.SimpleNamespace(
+                request_id=request.request_id, external_req_id=request.request_id.rsplit("-", 1)[0],
+                stats=types.SimpleNamespace(arrival_time=1234.5))
+
+        def abort_requests(self, request_ids, internal):
+            for rid in request_ids:
+                self.request_states.pop(rid, None)
+            return list(request_ids)
 
         def do_tracing(self, engine_core_output, req_state, iteration_stats):
             ctx = TraceContextTextMapPropagator().extract(engine_core_output.trace_headers or {})
-            self.provider.get_tracer("vllm").start_span("llm_request", context=ctx).end()
+            self.tracer.start_span("llm_request", context=ctx).end()
 
     class BaseServing:
         async def _get_trace_headers(self, headers):
@@ -259,3 +272,24 @@ def test_the_front_end_span_is_the_chosen_llm_request_ids_child_until_the_reques
     exp.clear()                                                    # no traceparent: nothing
     asyncio.run(plugin.FrontEndMiddleware(plain)({"type": "http", "headers": []}, None, None))
     assert not exp.get_finished_spans() and not seen["plain"].get_span_context().is_valid
+
+
+def test_a_request_vllm_aborts_gets_its_llm_request_from_the_plugin(vllm, monkeypatch):
+    classes, _ = vllm
+    exp = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exp))
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    op = classes["OutputProcessor"](provider)
+    chosen = {"traceparent": TP, plugin.SPAN_HEADER: "00000000000000ab"}
+    for rid, headers in (("cmpl-a-0-11111111", chosen), ("cmpl-b-0-22222222", {"traceparent": TP}),
+                         ("cmpl-c-0-33333333", None)):
+        op.add_request(types.SimpleNamespace(request_id=rid, trace_headers=headers), "prompt")
+    assert op.abort_requests(["cmpl-a-0-11111111", "cmpl-c-0-33333333"], True)
+    (span,) = exp.get_finished_spans()           # the untraced one gets none, the living one none yet
+    assert span.name == "llm_request" and span.kind == trace.SpanKind.SERVER
+    assert span.context.span_id == 0xAB and span.parent.span_id == 0x1111111111111111
+    assert span.attributes[plugin.ABORTED] is True and span.attributes["gen_ai.request.id"] == "cmpl-a-0"
+    assert span.start_time == int(1234.5 * 1e9)
+    op.abort_requests(["cmpl-b-0-22222222"], True)
+    assert exp.get_finished_spans()[-1].context.span_id == plugin.request_span_id(TID, "cmpl-b-0-22222222")
