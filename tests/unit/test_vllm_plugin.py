@@ -119,6 +119,15 @@ def vllm(monkeypatch):
     assert "sample_tokens" not in vars(classes["WorkerWrapperBase"])   # put back as it was
 
 
+def api_server_provider(monkeypatch):
+    """(exporter, provider) of vLLM's API server: the global provider, kept in memory."""
+    exp = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exp))
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    return exp, provider
+
+
 def test_the_request_span_id_is_derived_from_trace_and_request_and_never_zero():
     a = plugin.request_span_id(TID, "cmpl-1-0-abcdef12")
     assert a == plugin.request_span_id(TID, "cmpl-1-0-abcdef12") and 0 < a < 2 ** 64
@@ -174,10 +183,7 @@ def test_a_step_with_its_output_at_once_or_without_traced_requests(vllm):
 
 def test_the_request_span_gets_the_id_the_engine_linked_to(vllm, monkeypatch):
     classes, _ = vllm
-    exp = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exp))
-    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    exp, provider = api_server_provider(monkeypatch)
     op = classes["OutputProcessor"](provider)
     op.do_tracing(types.SimpleNamespace(trace_headers={"traceparent": TP}),
                   types.SimpleNamespace(request_id="cmpl-x-0-12345678"), None)
@@ -232,10 +238,7 @@ def test_the_front_end_span_is_the_chosen_llm_request_ids_child_until_the_reques
     import asyncio
 
     classes, _ = vllm
-    exp = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exp))
-    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    exp, provider = api_server_provider(monkeypatch)
     monkeypatch.setattr(plugin, "_front_processor", object())     # no marker hooks in this process
     app = types.SimpleNamespace(middleware=[], add_middleware=lambda cls: app.middleware.append(cls))
     sys.modules["vllm.entrypoints.launchers.app"].init_entrypoints_middleware(None, app, ())
@@ -276,10 +279,7 @@ def test_the_front_end_span_is_the_chosen_llm_request_ids_child_until_the_reques
 
 def test_a_request_vllm_aborts_gets_its_llm_request_from_the_plugin(vllm, monkeypatch):
     classes, _ = vllm
-    exp = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exp))
-    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    exp, provider = api_server_provider(monkeypatch)
     op = classes["OutputProcessor"](provider)
     chosen = {"traceparent": TP, plugin.SPAN_HEADER: "00000000000000ab"}
     for rid, headers in (("cmpl-a-0-11111111", chosen), ("cmpl-b-0-22222222", {"traceparent": TP}),
