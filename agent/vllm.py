@@ -55,6 +55,8 @@ import random
 import re
 import threading
 
+from spanlet.batch import request_context
+
 # under vLLM's own logger: its lines come out where and as vLLM's do
 log = logging.getLogger("vllm.spanlet")
 
@@ -118,14 +120,8 @@ def request_span_id(trace_id: int, request_id: str, headers=None) -> int:
 
 def trace_id_of(headers) -> int:
     """The trace id of a sampled W3C `traceparent` in headers, 0 if none."""
-    tp = headers.get("traceparent") if headers else None
-    if not tp or len(tp) < 55 or tp[2] != "-" or tp[35] != "-" or tp[52] != "-":
-        return 0
-    try:
-        tid, flags = int(tp[3:35], 16), int(tp[53:55], 16)
-    except ValueError:
-        return 0
-    return tid if flags & 1 else 0
+    ctx = request_context(headers) if headers else None
+    return ctx.trace_id if ctx is not None and ctx.trace_flags.sampled else 0
 
 
 def _step_aside(why: str, exc: BaseException | None = None) -> None:
@@ -275,26 +271,6 @@ def _wrap_sample_tokens(orig):
 
 # -- the API server: the request span's id ------------------------------------------------
 
-class _ChosenIds:
-    """An IdGenerator that gives the next span of a thread the id chosen for it."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def generate_span_id(self) -> int:
-        sid = getattr(_state, "span_id", 0)
-        if sid:
-            _state.span_id = 0
-            return sid
-        return self.inner.generate_span_id()
-
-    def generate_trace_id(self) -> int:
-        return self.inner.generate_trace_id()
-
-    def __getattr__(self, name):       # the rest of the SDK's IdGenerator (is_trace_id_random, ...)
-        return getattr(self.inner, name)
-
-
 def _choose_ids_of(provider) -> bool:
     """Makes the provider's id generator give a thread's next span the id
     chosen for it. The generator object itself is changed: every tracer made
@@ -302,7 +278,7 @@ def _choose_ids_of(provider) -> bool:
     gen = getattr(provider, "id_generator", None)
     if gen is None:
         return False
-    if isinstance(gen, _ChosenIds) or getattr(gen, "_spanlet_chosen", False):
+    if getattr(gen, "_spanlet_chosen", False):
         return True
     drawn = gen.generate_span_id
 
@@ -316,8 +292,8 @@ def _choose_ids_of(provider) -> bool:
     try:
         gen.generate_span_id = generate_span_id
         gen._spanlet_chosen = True
-    except AttributeError:          # a generator that takes no attributes: wrapped instead
-        provider.id_generator = _ChosenIds(gen)
+    except AttributeError:          # a generator that takes no attributes: no chosen ids
+        return False
     return True
 
 
