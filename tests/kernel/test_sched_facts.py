@@ -18,13 +18,13 @@ import pytest
 
 import anatomy
 import cuda_standin
+import switch_trace
 from spanlet import config
 from spanlet.probes.gpu import GpuProbe
 
 pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = ROOT / "tests" / "support" / "anatomy" / "child.py"
-RUNS = 20
 CPU = 1 if os.cpu_count() > 1 else 0
 MS = 1_000_000
 
@@ -67,6 +67,15 @@ def gpu(probe, standin):
         holder.close()
 
 
+@pytest.fixture(scope="module")
+def switches():
+    trace = switch_trace.SwitchTrace()
+    try:
+        yield trace
+    finally:
+        trace.close()
+
+
 run_child = anatomy.run_child
 
 
@@ -98,40 +107,52 @@ class Beside:
             self.proc.wait()
 
 
-# Known gap (BCC's raw tracepoints, README "Request anatomy"): in a few spans in a
-# hundred, one scheduler slice (~1-1.5 ms) of a thread's running time lands in its run
-# queue time, or a wake-up is missed and run queue time lands in blocked time; the
-# total and the switch counts stay exact. The split is checked per span against the
-# tolerance below for all but this share of the spans of the 20 runs.
+# What the split can miss, and how the test tells. (1) A switch the kernel did not
+# trace (some kernels leave out the switches away from some tasks): the program
+# cannot see it, so one slice of a thread's running time lands in its run-queue
+# time, or its wake-up is unseen and run-queue time lands in its blocked time. The
+# test records the CPUs' switches itself (switch_trace.py) and checks the split
+# only of the spans that no untraced switch overlaps, running more rounds until
+# SPANS_TO_CHECK of them are checked. (2) Time the hypervisor took from a virtual
+# CPU while the thread ran: the span counts it as CPU time (the thread was on its
+# CPU), the thread's own clock leaves it out (paravirt steal accounting); this is
+# the share of the checked spans whose split may be off. The total and the switch
+# counts stay exact in every span.
 SPLIT_MISSES_ALLOWED = 0.05
-# The same gap seen in a coroutine run's sum over its spans: beside a launch
-# flood, twice in ~700 runs here a run's spans held one step's CPU (3 ms) less
-# than the thread's steps, or 35 ms more (the root cause is not found; the
-# process's exit is about that long). Runs of 20 whose sum is off by more than
-# 3%: at most this many.
+SPANS_TO_CHECK = 80
+MAX_RUNS = 80
+# A coroutine run's sum over its spans: beside a launch flood, twice in ~700 runs
+# here (before untraced switches were told apart) a run's spans held one step's
+# CPU (3 ms) less than the thread's steps, or 35 ms more (the root cause is not
+# found; the process's exit is about that long). Checked runs whose sum is off by
+# more than 3%: at most this many.
 RUN_MISSES_ALLOWED = 2
 
 
 @pytest.mark.parametrize("beside", ["quiet", "flood", "hog"])
-def test_each_span_holds_its_threads_cpu_run_queue_and_blocked_time(probe, gpu, spin, beside):
-    """20 runs, 4 spans each: every span's cpu + run queue + blocked time, its
+def test_each_span_holds_its_threads_cpu_run_queue_and_blocked_time(probe, gpu, spin, switches, beside):
+    """Runs of 4 spans each: every span's cpu + run queue + blocked time, its
     switches and its copied bytes each way exact; its cpu and run queue time
-    each exact for all but a few spans."""
+    each exact for all but a few of the 80 spans or more whose time the kernel
+    traced every switch of."""
     libcuda = gpu[1]
-    split_misses, spans_seen = [], 0
-    for _ in range(RUNS):
+    split_misses, checked, runs = [], 0, 0
+    while checked < SPANS_TO_CHECK:
+        assert runs < MAX_RUNS, f"the kernel left switches untraced beside all but {checked} spans of {runs} runs"
+        runs += 1
+        switches.clear()
         load = Beside(beside, spin)
         try:
             spans = run_child(probe, spin, "threads", str(CPU), "2", "2", "20", "5", "10", str(libcuda))
         finally:
             load.close()
+        untraced = switches.breaks()
         assert len(spans) == 4
         rows = rows_of(probe, spans)
-        spans_seen += len(spans)
         for key, figures in spans.items():
             (cpu, wait, wall, switched, involuntary), (cpu_o, wait_o, wall_o, switched_o, involuntary_o) = (
                 figures[:5], figures[5:10])
-            h2d, d2h = figures[10:]
+            (h2d, d2h), (start, end) = figures[10:12], figures[12:]
             r = rows[key]
             total = r.cpu_ns + r.runqueue_ns + r.blocked_ns
             seen = (f"ours: cpu {r.cpu_ns} rq {r.runqueue_ns} blocked {r.blocked_ns} total {total} switches "
@@ -145,31 +166,41 @@ def test_each_span_holds_its_threads_cpu_run_queue_and_blocked_time(probe, gpu, 
             assert (r.memcpy_h2d_bytes, r.memcpy_d2h_bytes, r.memcpy_d2d_bytes, r.memcpy_other_bytes,
                     r.memcpy_calls) == (h2d, d2h, 0, 0, 2), seen
             assert 0 < r.memcpy_ns <= wall_o, seen
+            if switch_trace.overlaps(untraced, start, end):
+                continue
+            checked += 1
             if not (between(r.cpu_ns, cpu, cpu_o, 0.02) and between(r.runqueue_ns, wait, wait_o, 0.02)):
                 split_misses.append(seen)
         # two threads on one CPU: much of their time is the run queue, taken by preemption
         assert sum(f[1] for f in spans.values()) >= 10 * MS
         assert sum(r.preemptions for r in rows.values()) >= 1
-    assert len(split_misses) <= SPLIT_MISSES_ALLOWED * spans_seen, "\n".join(split_misses)
+    assert len(split_misses) <= SPLIT_MISSES_ALLOWED * checked, "\n".join(split_misses)
 
 
 @pytest.mark.parametrize("beside", ["quiet", "flood", "hog"])
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_coroutines_on_one_thread_each_get_the_cpu_of_their_own_steps(probe, spin, loop, beside):
-    """20 runs of 4 coroutines, 8 steps each: each coroutine's cpu_ns is the
-    thread CPU time of its own steps (all but the known gap's share, above)."""
-    misses, seen, off_runs = [], 0, []
-    for _ in range(RUNS):
+def test_coroutines_on_one_thread_each_get_the_cpu_of_their_own_steps(probe, spin, switches, loop, beside):
+    """Runs of 4 coroutines, 8 steps each: each coroutine's cpu_ns is the
+    thread CPU time of its own steps, in all but the allowed share of the 80
+    spans or more whose time the kernel traced every switch of."""
+    misses, checked, runs, off_runs = [], 0, 0, []
+    while checked < SPANS_TO_CHECK:
+        assert runs < MAX_RUNS, f"the kernel left switches untraced beside all but {checked} spans of {runs} runs"
+        runs += 1
+        switches.clear()
         load = Beside(beside, spin)
         try:
             spans = run_child(probe, spin, "coroutines", loop, "4", "8", "3")
         finally:
             load.close()
+        untraced = switches.breaks()
         assert len(spans) == 4
         rows = rows_of(probe, spans)
-        for key, (mine, *_) in spans.items():
+        if any(switch_trace.overlaps(untraced, start, end) for _, start, end in spans.values()):
+            continue
+        for key, (mine, _, _) in spans.items():
             assert mine >= 24 * MS
-            seen += 1
+            checked += 1
             if not close(rows[key].cpu_ns, mine, 0.03):
                 misses.append((rows[key].cpu_ns, mine))
         # the steps' CPU all lands on the coroutines' spans, none lost, none counted
@@ -178,5 +209,5 @@ def test_coroutines_on_one_thread_each_get_the_cpu_of_their_own_steps(probe, spi
         if not close(ours, theirs, 0.03):
             off_runs.append((ours, theirs, [(rows[k].cpu_ns, rows[k].runqueue_ns, rows[k].blocked_ns,
                                               spans[k][0]) for k in spans]))
-    assert len(misses) <= SPLIT_MISSES_ALLOWED * seen, misses
+    assert len(misses) <= SPLIT_MISSES_ALLOWED * checked, misses
     assert len(off_runs) <= RUN_MISSES_ALLOWED, off_runs

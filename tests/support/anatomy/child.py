@@ -15,11 +15,13 @@ spanlet processor (the production marker, uprobed by the test's agent).
         (/proc/thread-self/status), read just inside the span's edges, then
         just outside them: the span's own figures lie between the two (equal
         where nothing ran between a mark and a read); then the bytes it copied
-        each way (0 without LIBCUDA).
+        each way (0 without LIBCUDA), and the monotonic times of the two
+        outside readings (when the span's edges were, give or take).
     child.py LIBSPIN coroutines LOOP TASKS STEPS STEP_MS
         TASKS coroutines on one asyncio or uvloop loop, each in its span,
         each step spinning STEP_MS of CPU; per span prints
-        "span TRACE SPAN CPU_NS 0 0": the thread CPU time of its own steps.
+        "span TRACE SPAN CPU_NS START END": the thread CPU time of its own
+        steps, and the monotonic times just outside the span's edges.
 Then "done".
 """
 
@@ -31,7 +33,6 @@ import threading
 import time
 
 from opentelemetry.sdk.trace import TracerProvider
-
 from spanlet import SpanletSpanProcessor
 
 spin = ctypes.CDLL(sys.argv[1]).spin_cpu_ns
@@ -100,7 +101,8 @@ def worker(index: int, cpu: int, spans: int, cpu_ms: float, sleep_ms: float, pip
         after = reading()
         os.close(r)
         os.close(w)
-        say(span, *(e - s for e, s in zip(end, start)), *(a - b for a, b in zip(after, before)), *copied)
+        say(span, *(e - s for e, s in zip(end, start)), *(a - b for a, b in zip(after, before)), *copied,
+            before[2], after[2])
 
 
 def threads(cpu, n, spans, cpu_ms, sleep_ms, pipe_ms, libcuda="") -> None:
@@ -116,6 +118,7 @@ def threads(cpu, n, spans, cpu_ms, sleep_ms, pipe_ms, libcuda="") -> None:
 
 def coroutines(loop_name, tasks, steps, step_ms) -> None:
     async def one() -> None:
+        start = time.monotonic_ns()
         with tracer.start_as_current_span("coroutine") as span:
             mine = 0
             for _ in range(int(steps)):
@@ -123,7 +126,7 @@ def coroutines(loop_name, tasks, steps, step_ms) -> None:
                 spin(int(float(step_ms) * MS))
                 mine += time.thread_time_ns() - t0
                 await asyncio.sleep(0)
-        say(span, mine)
+        say(span, mine, start, time.monotonic_ns())
 
     async def main() -> None:
         await asyncio.gather(*(one() for _ in range(int(tasks))))
