@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import socket
+import socketserver
 import ssl
 import threading
 import time
@@ -14,11 +16,14 @@ import zlib
 from collections import Counter
 from concurrent import futures
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from email.utils import formatdate
+from http import HTTPStatus
+from http.server import ThreadingHTTPServer
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
 import grpc
+import h11
 from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -57,8 +62,13 @@ HTTP_IDLE_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 60.0
 # Concurrent OTLP/HTTP connections (a thread each); more are closed at once.
 MAX_HTTP_CONNECTIONS = 256
-# How often the deadlines above are checked.
+# The most one read from a connection takes.
 _READ_CHUNK = 64 * 1024
+# The most a request's line and headers may take together, and the most
+# header fields it may have: more is refused (431).
+MAX_HTTP_HEAD_BYTES = 64 * 1024
+MAX_HTTP_HEADERS = 100
+SERVER_NAME = "spanlet-otlp"
 # Closing after an unread body: discard at most this much, this long.
 LINGER_S = 2.0
 LINGER_BYTES = 16 * 1024 * 1024
@@ -159,7 +169,7 @@ OK, PARTIAL, INVALID, TOO_LARGE, BUSY, ERROR, STOPPED = (
 # HTTP-only outcomes.
 UNSUPPORTED_MEDIA_TYPE, NOT_FOUND, METHOD_NOT_ALLOWED, LENGTH_REQUIRED = (
     "unsupported_media_type", "not_found", "method_not_allowed", "length_required")
-# Not HTTP at all, or a request line or headers http.server refused.
+# Not HTTP/1.1 (h11 refused it), or framing RFC 9112 lets a server refuse.
 MALFORMED_HTTP = "malformed_http"
 # Closed at accept: MAX_HTTP_CONNECTIONS already open.
 TOO_MANY_CONNECTIONS = "too_many_connections"
@@ -670,66 +680,201 @@ class _ProtocolError(Exception):
         self.kind = kind
 
 
-class _HttpHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "spanlet-otlp"
+# Methods answered 405/404 (a POST elsewhere than HTTP_PATH is a 404 too);
+# any other is refused as malformed (501).
+_OTHER_METHODS = frozenset((b"GET", b"HEAD", b"PUT", b"DELETE", b"PATCH", b"OPTIONS"))
+# A header line that starts with a space or tab continues the one before.
+_OBS_FOLD = re.compile(rb"\n[ \t]")
+
+
+def _refused(message: str, status: int = 400) -> h11.RemoteProtocolError:
+    return h11.RemoteProtocolError(message, error_status_hint=status)
+
+
+def _header(request: h11.Request, name: bytes) -> list[str]:
+    """The values of the request's header `name` (lower case), in order."""
+    return [value.decode("latin-1") for key, value in request.headers if key == name]
+
+
+def _request_problem(request: h11.Request, head: bytes) -> h11.RemoteProtocolError | None:
+    """What h11 lets through and the receiver refuses: a head over the
+    limits, a version or method it does not serve, and framing that RFC 9112
+    lets a server refuse, which another parser (a proxy in front) could
+    delimit differently."""
+    # h11 stops at MAX_HTTP_HEAD_BYTES still incomplete; a whole head that came
+    # in a few reads can be longer
+    if len(head) > MAX_HTTP_HEAD_BYTES:
+        return _refused(f"request line and headers over {MAX_HTTP_HEAD_BYTES} bytes", 431)
+    if request.http_version not in (b"1.0", b"1.1"):
+        return _refused(f"HTTP/{request.http_version.decode()} is not supported", 505)
+    if len(request.headers) > MAX_HTTP_HEADERS:
+        return _refused(f"more than {MAX_HTTP_HEADERS} header fields", 431)
+    # h11 joins a folded line to the field before it (RFC 9112 5.2 allows
+    # that or a 400): refused, so no folded Transfer-Encoding gets through.
+    if _OBS_FOLD.search(head):
+        return _refused("obsolete line folding in the headers")
+    te, cl = _header(request, b"transfer-encoding"), _header(request, b"content-length")
+    if te and cl:          # RFC 9112 6.3: may be refused, must be closed after
+        return _refused("both Transfer-Encoding and Content-Length")
+    if te and request.http_version == b"1.0":     # RFC 9112 6.1: faulty framing
+        return _refused("Transfer-Encoding in an HTTP/1.0 request")
+    if request.method != b"POST" and request.method not in _OTHER_METHODS:
+        return _refused(f"method {request.method.decode()!r} is not served", 501)
+    return None
+
+
+class _HttpHandler(socketserver.BaseRequestHandler):
+    """One connection: its requests parsed by h11, answered one at a time
+    while the connection is kept alive."""
+
+    server: _HttpServer
     timeout = HTTP_IDLE_TIMEOUT_S
-    # Headers and body are two writes; with Nagle on, the body would wait
-    # for the client's delayed ACK (40 ms a request).
-    disable_nagle_algorithm = True
     receiver: OtlpReceiver   # set on the per-receiver subclass
 
     def setup(self) -> None:
-        super().setup()
+        self.connection = self.request
+        self.connection.settimeout(self.timeout)
+        # An answer is one write, but with Nagle on, the last segment of one
+        # longer than a segment waits for the client's delayed ACK (40 ms).
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
         self.server.track(self.connection, True)
         local = self.connection.getsockname()
         self.peer = Peer("http", normal_sender(self.client_address[0]), self.client_address[1],
                          normal_sender(local[0]), local[1])
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """Only http.server calls this (a request line or headers it refused;
-        our own answers go through _reply): counted, answered like the rest
-        (a google.rpc.Status), and with a status line even when the request
-        line was too broken to name a version."""
-        self.receiver._count("http", MALFORMED_HTTP)
-        self.close_connection = True
-        if self.request_version == "HTTP/0.9":
-            self.request_version = "HTTP/1.1"
-        text = message or self.responses.get(code, ("",))[0]
-        self._reply(code, _status_bytes(INVALID, f"malformed HTTP request: {text}"))
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HTTP_HEAD_BYTES)
+        self.close_connection = False
+        self.method = b""
 
     def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            self.server.track(self.connection, False)
+        self.server.track(self.connection, False)
 
-    def log_message(self, format: str, *args) -> None:
-        log.debug("OTLP HTTP %s " + format, self.client_address[0], *args)
-
-    def do_POST(self) -> None:
+    def handle(self) -> None:
         try:
-            if not self.receiver.authorized(self._authorization()):
+            while self._serve_one():
+                self.h11.start_next_cycle()
+        except h11.RemoteProtocolError as e:
+            self._refuse(e)
+        except _Gone:
+            pass
+
+    def _serve_one(self) -> bool:
+        """Answer the next request; whether the connection stays open."""
+        request = self._next_request()
+        if request is None:
+            return False
+        if request.method != b"POST":
+            self._other_method(request)
+        else:
+            self._post(request)
+        if self.h11.states == {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}:
+            return True
+        self._linger()
+        return False
+
+    # ---- reading ----
+
+    def _recv(self) -> bytes:
+        """What the client sent next (b"": it closed its side)."""
+        try:
+            return self.connection.recv(_READ_CHUNK)
+        except OSError as e:        # idle past HTTP_IDLE_TIMEOUT_S, or reset
+            raise _Gone from e
+
+    def _next_event(self, seen: bytearray | None = None):
+        """h11's next event, reading as it needs; what was read is added to `seen`."""
+        while (event := self.h11.next_event()) is h11.NEED_DATA:
+            data = self._recv()
+            if seen is not None:
+                seen += data
+            self.h11.receive_data(data)
+        return event
+
+    def _next_request(self) -> h11.Request | None:
+        """The next request's line and headers, or None when the client has
+        closed the connection between requests."""
+        self.method = b""
+        seen = bytearray(self.h11.trailing_data[0])     # sent along with the request before
+        event = self._next_event(seen)
+        if type(event) is not h11.Request:
+            return None
+        self.method = event.method
+        head = bytes(seen[:len(seen) - len(self.h11.trailing_data[0])])
+        problem = _request_problem(event, head)
+        if problem is not None:
+            raise problem
+        return event
+
+    def _receive_body(self, keep: bool) -> bytes | None:
+        """The body (b"" unless `keep`), or None once it is over the size
+        limit; 100 Continue first where the client waits for it."""
+        if self.h11.they_are_waiting_for_100_continue:
+            self._send(h11.InformationalResponse(status_code=100, headers=[]))
+        limit = self.receiver.max_message_bytes
+        parts: list[bytes] = []
+        total = 0
+        while type(event := self._next_event()) is h11.Data:
+            total += len(event.data)
+            if total > limit:
+                return None
+            if keep:
+                parts.append(event.data)
+        return b"".join(parts)
+
+    def _read_body(self, request: h11.Request) -> bytes:
+        limit = self.receiver.max_message_bytes
+        if _header(request, b"transfer-encoding"):
+            length = None
+        elif cl := _header(request, b"content-length"):
+            length = int(cl[0])           # digits, one value: h11 checked
+        else:
+            self.close_connection = True
+            raise _ProtocolError(LENGTH_REQUIRED, "Content-Length or chunked encoding is required")
+        if length is not None and length > limit:
+            self.close_connection = True
+            raise _ProtocolError(TOO_LARGE, f"request of {length} bytes is over the limit "
+                                            f"of {limit} bytes")
+        body = self._receive_body(keep=True)
+        if body is None:
+            self.close_connection = True
+            raise _ProtocolError(TOO_LARGE, f"request is over the limit of {limit} bytes")
+        return body
+
+    def _discard_body(self, request: h11.Request) -> None:
+        """Read an unwanted body up to the size limit so the connection stays
+        usable; close it otherwise (or when the client waits for a 100 Continue
+        before sending it)."""
+        cl = _header(request, b"content-length")
+        if (self.close_connection or self.h11.they_are_waiting_for_100_continue
+                or (cl and int(cl[0]) > self.receiver.max_message_bytes)
+                or self._receive_body(keep=False) is None):
+            self.close_connection = True
+
+    # ---- requests ----
+
+    def _post(self, request: h11.Request) -> None:
+        try:
+            authorization = _header(request, b"authorization")
+            if not self.receiver.authorized(authorization[0] if len(authorization) == 1 else None):
                 raise _ProtocolError(UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-            if urlsplit(self.path).path != HTTP_PATH:
-                raise _ProtocolError(NOT_FOUND, f"no such path {urlsplit(self.path).path!r}; "
-                                                f"traces go to {HTTP_PATH}")
-            ctype = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            path = urlsplit(request.target.decode("ascii")).path
+            if path != HTTP_PATH:
+                raise _ProtocolError(NOT_FOUND, f"no such path {path!r}; traces go to {HTTP_PATH}")
+            ctype = (_header(request, b"content-type") or [""])[0].split(";")[0].strip().lower()
             if ctype != PROTOBUF:
                 raise _ProtocolError(UNSUPPORTED_MEDIA_TYPE,
                                      f"Content-Type {ctype or '(none)'!r} is not supported; "
                                      f"send {PROTOBUF}")
-            encoding = self.headers.get("Content-Encoding", "").strip().lower()
+            encoding = (_header(request, b"content-encoding") or [""])[0].strip().lower()
             if encoding not in ("", "identity", "gzip"):
                 raise _ProtocolError(UNSUPPORTED_MEDIA_TYPE,
                                      f"Content-Encoding {encoding!r} is not supported; use gzip")
-            body = self._read_body()
+            body = self._read_body(request)
             self.server.hold(self.connection)
             if encoding == "gzip":
                 body = _gunzip(body, self.receiver.max_message_bytes)
         except _ProtocolError as e:
             self.receiver._count("http", e.kind)
-            self._reply_error(_Outcome(e.kind, str(e)))
+            self._reply_error(request, _Outcome(e.kind, str(e)))
             return
         try:
             outcome = self.receiver._handle_payload(body, "http", self.peer.host, self.peer)
@@ -739,100 +884,37 @@ class _HttpHandler(BaseHTTPRequestHandler):
         if outcome.kind in (OK, PARTIAL):
             self._reply(200, outcome.response)
         else:
-            self._reply_error(outcome)
+            self._reply_error(request, outcome)
 
-    def _authorization(self) -> str | None:
-        sent = self.headers.get_all("Authorization") or []
-        return sent[0] if len(sent) == 1 else None
-
-    def _other_method(self) -> None:
-        path = urlsplit(self.path).path
+    def _other_method(self, request: h11.Request) -> None:
+        path = urlsplit(request.target.decode("ascii")).path
         kind = METHOD_NOT_ALLOWED if path == HTTP_PATH else NOT_FOUND
         self.receiver._count("http", kind)
-        self._reply_error(_Outcome(kind, f"{self.command} {path} is not served; "
-                                         f"POST {HTTP_PATH} takes traces"))
+        self._reply_error(request, _Outcome(kind, f"{request.method.decode()} {path} is not served; "
+                                                  f"POST {HTTP_PATH} takes traces"))
 
-    do_GET = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _other_method
-
-    # ---- body ----
-
-    def _read_body(self) -> bytes:
-        limit = self.receiver.max_message_bytes
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            return self._read_chunked(limit)
-        raw = self.headers.get("Content-Length")
-        if raw is None:
-            if self.command == "POST":
-                self.close_connection = True
-            raise _ProtocolError(LENGTH_REQUIRED, "Content-Length or chunked encoding is required")
-        try:
-            length = int(raw)
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            self.close_connection = True
-            raise _ProtocolError(INVALID, f"bad Content-Length {raw!r}") from None
-        if length > limit:
-            self.close_connection = True
-            raise _ProtocolError(TOO_LARGE, f"request of {length} bytes is over the limit "
-                                            f"of {limit} bytes")
-        body = self.rfile.read(length)
-        if len(body) != length:
-            self.close_connection = True
-            raise _ProtocolError(INVALID, "request body ended early")
-        return body
-
-    def _read_chunked(self, limit: int) -> bytes:
-        parts: list[bytes] = []
-        total = 0
-        while True:
-            line = self.rfile.readline(1024)
-            try:
-                size = int(line.split(b";")[0].strip(), 16)
-                if size < 0:
-                    raise ValueError
-            except ValueError:
-                self.close_connection = True
-                raise _ProtocolError(INVALID, "malformed chunked body") from None
-            if size == 0:
-                break
-            total += size
-            if total > limit:
-                self.close_connection = True
-                raise _ProtocolError(TOO_LARGE, f"request is over the limit of {limit} bytes")
-            chunk = self.rfile.read(size)
-            if len(chunk) != size or self.rfile.read(2) != b"\r\n":
-                self.close_connection = True
-                raise _ProtocolError(INVALID, "malformed chunked body")
-            parts.append(chunk)
-        for _ in range(100):                     # trailers, up to the empty line
-            if self.rfile.readline(8192) in (b"\r\n", b"\n", b""):
-                break
-        return b"".join(parts)
-
-    def _discard_body(self) -> None:
-        """Read an unwanted small body so the connection stays usable; close it otherwise."""
-        if self.close_connection or "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self.close_connection = True
+    def _refuse(self, error: h11.RemoteProtocolError) -> None:
+        """Answer a request that breaks HTTP/1.1 (counted) and close: nothing
+        after it on the connection can be told apart from its body."""
+        if self.server.cut_off(self.connection):
+            return                                 # counted as a timeout
+        self.receiver._count("http", MALFORMED_HTTP)
+        log.debug("OTLP HTTP %s: malformed request: %s", self.client_address[0], error)
+        self.close_connection = True
+        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
+        status = error.error_status_hint if 400 <= error.error_status_hint < 600 else 400
         try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            length = -1
-        if 0 <= length <= self.receiver.max_message_bytes:
-            while length > 0:
-                got = self.rfile.read(min(length, _READ_CHUNK))
-                if not got:
-                    break
-                length -= len(got)
-        else:
-            self.close_connection = True
+            self._reply(status, _status_bytes(INVALID, f"malformed HTTP request: {str(error)[:200]}"))
+        except _Gone:
+            return
+        self._linger()
 
     # ---- replies ----
 
-    def _reply_error(self, outcome: _Outcome) -> None:
+    def _reply_error(self, request: h11.Request, outcome: _Outcome) -> None:
         if outcome.kind in (NOT_FOUND, METHOD_NOT_ALLOWED, UNSUPPORTED_MEDIA_TYPE, UNAUTHENTICATED):
-            self._discard_body()
+            self._discard_body(request)
         headers = {}
         if outcome.kind == METHOD_NOT_ALLOWED:
             headers["Allow"] = "POST"
@@ -844,20 +926,26 @@ class _HttpHandler(BaseHTTPRequestHandler):
                     _status_bytes(outcome.kind, outcome.message, outcome.retry_after_s), headers)
 
     def _reply(self, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", PROTOBUF)
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
+        fields = [("Content-Type", PROTOBUF), ("Content-Length", str(len(body))),
+                  ("Server", SERVER_NAME), ("Date", formatdate(usegmt=True)),
+                  *(headers or {}).items()]
         if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-        if self.close_connection:
-            self._linger()
-        else:
+            fields.append(("Connection", "close"))
+        events = [h11.Response(status_code=code, headers=fields, reason=HTTPStatus(code).phrase)]
+        if self.method != b"HEAD":
+            events.append(h11.Data(data=body))
+        events.append(h11.EndOfMessage())
+        self._send(*events)
+        if self.h11.our_state is h11.DONE:
             self.server.track(self.connection, True)   # the next request's deadline
+
+    def _send(self, *events) -> None:
+        data = b"".join(self.h11.send(event) for event in events)
+        try:
+            self.connection.sendall(data)
+        except OSError as e:
+            self.h11.send_failed()
+            raise _Gone from e
 
     def _linger(self) -> None:
         """Before closing on a body we did not read, half-close and discard
@@ -874,6 +962,10 @@ class _HttpHandler(BaseHTTPRequestHandler):
                 budget -= len(got)
         except OSError:
             pass
+
+
+class _Gone(Exception):
+    """The connection failed, timed out or was shut: nothing more to answer."""
 
 
 def _gunzip(body: bytes, limit: int) -> bytes:

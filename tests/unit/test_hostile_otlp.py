@@ -337,7 +337,7 @@ def hostile_items(rnd: random.Random, legit: list[Legit]) -> list[Item]:
             items.append(Item("grpc", "gzip_bomb", bomb, "not_received"))
     for i in range(100):                      # gRPC: a call that sends no message
         items.append(Item("grpc", "no_message", b"", "not_received"))
-    for i in range(300):                      # not HTTP, or HTTP http.server refuses
+    for i in range(300):                      # not HTTP, or HTTP that h11 or the receiver refuses
         items.append(Item("raw", "malformed_http", MALFORMED_HTTP[i % len(MALFORMED_HTTP)],
                           "malformed_http"))
     assert len(items) == N_HOSTILE

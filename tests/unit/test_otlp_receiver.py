@@ -597,6 +597,133 @@ def test_backpressure_and_callback_errors(started, channels):
 
 
 # ---------------------------------------------------------------------------
+# (d) request framing: what RFC 9112 refuses is answered, the connection
+# closed, and a request sent after it on that connection never processed
+
+HEAD = b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+
+
+def valid_http(seed: int = 11) -> bytes:
+    """A whole, valid request of 2 spans."""
+    body = make_request(2, seed=seed).SerializeToString()
+    return HEAD + b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+# Each is followed, in the same write, by valid_http(): a parser that reads
+# the framing another way (a lenient one, or a proxy in front) would take
+# that for a second request.
+SMUGGLED = valid_http()
+HOSTILE_FRAMING = {
+    "two_content_lengths": (HEAD + b"Content-Length: 0\r\nContent-Length: %d\r\n\r\n" % len(SMUGGLED),
+                            400),
+    "content_length_and_chunked": (HEAD + b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                   % (len(SMUGGLED) + 5) + b"0\r\n\r\n", 400),
+    "unknown_coding": (HEAD + b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501),
+    "vertical_tab_before_chunked": (HEAD + b"Transfer-Encoding: \x0bchunked\r\n\r\n0\r\n\r\n", 400),
+    "nul_after_chunked": (HEAD + b"Transfer-Encoding: chunked\x00\r\n\r\n0\r\n\r\n", 400),
+    "space_before_colon": (HEAD + b"Transfer-Encoding : chunked\r\n\r\n0\r\n\r\n", 400),
+    "folded_transfer_encoding": (HEAD + b"Transfer-Encoding:\r\n chunked\r\n\r\n0\r\n\r\n", 400),
+    "folded_line_after_length": (HEAD + b"Content-Length: 0\r\nX-Pad: a\r\n\tTransfer-Encoding: chunked"
+                                 b"\r\n\r\n", 400),
+    "chunk_size_not_hex": (HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+    "chunk_size_negative": (HEAD + b"Transfer-Encoding: chunked\r\n\r\n-1\r\n", 400),
+    "chunk_size_plus_sign": (HEAD + b"Transfer-Encoding: chunked\r\n\r\n+0\r\n\r\n", 400),
+    "chunk_size_0x_prefix": (HEAD + b"Transfer-Encoding: chunked\r\n\r\n0x0\r\n\r\n", 400),
+    "chunk_size_21_digits": (HEAD + b"Transfer-Encoding: chunked\r\n\r\n1" + b"0" * 20 + b"\r\n", 400),
+    "chunk_without_crlf": (HEAD + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhelloXX0\r\n\r\n", 400),
+}
+
+
+def exchange(port: int, data: bytes) -> tuple[list[tuple[int, dict, bytes]], bool]:
+    """Send `data` in one write and read the answers until the receiver
+    closes the connection, or for 5 s; returns (status, headers, body) of
+    each, and whether the receiver closed."""
+    raw = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(data)
+        try:
+            while chunk := s.recv(65536):
+                raw += chunk
+            closed = True
+        except TimeoutError:
+            closed = False
+    answers = []
+    while raw:
+        head, sep, raw = raw.partition(b"\r\n\r\n")
+        assert sep, f"an answer cut short: {head[:200]!r}"
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        length = int(headers["content-length"])
+        answers.append((int(lines[0].split(" ")[1]), headers, raw[:length]))
+        raw = raw[length:]
+    return answers, closed
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_FRAMING))
+def test_hostile_framing_is_refused_and_nothing_after_it_processed(started, case):
+    r, rec = started()
+    request, expected_status = HOSTILE_FRAMING[case]
+    answers, closed = exchange(r.http_port, request + SMUGGLED)
+    assert rec.spans() == []
+    assert [a[0] for a in answers] == [expected_status] and closed
+    _, headers, body = answers[0]
+    assert headers["connection"] == "close"
+    assert status_of(body).message.startswith("malformed HTTP request")
+    assert r.stats()["requests"]["http"] == {"malformed_http": 1}
+    # and it serves the next connection
+    assert post(r.http_port, make_request(3).SerializeToString())[0] == 200
+    assert len(rec.spans()) == 3
+
+
+REFUSED_HEADS = {
+    "request_line_too_long": (b"POST /" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 431),
+    "header_too_long": (HEAD + b"X: " + b"b" * 70_000 + b"\r\n\r\n", 431),
+    "too_many_headers": (HEAD + b"X-A: 1\r\n" * 120 + b"\r\n", 431),
+    "no_host": (b"POST /v1/traces HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 400),
+    "http_2": (b"POST /v1/traces HTTP/2.0\r\nHost: x\r\n\r\n", 505),
+    "unknown_method": (b"BREW /v1/traces HTTP/1.1\r\nHost: x\r\n\r\n", 501),
+    "transfer_encoding_in_http_1_0": (HEAD.replace(b"HTTP/1.1", b"HTTP/1.0")
+                                      + b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_HEADS))
+def test_heads_over_the_limits_or_not_served_are_refused(started, case):
+    r, rec = started()
+    request, expected_status = REFUSED_HEADS[case]
+    answers, closed = exchange(r.http_port, request + SMUGGLED)
+    assert [a[0] for a in answers] == [expected_status] and closed
+    assert rec.spans() == []
+    assert r.stats()["requests"]["http"] == {"malformed_http": 1}
+
+
+def test_pipelined_valid_requests_are_each_answered(started):
+    """What the test above relies on: a request sent along with another is
+    processed when the framing of the first is sound (as an identical
+    Content-Length sent twice is)."""
+    r, rec = started()
+    body = make_request(1, seed=12).SerializeToString()
+    twice = HEAD + b"Content-Length: %d\r\nContent-Length: %d\r\n\r\n" % (len(body), len(body)) + body
+    chunked = HEAD + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    last = valid_http().replace(b"Host: x\r\n", b"Host: x\r\nConnection: close\r\n")
+    answers, closed = exchange(r.http_port, twice + chunked + last)
+    assert [a[0] for a in answers] == [200, 200, 200] and closed
+    assert len(rec.spans()) == 4
+    assert r.stats()["requests"]["http"] == {"ok": 3}
+
+
+def test_a_client_waiting_for_100_continue_gets_it_then_its_answer(started):
+    r, rec = started()
+    body = make_request(2).SerializeToString()
+    with socket.create_connection(("127.0.0.1", r.http_port), timeout=10) as s:
+        s.sendall(HEAD + b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        assert s.recv(4096).startswith(b"HTTP/1.1 100 ")
+        s.sendall(body)
+        assert s.recv(4096).startswith(b"HTTP/1.1 200 ")
+    assert len(rec.spans()) == 2
+
+
+# ---------------------------------------------------------------------------
 # lifecycle
 
 def test_the_reaper_sleeps_while_nothing_has_a_deadline(started, channels):
