@@ -100,13 +100,48 @@ static size_t varint_len(uint64_t v)
 }
 
 /* One field: its number, wire type and, for length-delimited ones, the bytes;
- * for fixed64 the 8 bytes. -1 when malformed. */
+ * for fixed64 the 8 bytes; a group (wire types 3 and 4, deprecated) skipped
+ * whole, nested ones included, as a parse keeps it (an unknown field), its
+ * start and end numbers matched. -1 when malformed. */
 typedef struct {
     uint32_t num;
     uint32_t type;
     span_t sub;       /* type 2: the payload; type 1: the 8 bytes */
     uint64_t v;       /* type 0: the value */
 } field_t;
+
+#define GROUP_DEPTH 100              /* protobuf's own recursion limit */
+static int next_field(span_t *s, field_t *f);
+
+static int skip_group(span_t *s, field_t *f)
+{
+    uint32_t open[GROUP_DEPTH];
+    int depth = 1;
+    uint64_t tag;
+    field_t g;
+    open[0] = f->num;
+    f->sub.p = s->p;
+    while (depth > 0) {
+        span_t peek = *s;
+        if (varint(&peek, &tag) < 0)
+            return -1;
+        uint32_t num = (uint32_t)(tag >> 3);
+        if ((tag & 7) == 3) {
+            if (depth == GROUP_DEPTH)
+                return -1;
+            open[depth++] = num;
+            s->p = peek.p;
+        } else if ((tag & 7) == 4) {
+            if (open[--depth] != num)
+                return -1;
+            f->sub.end = s->p;
+            s->p = peek.p;
+        } else if (next_field(s, &g) < 0) {     /* any other field, whole */
+            return -1;
+        }
+    }
+    return 0;
+}
 
 static int next_field(span_t *s, field_t *f)
 {
@@ -137,6 +172,8 @@ static int next_field(span_t *s, field_t *f)
             return -1;
         s->p += 4;
         return 0;
+    case 3:
+        return skip_group(s, f);
     default:
         return -1;
     }
@@ -1461,6 +1498,7 @@ out:
 static int serving_span(span_t s)
 {
     field_t f;
+    int server = 0;
     while (s.p < s.end) {
         const uint8_t *at = s.p;
         if (next_field(&s, &f) < 0)
@@ -1472,11 +1510,11 @@ static int serving_span(span_t s)
             uint64_t tag, kind;
             if (varint(&v, &tag) < 0 || varint(&v, &kind) < 0)
                 return -1;
-            if (kind == 2)
-                return 1;
+            /* the last kind wins, as a parse keeps it; an enum is 32 bits */
+            server = (uint32_t)kind == 2;
         }
     }
-    return 0;
+    return server;
 }
 
 static PyObject *serving_spans(PyObject *self, PyObject *arg)

@@ -5,7 +5,6 @@ on the edge cases one by one."""
 
 from __future__ import annotations
 
-import math
 import random
 import struct
 
@@ -14,58 +13,8 @@ from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from spanlet import _wire
-from spanlet.request_totals import _KEYS, TOTALS
-
-N = len(TOTALS)
-SUMMED = [b"kernel." + k for k, _ in _KEYS]
-OTHER_KEYS = [b"kernel.gpu.launches", b"kernel.request.cpu_ns", b"kernel.request.x", b"kernel.", b"kernel",
-              b"http.route", b"kernel.sched.cpu_nsx", b"kernel.request."]
-
-
-def oracle(span: trace_pb2.Span) -> tuple[list | None, bool]:
-    sums, has_totals = [0.0] * N, False
-    index = {b"kernel." + k: i for k, i in _KEYS}
-    for kv in span.attributes:
-        key, kind = kv.key.encode(), kv.value.WhichOneof("value")
-        if kind not in ("int_value", "double_value"):
-            continue
-        x = getattr(kv.value, kind)
-        if key.startswith(b"kernel.request.") and len(key) > len(b"kernel.request."):
-            has_totals = True
-        elif key in index:
-            if kind == "int_value" and x >= 0 or kind == "double_value" and 0.0 < x < math.inf:
-                sums[index[key]] += x
-    return (sums if any(sums) else None), has_totals
-
-
-def value(rnd: random.Random, kv: common_pb2.KeyValue) -> None:
-    kind = rnd.randrange(7)
-    if kind == 0:
-        kv.value.int_value = rnd.choice([0, 1, 5, 1 << 40, -3, (1 << 63) - 1, -(1 << 63)])
-    elif kind == 1:
-        kv.value.double_value = rnd.choice([0.0, 0.5, 12.25, -1.0, math.inf, -math.inf, math.nan, 1e300])
-    elif kind == 2:
-        kv.value.string_value = "12"
-    elif kind == 3:
-        kv.value.bool_value = True
-    elif kind == 4:
-        kv.value.bytes_value = b"\x18\x05"
-    elif kind == 5:
-        kv.value.array_value.values.add().int_value = 4
-    # 6: no value
-
-
-def random_span(rnd: random.Random) -> trace_pb2.Span:
-    s = trace_pb2.Span(trace_id=rnd.randbytes(16), span_id=rnd.randbytes(8), name="s")
-    for _ in range(rnd.randrange(12)):
-        kv = s.attributes.add(key=rnd.choice(SUMMED + OTHER_KEYS).decode())
-        value(rnd, kv)
-    # the same keys on an event and a link: never read
-    ev = s.events.add(name="e")
-    ev.attributes.add(key=SUMMED[0].decode()).value.int_value = 1000
-    s.links.add(trace_id=rnd.randbytes(16), span_id=rnd.randbytes(8)).attributes.add(
-        key="kernel.request.cpu_ns").value.int_value = 7
-    return s
+from spanlet.request_totals import _KEYS
+from wire_gen import N, oracle, random_span
 
 
 def read(span_bytes: bytes, pad: bytes = b"\x01\x02") -> tuple:
@@ -132,3 +81,17 @@ def test_a_double_is_read_bit_for_bit():
     s.attributes.add(key="kernel." + _KEYS[0][0].decode()).value.double_value = 0.1
     sums, _ = read(s.SerializeToString())
     assert struct.pack("<d", sums[0]) == struct.pack("<d", 0.1)
+
+
+@pytest.mark.parametrize("group", [b"\x63\x64", b"\x63\x6b\x08\x01\x6c\x64"])
+def test_a_group_field_is_skipped_as_a_parse_keeps_it(group):
+    """Found by the differential fuzzing (test_wire_differential.py): a span
+    with a group (wire types 3 and 4, kept by a parse as an unknown field)
+    still adds its facts."""
+    s = trace_pb2.Span()
+    s.attributes.add(key="kernel.sched.cpu_ns").value.int_value = 5
+    data = s.SerializeToString() + group
+    assert trace_pb2.Span.FromString(data).attributes[0].value.int_value == 5
+    assert read(data) == ([5.0] + [0.0] * (N - 1), False)
+    for bad in (b"\x63", b"\x63\x6c", b"\x64"):     # unterminated, mismatched, an end alone
+        assert read(s.SerializeToString() + bad) == (None, False)
