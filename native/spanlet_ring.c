@@ -9,6 +9,11 @@
  * end of the ring is contiguous. Each record: a u32 length whose top bits are
  * BUSY (reserved, not yet committed: it and every record after it wait) and
  * DISCARD (skipped), a u32 page offset, then the record, padded to 8 bytes.
+ * A length past the data area, or a producer position more than the data
+ * area ahead of the consumer's, is no state the kernel makes (it refuses such
+ * a reservation, kernel/bpf/ringbuf.c): the walk reads nothing more and gives
+ * the ring back up to the producer position, what is there lost (read counts
+ * it as one error), as no record in it can be trusted.
  *
  * Ring(map_fd, size): size a power-of-two number of pages.
  * Ring.read(limit, layout, clock, offset_ns, next_ns) -> (records, errors):
@@ -388,10 +393,11 @@ static inline void give_back(Ring *r, uint64_t cons)
 }
 
 /* Calls visit(ctx, record, size) for each committed record, at most limit;
- * returns how many, or -1 (an exception set by visit). */
+ * returns how many, or -1 (an exception set by visit). *corrupt set: a ring
+ * the kernel cannot have made ended the walk. */
 typedef int (*visit_fn)(void *ctx, const uint8_t *rec, uint32_t size);
 
-static Py_ssize_t ring_walk(Ring *r, Py_ssize_t limit, visit_fn visit, void *ctx)
+static Py_ssize_t ring_walk(Ring *r, Py_ssize_t limit, visit_fn visit, void *ctx, int *corrupt)
 {
     const uint64_t *prod_pos = (const uint64_t *)r->producer;
     const uint8_t *data = r->producer + r->page;
@@ -404,6 +410,13 @@ static Py_ssize_t ring_walk(Ring *r, Py_ssize_t limit, visit_fn visit, void *ctx
         if (len & BUSY_BIT)
             break;          /* reserved, not yet committed: records after it wait too */
         uint32_t size = len & ~(BUSY_BIT | DISCARD_BIT);
+        if ((uint64_t)size + RECORD_HDR > r->size || prod - cons > r->size) {
+            /* its bytes would run past the second copy of the data; records
+             * that are no records would be walked past without end */
+            *corrupt = 1;
+            cons = prod;
+            break;
+        }
         if (!(len & DISCARD_BIT)) {
             if (visit(ctx, hdr + RECORD_HDR, size) < 0) {
                 give_back(r, cons);
@@ -449,7 +462,8 @@ static PyObject *ring_read_raw(Ring *r, PyObject *args)
     if (out == NULL)
         return NULL;
     r->busy++;
-    if (ring_walk(r, limit, visit_raw, out) < 0)
+    int corrupt = 0;
+    if (ring_walk(r, limit, visit_raw, out, &corrupt) < 0)
         Py_CLEAR(out);
     return ring_finish(r, out);
 }
@@ -575,7 +589,9 @@ static PyObject *ring_read(Ring *r, PyObject *args)
         return NULL;
     r->busy++;
     PyObject *result = NULL;
-    if (ring_walk(r, limit, visit_record, &c) >= 0) {
+    int corrupt = 0;
+    if (ring_walk(r, limit, visit_record, &c, &corrupt) >= 0) {
+        c.errors += corrupt;
         Batch *b = PyObject_New(Batch, &BatchType);
         if (b != NULL) {
             b->list = c.out;          /* the list's reference goes to the batch */

@@ -97,6 +97,9 @@ class RingBufferReader(_Waiting):
             if length & BUSY_BIT:
                 break  # reserved, not yet committed: records after it wait too
             size = length & ~(BUSY_BIT | DISCARD_BIT)
+            if size + HDR_SIZE > self.size or prod - cons > self.size:
+                cons = prod     # no ring the kernel writes (native/spanlet_ring.c): given back
+                break
             if not length & DISCARD_BIT:
                 handle(data, off + HDR_SIZE, size)
                 n += 1

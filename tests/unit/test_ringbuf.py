@@ -329,3 +329,37 @@ def test_the_header_reads_its_integers_without_a_decode(synced):
     ev = recs[0]
     ev.stream, ev.hdr.trace_id, ev.as_dict()
     assert len(decodes) == len(recs)       # decoded once
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("corrupt", ["record_longer_than_ring", "producer_past_a_ring"])
+def test_a_ring_no_kernel_writes_is_given_back_not_read_past_or_walked_for_ever(fake, native, corrupt):
+    """Found by the ring reader's fuzz target (fuzz/ring_read.c, inputs in
+    fuzz/regressions/ring_read/): a record longer than the ring (read past
+    the mapping) or a producer more than a ring ahead (a discarded record the
+    size of the ring found again and again); the kernel makes neither. Both
+    walks give the ring back up to the producer and read on after."""
+    cls = ringbuf.NativeRingBufferReader if native else ringbuf.RingBufferReader
+    reader = cls(fake.fd, fake.size, fake.wake_fd)
+    try:
+        rng = random.Random(3)
+        first, after = (random_record(rng, 1_000 * (i + 1), events.Kind.GPU_SYNC) for i in range(2))
+        fake.put(first)
+        if corrupt == "record_longer_than_ring":
+            fake._write(fake.prod, struct.pack("<II", fake.size + 1, 0))
+            fake.prod += 64
+        else:
+            fake._write(fake.prod, struct.pack("<II", (fake.size - 8) | ringbuf.DISCARD_BIT, 0))
+            fake.prod += 3 * fake.size
+        fake._flush()
+        # the records before the bad length are read; a producer past a ring
+        # leaves nothing to trust in it
+        before = [first] if corrupt == "record_longer_than_ring" else []
+        got = []
+        assert reader.consume(lambda data, off, size: got.append(bytes(data[off:off + size]))) == len(before)
+        assert got == before and fake.consumer == fake.prod
+        fake.put(after)
+        assert reader.consume(lambda data, off, size: got.append(bytes(data[off:off + size]))) == 1
+        assert got == before + [after]
+    finally:
+        reader.close()
