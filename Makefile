@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-image image run test wheel-check unit bench soak dump-bpf native clean demo demo-agent
+.PHONY: setup setup-image image run test wheel-check unit bench soak dump-bpf native clean demo demo-agent fuzz sanitize
 
 setup:
 	bash scripts/setup.sh
@@ -34,7 +34,12 @@ demo: setup
 # works, then runs the whole test suite (root needed for the kernel tier;
 # SPANLET_REQUIRE_KERNEL=1 makes a kernel test that cannot run fail).
 # The whole suite, the container test included: setup with the image's tools.
+# A brief fuzz run (TEST_FUZZ_SECONDS a target) and the sanitizer run of the
+# unit tier go first.
+TEST_FUZZ_SECONDS ?= 5
 test: setup-image wheel-check
+	$(MAKE) fuzz FUZZ_SECONDS=$(TEST_FUZZ_SECONDS)
+	$(MAKE) sanitize
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 # The wheel of HEAD, built from a clean copy, in fresh venvs: the client alone,
@@ -51,6 +56,31 @@ agent/_native/standin/libnvidia-ml.so.1: agent/demo/standin/cuda.c agent/demo/st
 
 unit:
 	$(PY) -m pytest -ra tests/unit
+
+# The native entry points that read outside bytes, fuzzed: one libFuzzer
+# target a function (fuzz/*.c, embedding CPython), built with ASan and UBSan
+# into build/fuzz, then fuzz/run.sh: each target's regressions, then
+# FUZZ_SECONDS of fuzzing from its seed corpus (fuzz/corpus, written by
+# fuzz/make_corpus.py); any finding fails. Root needed (wire_join_resource
+# makes BPF maps); clang-16 and libclang-rt-16-dev from scripts/setup.sh.
+FUZZ_SECONDS ?= 10
+FUZZ_CC ?= clang-16
+PYTHON_CONFIG ?= python3-config
+FUZZ_CFLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
+FUZZ_TARGETS := $(patsubst fuzz/%.c,build/fuzz/%,$(wildcard fuzz/*.c))
+
+fuzz: $(FUZZ_TARGETS)
+	FUZZ_SECONDS=$(FUZZ_SECONDS) bash fuzz/run.sh
+
+build/fuzz/%: fuzz/%.c fuzz/harness.h $(wildcard native/*.c)
+	@mkdir -p build/fuzz
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $$($(PYTHON_CONFIG) --includes) $< -o $@ $$($(PYTHON_CONFIG) --embed --ldflags) -lm
+
+# The native extensions built with ASan and UBSan, loaded in place of the
+# package's own, under the unit tier; leaks reported (scripts/sanitize.sh;
+# the tests it leaves out and why: tests/sanitize/leave_out.txt).
+sanitize:
+	bash scripts/sanitize.sh
 
 bench: setup
 	@for b in bench/*_bench.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -26,6 +26,10 @@ fi
 # python3-dev: Python.h, for the span marker extension that the install builds.
 debs=(python3-bpfcc bpftool linux-headers-cloud-amd64 iproute2 gcc make libc6-dev
       prometheus python3-venv python3-dev)
+# clang-16 with its libFuzzer and sanitizer runtimes (libclang-rt-16-dev): the
+# fuzz targets (make fuzz, which make test runs briefly; python3-dev's
+# libpython to embed).
+debs+=(clang-16 libclang-rt-16-dev)
 # kubectl (Debian's kubernetes-client) for the manifests' `kubectl kustomize`
 # test, unless a kubectl is already installed (another package of it would clash).
 command -v kubectl >/dev/null || debs+=(kubernetes-client)
