@@ -13,9 +13,13 @@ from pathlib import Path
 
 import pytest
 
-import cuda_standin
-from require import cannot_run
-from gpu_harness import cgroup2_root, remove_cgroup
+if os.environ.get("SPANLET_NATIVE_DIR"):     # the sanitizer run (scripts/sanitize.sh)
+    import sanitized
+    sanitized.install(os.environ["SPANLET_NATIVE_DIR"])
+
+import cuda_standin  # noqa: E402
+from require import cannot_run  # noqa: E402
+from gpu_harness import cgroup2_root, remove_cgroup  # noqa: E402
 
 def _kernel_missing() -> str | None:
     if os.environ.get("SPANLET_TEST_KERNEL_MISSING"):
