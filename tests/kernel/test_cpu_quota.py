@@ -2,7 +2,8 @@
 in a pod-shaped cgroup with 0.2 CPU (cgroup v2 cpu.max, or the v1 cpu
 hierarchy of a hybrid host) spins past its quota inside its spans, 20 runs.
 The throttling shows on the spans as run-queue time (kernel.sched.runqueue_ns:
-at least the cgroup's own throttled time) and in
+at least the throttled time that the cgroup's cpu.stat gained while the spans
+were open, which the child reads at their edges) and in
 spanlet_pod_cpu_throttled_seconds_total of that pod, named by the agent's pod
 naming: exactly the cgroup's cpu.stat, before and after each run."""
 
@@ -24,9 +25,14 @@ CPU = 1 if os.cpu_count() > 1 else 0
 MS = 1_000_000
 # 50 ms of CPU every 250 ms (0.2 CPU). Each span spins 200 ms of CPU: the
 # quota runs out at least 3 times in it. It then sleeps longer than a period,
-# so that what the child runs outside its spans (between them, at its exit)
-# starts with a whole period's quota and is not throttled: the cgroup's
-# throttled time all falls inside the spans.
+# so that what the child runs between its spans starts with a whole period's
+# quota. Its exit is another matter: the interpreter's shutdown took 22-37 ms
+# of CPU here, and where it takes more than the period's quota left, the exit
+# is throttled, outside any span (the suite failed so twice: the run's
+# throttled time 143 ms above the thread's wait in its spans, a throttling's
+# worth, where the spans were held to the whole run's throttled time). So
+# the spans are held to the throttled time that the cgroup's cpu.stat gained
+# between their edges (the child reads it there), not to the whole run's.
 QUOTA_MS, PERIOD_MS = 50, 250
 SPANS, SPIN_MS, SLEEP_MS = 2, 200, 300
 # How much of one throttling the thread's run-queue time may lack. The kernel
@@ -66,10 +72,11 @@ def pod():
 
 
 def test_throttling_is_run_queue_on_the_spans_and_the_pods_throttled_seconds(sched, pod):
-    """20 runs, 2 spans each, the quota running out ~8 times a run: each run's
-    throttled time lies inside the thread's run-queue wait and the spans'
-    run-queue time (all but the known gap's share of the runs), and the pod's
-    counter is the cgroup's cpu.stat exactly, before and after each run."""
+    """20 runs, 2 spans each, the quota running out ~8 times a run: the
+    throttled time gained inside each run's spans lies inside the thread's
+    run-queue wait and the spans' run-queue time (all but the known gap's
+    share of the runs), and the pod's counter is the cgroup's cpu.stat
+    exactly, before and after each run."""
     probe, spin = sched
     reg = registry(throttle_engine(PodCpuThrottle(), pod_names(cgroup2_root(), {pod.uid: (NAMESPACE, POD)})))
     misses = []
@@ -86,16 +93,18 @@ def test_throttling_is_run_queue_on_the_spans_and_the_pods_throttled_seconds(sch
         assert all(len(r) == 1 for r in rows), rows
         runqueue_ns, cpu_ns = sum(r[0].runqueue_ns for r in rows), sum(r[0].cpu_ns for r in rows)
         own_wait_ns = sum(figures[1] for figures in spans.values())     # schedstat, inside the edges
+        inside_ns = sum(figures[14] for figures in spans.values())      # cpu.stat, inside the edges
         slack = throttles * SLACK_PER_THROTTLE_NS
         seen = (f"spans: cpu {cpu_ns} run queue {runqueue_ns}; the thread's own wait {own_wait_ns}; "
-                f"cgroup: {throttles} throttles, {throttled_ns} ns throttled")
+                f"cgroup: {throttles} throttles, {throttled_ns} ns throttled, {inside_ns} ns of it inside the spans")
 
         # the quota ran out in every span, again and again, and the thread waited it out
         assert throttles >= SPANS * (SPIN_MS // QUOTA_MS - 1), seen
-        assert own_wait_ns >= throttled_ns - slack, seen
+        assert 0 < inside_ns <= throttled_ns, seen
+        assert own_wait_ns >= inside_ns - slack, seen
         # (a) on the spans the throttling is run-queue time, much more than the CPU time
-        assert runqueue_ns >= 2 * cpu_ns and throttled_ns >= cpu_ns, seen
-        if runqueue_ns < throttled_ns - slack:
+        assert runqueue_ns >= 2 * cpu_ns and inside_ns >= cpu_ns, seen
+        if runqueue_ns < inside_ns - slack:
             misses.append(seen)
         # (b) the pod's counter is the cgroup's cpu.stat, exactly, at each scrape
         assert (now["nr_throttled"], pod.throttled_ns(now)) == (after["nr_throttled"], pod.throttled_ns(after))

@@ -152,7 +152,7 @@ def test_each_span_holds_its_threads_cpu_run_queue_and_blocked_time(probe, gpu, 
         for key, figures in spans.items():
             (cpu, wait, wall, switched, involuntary), (cpu_o, wait_o, wall_o, switched_o, involuntary_o) = (
                 figures[:5], figures[5:10])
-            (h2d, d2h), (start, end) = figures[10:12], figures[12:]
+            (h2d, d2h), (start, end) = figures[10:12], figures[12:14]
             r = rows[key]
             total = r.cpu_ns + r.runqueue_ns + r.blocked_ns
             seen = (f"ours: cpu {r.cpu_ns} rq {r.runqueue_ns} blocked {r.blocked_ns} total {total} switches "

@@ -38,9 +38,13 @@ def span_ctx_probe(*overrides: str):
 
 def run_child(probe, spin: Path, *args: str, cgroup: Path | None = None) -> dict[tuple[bytes, int], tuple[int, ...]]:
     """child.py's spans: (trace, span) -> its own figures; the marker attached first
-    (and the child moved into `cgroup` once started, before its spans)."""
+    (and the child moved into `cgroup` once started, before its spans; it reads
+    that cgroup's throttled time at its spans' edges)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if cgroup is not None:
+        env["SPANLET_TEST_CPU_STAT"] = str(cgroup / "cpu.stat")
     proc = subprocess.Popen([sys.executable, str(HERE / "child.py"), str(spin), *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().startswith("ready")
         if cgroup is not None:

@@ -15,8 +15,12 @@ spanlet processor (the production marker, uprobed by the test's agent).
         (/proc/thread-self/status), read just inside the span's edges, then
         just outside them: the span's own figures lie between the two (equal
         where nothing ran between a mark and a read); then the bytes it copied
-        each way (0 without LIBCUDA), and the monotonic times of the two
-        outside readings (when the span's edges were, give or take).
+        each way (0 without LIBCUDA), the monotonic times of the two
+        outside readings (when the span's edges were, give or take), and the
+        throttled time that the cgroup's cpu.stat gained between the two
+        inside readings, with SPANLET_TEST_CPU_STAT naming that cpu.stat (0
+        without): the throttling of the span's own time, and nothing that the
+        process ran outside its spans (its exit, say).
     child.py LIBSPIN coroutines LOOP TASKS STEPS STEP_MS
         TASKS coroutines on one asyncio or uvloop loop, each in its span,
         each step spinning STEP_MS of CPU; per span prints
@@ -59,6 +63,19 @@ def switches() -> tuple[int, int]:
     return vol + inv, inv
 
 
+CPU_STAT = os.environ.get("SPANLET_TEST_CPU_STAT")
+
+
+def throttled_ns() -> int:
+    """The throttled time in the cgroup's cpu.stat (v2 throttled_usec, v1
+    throttled_time ns), 0 without SPANLET_TEST_CPU_STAT."""
+    if not CPU_STAT:
+        return 0
+    with open(CPU_STAT) as f:
+        stat = dict(line.split() for line in f)
+    return int(stat["throttled_usec"]) * 1000 if "throttled_usec" in stat else int(stat["throttled_time"])
+
+
 def reading() -> tuple[int, ...]:
     """(CPU ns, run-queue ns, monotonic ns, switches, involuntary switches) of the calling thread."""
     cpu, wait = schedstat()
@@ -91,18 +108,18 @@ def worker(index: int, cpu: int, spans: int, cpu_ms: float, sleep_ms: float, pip
         r, w = os.pipe()
         before = reading()
         with tracer.start_as_current_span("request") as span:
-            start = reading()
+            start, throttled_start = reading(), throttled_ns()
             spin(int(cpu_ms * MS))
             copied = copies(cuda, index, span_no)
             time.sleep(sleep_ms / 1000)
             threading.Timer(pipe_ms / 1000, os.write, (w, b"x")).start()
             os.read(r, 1)
-            end = reading()
+            end, throttled = reading(), throttled_ns() - throttled_start
         after = reading()
         os.close(r)
         os.close(w)
         say(span, *(e - s for e, s in zip(end, start)), *(a - b for a, b in zip(after, before)), *copied,
-            before[2], after[2])
+            before[2], after[2], throttled)
 
 
 def threads(cpu, n, spans, cpu_ms, sleep_ms, pipe_ms, libcuda="") -> None:
