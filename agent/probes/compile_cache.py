@@ -29,9 +29,7 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import re
-import resource
 import shutil
 import socket
 import stat
@@ -42,6 +40,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from spanlet.probes import bpf_sys
+
 log = logging.getLogger(__name__)
 
 FORMAT = 1                 # of the files; part of the key
@@ -49,11 +49,6 @@ CACHE_DIR = "bpf-cache"    # under data_dir
 MAX_FILES = 64             # kept, the least recently used removed past it
 ASIDE_TIMEOUT_S = 120.0    # a compile in a process of its own (compile_aside) waited for at most
 
-_SYS_BPF = {"x86_64": 321, "aarch64": 280}
-_MAP_CREATE, _PROG_LOAD, _OBJ_PIN, _OBJ_GET, _OBJ_GET_INFO_BY_FD = 0, 5, 6, 7, 15
-_LD_IMM64 = 0x18
-_PSEUDO_MAP_FD = 1
-_OBJ_NAME_LEN = 16
 # prefixes bcc's program load leaves out of a program's kernel name (libbpf.c)
 _NAME_PREFIXES = ("kprobe__", "kretprobe__", "tracepoint__", "raw_tracepoint__", "kfunc__",
                   "kretfunc__", "lsm__")
@@ -67,74 +62,10 @@ BTF_VMLINUX = "/sys/kernel/btf/vmlinux"
 _CLONE_NEWNS, _MS_BIND, _MS_REC, _MS_PRIVATE, _MNT_DETACH = 0x00020000, 4096, 0x4000, 1 << 18, 2
 
 _libc = C.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
-_syscall.restype = C.c_long
-_syscall.argtypes = [C.c_long, C.c_int, C.c_void_p, C.c_uint]
 
 
 class CacheError(Exception):
     """A cached module could not be used or a compile could not be cached."""
-
-
-class _MapInfo(C.Structure):
-    _fields_ = [("type", C.c_uint32), ("id", C.c_uint32), ("key_size", C.c_uint32),
-                ("value_size", C.c_uint32), ("max_entries", C.c_uint32), ("map_flags", C.c_uint32),
-                ("name", C.c_char * _OBJ_NAME_LEN), ("ifindex", C.c_uint32),
-                ("btf_vmlinux_value_type_id", C.c_uint32), ("netns_dev", C.c_uint64),
-                ("netns_ino", C.c_uint64), ("btf_id", C.c_uint32), ("btf_key_type_id", C.c_uint32),
-                ("btf_value_type_id", C.c_uint32), ("_pad", C.c_uint32), ("map_extra", C.c_uint64),
-                ("_rest", C.c_uint8 * 32)]
-
-
-class _InfoAttr(C.Structure):
-    _fields_ = [("bpf_fd", C.c_uint32), ("info_len", C.c_uint32), ("info", C.c_uint64)]
-
-
-class _ObjAttr(C.Structure):
-    _fields_ = [("pathname", C.c_uint64), ("bpf_fd", C.c_uint32), ("file_flags", C.c_uint32),
-                ("_pad", C.c_uint8 * 48)]
-
-
-class _MapCreateAttr(C.Structure):
-    _fields_ = [("map_type", C.c_uint32), ("key_size", C.c_uint32), ("value_size", C.c_uint32),
-                ("max_entries", C.c_uint32), ("map_flags", C.c_uint32), ("inner_map_fd", C.c_uint32),
-                ("numa_node", C.c_uint32), ("map_name", C.c_char * _OBJ_NAME_LEN),
-                ("_pad", C.c_uint8 * 72)]
-
-
-class _ProgLoadAttr(C.Structure):
-    _fields_ = [("prog_type", C.c_uint32), ("insn_cnt", C.c_uint32), ("insns", C.c_uint64),
-                ("license", C.c_uint64), ("log_level", C.c_uint32), ("log_size", C.c_uint32),
-                ("log_buf", C.c_uint64), ("kern_version", C.c_uint32), ("prog_flags", C.c_uint32),
-                ("prog_name", C.c_char * _OBJ_NAME_LEN), ("prog_ifindex", C.c_uint32),
-                ("expected_attach_type", C.c_uint32), ("_pad", C.c_uint8 * 64)]
-
-
-def _bpf(cmd: int, attr: C.Structure) -> int:
-    """bpf(cmd, attr); its result, or -1 with ctypes' errno set. Where the
-    kernel charges BPF memory to RLIMIT_MEMLOCK (before Linux 5.11) a refusal
-    for it (EPERM) raises the limit, as BCC does, and tries once more; a
-    program load the verifier broke off for a signal (EAGAIN) is tried again
-    (libbpf tries 5 times)."""
-    nr = _SYS_BPF.get(platform.machine())
-    if nr is None:
-        raise CacheError(f"no bpf syscall number known for {platform.machine()}")
-    raised = False
-    for _ in range(5):
-        fd = _syscall(nr, cmd, C.addressof(attr), C.sizeof(attr))
-        if fd >= 0:
-            return fd
-        err = C.get_errno()
-        if err == errno.EPERM and not raised and cmd in (_MAP_CREATE, _PROG_LOAD):
-            raised = True
-            try:
-                resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY,) * 2)
-            except (OSError, ValueError):
-                break
-        elif not (err == errno.EAGAIN and cmd == _PROG_LOAD):
-            break
-        C.set_errno(err)
-    return fd
 
 
 def _fail(what: str) -> CacheError:
@@ -142,22 +73,22 @@ def _fail(what: str) -> CacheError:
     return CacheError(f"{what}: {os.strerror(err)}")
 
 
-def map_info(fd: int) -> _MapInfo:
-    info = _MapInfo()
-    attr = _InfoAttr(bpf_fd=fd, info_len=C.sizeof(info), info=C.addressof(info))
-    if _bpf(_OBJ_GET_INFO_BY_FD, attr) < 0:
+def map_info(fd: int) -> bpf_sys.MapInfo:
+    info = bpf_sys.MapInfo()
+    attr = bpf_sys.InfoAttr(bpf_fd=fd, info_len=C.sizeof(info), info=C.addressof(info))
+    if bpf_sys.bpf(bpf_sys.OBJ_GET_INFO_BY_FD, attr) < 0:
         raise _fail(f"map info of fd {fd}")
     return info
 
 
 def _obj_get(path: str) -> int:
     p = C.create_string_buffer(os.fsencode(path))
-    return _bpf(_OBJ_GET, _ObjAttr(pathname=C.addressof(p)))
+    return bpf_sys.bpf(bpf_sys.OBJ_GET, bpf_sys.ObjAttr(pathname=C.addressof(p)))
 
 
 def _obj_pin(fd: int, path: str) -> int:
     p = C.create_string_buffer(os.fsencode(path))
-    return _bpf(_OBJ_PIN, _ObjAttr(pathname=C.addressof(p), bpf_fd=fd))
+    return bpf_sys.bpf(bpf_sys.OBJ_PIN, bpf_sys.ObjAttr(pathname=C.addressof(p), bpf_fd=fd))
 
 
 # -- what a compile left, read from BCC's module --------------------------------
@@ -253,13 +184,13 @@ def capture(module, text: str, flags: list[str], templates: dict[str, str]) -> d
         insns = bytearray(C.string_at(start, size))
         relocs = []
         for at in range(0, size, 8):
-            if insns[at] != _LD_IMM64:
+            if insns[at] != bpf_sys.LD_IMM64:
                 continue
             src = insns[at + 1] >> 4
             if src == 0:
                 continue
             imm = int.from_bytes(insns[at + 4:at + 8], "little", signed=True)
-            if src != _PSEUDO_MAP_FD or imm not in by_fd:
+            if src != bpf_sys.PSEUDO_MAP_FD or imm not in by_fd:
                 raise CacheError(f"function {name.decode()}: a 64-bit load of kind {src} "
                                  f"(imm {imm}) is not a map of the module")
             relocs.append([at // 8, by_fd[imm]])
@@ -321,10 +252,10 @@ class CachedModule:
                 raise _fail(f"pin {pin}")
         # made as BCC makes it: the declared bound, flags and name (a pin
         # another tool made first reports that tool's)
-        attr = _MapCreateAttr(map_type=t["type"], key_size=t["key_size"], value_size=t["value_size"],
-                              max_entries=t["bcc_max_entries"], map_flags=t["bcc_flags"],
-                              map_name=t["name"].encode()[:_OBJ_NAME_LEN - 1])
-        fd = _bpf(_MAP_CREATE, attr)
+        attr = bpf_sys.MapCreateAttr(map_type=t["type"], key_size=t["key_size"], value_size=t["value_size"],
+                                     max_entries=t["bcc_max_entries"], map_flags=t["bcc_flags"],
+                                     map_name=t["name"].encode()[:bpf_sys.OBJ_NAME_LEN - 1])
+        fd = bpf_sys.bpf(bpf_sys.MAP_CREATE, attr)
         if fd < 0:
             raise _fail(f"map {t['name']}")
         if pin is not None and _obj_pin(fd, pin) < 0:
@@ -362,17 +293,18 @@ class CachedModule:
                 kname = kname[len(prefix):]
                 break
         lic = C.create_string_buffer(license_)
-        attr = _ProgLoadAttr(prog_type=prog_type, insn_cnt=size // 8, insns=start, license=C.addressof(lic),
-                             kern_version=kern_version, prog_name=kname[:_OBJ_NAME_LEN - 1],
-                             prog_ifindex=0 if device is None else socket.if_nametoindex(device.decode()
-                                                                                   if isinstance(device, bytes) else device),
-                             expected_attach_type=attach_type if attach_type >= 0 else 0)
-        fd = _bpf(_PROG_LOAD, attr)
+        ifname = device.decode() if isinstance(device, bytes) else device
+        attr = bpf_sys.ProgLoadAttr(prog_type=prog_type, insn_cnt=size // 8, insns=start,
+                                    license=C.addressof(lic), kern_version=kern_version,
+                                    prog_name=kname[:bpf_sys.OBJ_NAME_LEN - 1],
+                                    prog_ifindex=0 if device is None else socket.if_nametoindex(ifname),
+                                    expected_attach_type=attach_type if attach_type >= 0 else 0)
+        fd = bpf_sys.bpf(bpf_sys.PROG_LOAD, attr)
         if fd < 0:
             err = C.get_errno()
             buf = C.create_string_buffer(1 << 20)
             attr.log_level, attr.log_size, attr.log_buf = 1, len(buf), C.addressof(buf)
-            again = _bpf(_PROG_LOAD, attr)
+            again = bpf_sys.bpf(bpf_sys.PROG_LOAD, attr)
             if again >= 0:                  # passed the second time
                 return again
             log.warning("cached program %s refused: %s\n%s", name.decode(), os.strerror(err),

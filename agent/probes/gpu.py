@@ -19,7 +19,7 @@ from typing import Iterator
 from spanlet import events
 from spanlet.config import Config
 from spanlet.discovery import LibraryFinder, MappedLibrary
-from spanlet.probes import uprobe_multi
+from spanlet.probes import bpf_sys, uprobe_multi
 from spanlet.probes.base import EventSink, Probe
 from spanlet.probes.maps import read_batches
 
@@ -467,7 +467,7 @@ class GpuProbe(Probe):
                 continue
             try:
                 prog = self.bpf.load_func(fn.encode(), BPF_KPROBE,
-                                          attach_type=uprobe_multi.BPF_TRACE_UPROBE_MULTI)
+                                          attach_type=bpf_sys.TRACE_UPROBE_MULTI)
             except Exception as e:  # BCC raises bare Exception
                 failed.update((h.symbol, str(e)) for h in members)
                 continue

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from spanlet.probes import bpf_sys
+
 # Capability numbers (linux/capability.h).
 CAP_NUMBERS = {"NET_ADMIN": 12, "SYS_PTRACE": 19, "SYS_ADMIN": 21, "SYS_RESOURCE": 24,
                "PERFMON": 38, "BPF": 39}
@@ -43,9 +45,10 @@ WHAT_FAILS = {
 _MEMCG_PROBE = r"""
 import ctypes, os, resource, sys
 libc = ctypes.CDLL(None, use_errno=True)
-attr = (ctypes.c_uint32 * 18)(2, 4, 8, 1)   # BPF_MAP_TYPE_ARRAY, key 4, value 8, 1 entry
+NR, MAP_CREATE, MAP_TYPE_ARRAY = map(int, sys.argv[1:4])     # bpf_sys's, as arguments
+attr = (ctypes.c_uint32 * 18)(MAP_TYPE_ARRAY, 4, 8, 1)      # key 4, value 8, 1 entry
 def make():
-    fd = libc.syscall(321, 0, ctypes.byref(attr), ctypes.sizeof(attr))   # bpf(BPF_MAP_CREATE)
+    fd = libc.syscall(NR, MAP_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))
     if fd >= 0:
         os.close(fd)
         return 0
@@ -61,8 +64,11 @@ sys.exit(0 if err == 0 else 1 if err == 1 else 2)
 def memcg_charged() -> bool | None:
     """True where BPF maps are charged to the memory cgroup (no RLIMIT_MEMLOCK
     needed), False where to RLIMIT_MEMLOCK, None when bpf() itself is refused."""
+    if bpf_sys.NR is None:
+        return None
     try:
-        rc = subprocess.run([sys.executable, "-I", "-S", "-c", _MEMCG_PROBE],
+        rc = subprocess.run([sys.executable, "-I", "-S", "-c", _MEMCG_PROBE, str(bpf_sys.NR),
+                             str(bpf_sys.MAP_CREATE), str(bpf_sys.MAP_TYPE_ARRAY)],
                             timeout=30, capture_output=True).returncode
     except (OSError, subprocess.TimeoutExpired):
         return None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes as C
 import errno
 import os
-import platform
 import struct
 import threading
 from collections import Counter
@@ -17,21 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from spanlet import events
+from spanlet.probes import bpf_sys
 from spanlet.probes.maps import percpu_sum, read_batches
-
-# bpf(2) commands (uapi/linux/bpf.h, enum bpf_cmd).
-BPF_MAP_LOOKUP_ELEM = 1
-BPF_MAP_UPDATE_ELEM = 2
-BPF_MAP_DELETE_ELEM = 3
-BPF_MAP_LOOKUP_AND_DELETE_ELEM = 21   # hash and LRU maps: Linux 5.14
-_SYS_BPF = {"x86_64": 321, "aarch64": 280}
-
-
-class _ElemAttr(C.Structure):
-    """The map-element member of union bpf_attr (map_fd, key, value, flags)."""
-    _fields_ = [("map_fd", C.c_uint32), ("_pad", C.c_uint32), ("key", C.c_uint64),
-                ("value", C.c_uint64), ("flags", C.c_uint64)]
-
 
 _KEY = struct.Struct("<16sQQ")     # struct span_facts_key
 _IKEY = struct.Struct("<16sQ")     # struct span_facts_index_key
@@ -49,10 +35,6 @@ try:
     from spanlet._wire import join_resource as _join_resource
 except ImportError:        # a source tree without its build: the join takes rows one by one
     _join_resource = None
-_libc = C.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
-_syscall.restype = C.c_long
-_syscall.argtypes = [C.c_long, C.c_int, C.c_void_p, C.c_uint]
 
 
 def _address(buf: bytearray) -> int:
@@ -131,10 +113,10 @@ class _Elem:
     def __init__(self, map_fd: int, key_size: int, val_size: int):
         self.key = bytearray(key_size)
         self.val = bytearray(val_size)
-        self.attr = _ElemAttr(map_fd=map_fd, key=_address(self.key), value=_address(self.val))
+        self.attr = bpf_sys.ElemAttr(map_fd=map_fd, key=_address(self.key), value=_address(self.val))
         self.attr_p = C.addressof(self.attr)
         # BPF_MAP_DELETE_ELEM refuses (EINVAL) any attribute after the key that is not zero
-        self.del_attr = _ElemAttr(map_fd=map_fd, key=_address(self.key))
+        self.del_attr = bpf_sys.ElemAttr(map_fd=map_fd, key=_address(self.key))
         self.del_attr_p = C.addressof(self.del_attr)
 
 
@@ -156,11 +138,13 @@ class SpanFacts:
         self._cg_refused, self._refused = cg_refused, refused
         self._created = created
         self.clock = clock or events.MonotonicClock()
-        self._sys_bpf = _SYS_BPF[platform.machine()]
+        if bpf_sys.NR is None:
+            raise OSError(errno.ENOSYS, "no bpf(2) number known for this architecture")
+        self._sys_bpf = bpf_sys.NR
         self._row = _Elem(table.map_fd, _KEY.size, _VAL.size)
         self._idx = _Elem(index.map_fd, _IKEY.size, _IVAL.size)
         self._rel = _Elem(cg_released.map_fd, 8, 8) if cg_released is not None else None
-        self._attr_size = C.sizeof(_ElemAttr)
+        self._attr_size = C.sizeof(bpf_sys.ElemAttr)
         self._lock = threading.Lock()
         self._stats = SpanFactsStats()
         self._closed = False
@@ -182,7 +166,7 @@ class SpanFacts:
     def _call(self, cmd: int, attr_p: int) -> bool:
         if self._closed:
             return False
-        if _syscall(self._sys_bpf, cmd, attr_p, self._attr_size) == 0:
+        if bpf_sys.syscall(self._sys_bpf, cmd, attr_p, self._attr_size) == 0:
             return True
         err = C.get_errno()
         if err == errno.ENOENT:
@@ -195,7 +179,7 @@ class SpanFacts:
         a slot lost to a race in the kernel) the origin's too (so that four
         impostor cgroups cannot hide the sender's own row)."""
         _IKEY.pack_into(self._idx.key, 0, trace_id, span_id)   # "16s" pads a short id with NULs
-        if not self._call(BPF_MAP_LOOKUP_AND_DELETE_ELEM, self._idx.attr_p):
+        if not self._call(bpf_sys.MAP_LOOKUP_AND_DELETE_ELEM, self._idx.attr_p):
             return []
         *listed, n, _ = _IVAL.unpack_from(self._idx.val)
         cgroups: list[int] = []
@@ -209,7 +193,7 @@ class SpanFacts:
 
     def _take_row(self, trace_id: bytes, span_id: int, cgroup_id: int) -> KernelFacts | None:
         _KEY.pack_into(self._row.key, 0, trace_id, span_id, cgroup_id)
-        if not self._call(BPF_MAP_LOOKUP_AND_DELETE_ELEM, self._row.attr_p):
+        if not self._call(bpf_sys.MAP_LOOKUP_AND_DELETE_ELEM, self._row.attr_p):
             return None
         self._stats.taken += 1
         self._release(cgroup_id, 1)
@@ -252,7 +236,7 @@ class SpanFacts:
 
     def _peek_row(self, trace_id: bytes, span_id: int, cgroup_id: int) -> KernelFacts | None:
         _KEY.pack_into(self._row.key, 0, trace_id, span_id, cgroup_id)
-        if not self._call(BPF_MAP_LOOKUP_ELEM, self._row.attr_p):
+        if not self._call(bpf_sys.MAP_LOOKUP_ELEM, self._row.attr_p):
             return None
         return decode(trace_id, span_id, self._row.val, self.clock)
 
@@ -263,7 +247,7 @@ class SpanFacts:
         listed = (cgroups + [0] * INDEX_CGROUPS)[:INDEX_CGROUPS]
         _IVAL.pack_into(self._idx.val, 0, *listed, min(len(cgroups), INDEX_CGROUPS), 0)
         if not self._closed:
-            _syscall(self._sys_bpf, BPF_MAP_UPDATE_ELEM, self._idx.attr_p, self._attr_size)
+            bpf_sys.syscall(self._sys_bpf, bpf_sys.MAP_UPDATE_ELEM, self._idx.attr_p, self._attr_size)
 
     def take(self, trace_id: bytes, span_id: int) -> KernelFacts | None:
         """The span's rows summed into one (every cgroup's: tools and tests;
@@ -290,7 +274,7 @@ class SpanFacts:
 
     def _drop_index(self, trace_id: bytes, span_id: int) -> None:
         _IKEY.pack_into(self._idx.key, 0, trace_id, span_id)
-        self._call(BPF_MAP_DELETE_ELEM, self._idx.del_attr_p)
+        self._call(bpf_sys.MAP_DELETE_ELEM, self._idx.del_attr_p)
 
     def join_resource(self, blob: bytes, origin=None):
         """The join's common case done in C (native/spanlet_wire.c) on one
@@ -321,7 +305,7 @@ class SpanFacts:
         entry; counted as swept."""
         with self._lock:
             _KEY.pack_into(self._row.key, 0, trace_id, span_id, cgroup_id)
-            gone = self._call(BPF_MAP_DELETE_ELEM, self._row.del_attr_p)
+            gone = self._call(bpf_sys.MAP_DELETE_ELEM, self._row.del_attr_p)
             self._drop_index(trace_id, span_id)
             self._stats.swept += gone
             if gone:
@@ -369,7 +353,7 @@ class SpanFacts:
         self._released[cgroup_id] = value
         _U64.pack_into(self._rel.key, 0, cgroup_id)
         _U64.pack_into(self._rel.val, 0, value)
-        if not self._closed and _syscall(self._sys_bpf, BPF_MAP_UPDATE_ELEM, self._rel.attr_p,
+        if not self._closed and bpf_sys.syscall(self._sys_bpf, bpf_sys.MAP_UPDATE_ELEM, self._rel.attr_p,
                                          self._attr_size) != 0:
             err = C.get_errno()
             if err != errno.E2BIG:     # the table full: that cgroup is bounded by the total only

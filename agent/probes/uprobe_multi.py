@@ -10,41 +10,9 @@ from __future__ import annotations
 import ctypes as C
 import errno
 import os
-import platform
 import struct
 
-BPF_PROG_LOAD = 5
-BPF_LINK_CREATE = 28
-BPF_PROG_TYPE_KPROBE = 2
-BPF_TRACE_UPROBE_MULTI = 48          # enum bpf_attach_type
-BPF_F_UPROBE_MULTI_RETURN = 1
-_SYS_BPF = {"x86_64": 321, "aarch64": 280}
-_libc = C.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
-_syscall.restype = C.c_long
-_syscall.argtypes = [C.c_long, C.c_int, C.c_void_p, C.c_uint]
-
-
-class _LinkAttr(C.Structure):
-    """The link_create member of union bpf_attr, with its uprobe_multi part."""
-    _fields_ = [("prog_fd", C.c_uint32), ("target_fd", C.c_uint32), ("attach_type", C.c_uint32),
-                ("flags", C.c_uint32), ("path", C.c_uint64), ("offsets", C.c_uint64),
-                ("ref_ctr_offsets", C.c_uint64), ("cookies", C.c_uint64), ("cnt", C.c_uint32),
-                ("multi_flags", C.c_uint32), ("pid", C.c_uint32), ("_pad", C.c_uint8 * 44)]
-
-
-class _ProgLoadAttr(C.Structure):
-    """The prog_load member of union bpf_attr, up to expected_attach_type."""
-    _fields_ = [("prog_type", C.c_uint32), ("insn_cnt", C.c_uint32), ("insns", C.c_uint64),
-                ("license", C.c_uint64), ("log_level", C.c_uint32), ("log_size", C.c_uint32),
-                ("log_buf", C.c_uint64), ("kern_version", C.c_uint32), ("prog_flags", C.c_uint32),
-                ("prog_name", C.c_char * 16), ("prog_ifindex", C.c_uint32),
-                ("expected_attach_type", C.c_uint32), ("_pad", C.c_uint8 * 56)]
-
-
-def _bpf(cmd: int, attr: C.Structure) -> int:
-    return _syscall(_SYS_BPF[platform.machine()], cmd, C.addressof(attr), C.sizeof(attr))
-
+from spanlet.probes import bpf_sys
 
 _supported: bool | None = None
 
@@ -58,9 +26,9 @@ def supported() -> bool:
     if _supported is None:
         insns = (C.c_uint64 * 2)(0xB7, 0x95)      # r0 = 0; exit
         license_ = C.create_string_buffer(b"GPL")
-        prog = _bpf(BPF_PROG_LOAD, _ProgLoadAttr(
-            prog_type=BPF_PROG_TYPE_KPROBE, insn_cnt=2, insns=C.addressof(insns),
-            license=C.addressof(license_), expected_attach_type=BPF_TRACE_UPROBE_MULTI))
+        prog = bpf_sys.bpf(bpf_sys.PROG_LOAD, bpf_sys.ProgLoadAttr(
+            prog_type=bpf_sys.PROG_TYPE_KPROBE, insn_cnt=2, insns=C.addressof(insns),
+            license=C.addressof(license_), expected_attach_type=bpf_sys.TRACE_UPROBE_MULTI))
         if prog < 0:
             _supported = False
         else:
@@ -84,11 +52,11 @@ def link(prog_fd: int, path: str, offsets: list[int], retprobe: bool,
     path_b = C.create_string_buffer(os.fsencode(path))
     offs = (C.c_uint64 * len(offsets))(*offsets)
     cks = (C.c_uint64 * len(offsets))(*(cookies or [0] * len(offsets)))
-    attr = _LinkAttr(prog_fd=prog_fd, attach_type=BPF_TRACE_UPROBE_MULTI,
-                     path=C.addressof(path_b), offsets=C.addressof(offs), cnt=len(offsets),
-                     cookies=C.addressof(cks) if cookies else 0,
-                     multi_flags=BPF_F_UPROBE_MULTI_RETURN if retprobe else 0)
-    fd = _bpf(BPF_LINK_CREATE, attr)
+    attr = bpf_sys.UprobeMultiLinkAttr(prog_fd=prog_fd, attach_type=bpf_sys.TRACE_UPROBE_MULTI,
+                                       path=C.addressof(path_b), offsets=C.addressof(offs), cnt=len(offsets),
+                                       cookies=C.addressof(cks) if cookies else 0,
+                                       multi_flags=bpf_sys.F_UPROBE_MULTI_RETURN if retprobe else 0)
+    fd = bpf_sys.bpf(bpf_sys.LINK_CREATE, attr)
     if fd < 0:
         err = C.get_errno()
         raise OSError(err, f"uprobe_multi link on {path}: {os.strerror(err)}")
