@@ -53,6 +53,16 @@ class StartedProbes(list):
     span_ctx = _Attached("span_ctx")
 
 
+def _drain(probes) -> None:
+    """Before a join: every record of these probes' rings that their read
+    loops have not taken yet, handed on now (Probe.drain)."""
+    for probe in probes:
+        try:
+            probe.drain()
+        except Exception:  # its read loop logs what fails in the ring
+            pass
+
+
 def _guarded(what: str, fn: Callable[[], object]) -> None:
     try:
         fn()
@@ -177,12 +187,13 @@ class Daemon:
             self.spans.join.facts = self.probes.span_ctx.facts
             if self.spans.receiver.running:
                 self.spans.watch_senders(self.probes.span_ctx)
-        for probe in self.probes:
-            if probe.status.attached and probe.sends_records():
-                t = threading.Thread(target=self._read_loop, args=(probe,),
-                                     name=f"reader-{probe.name}", daemon=True)
-                t.start()
-                self._threads.append(t)
+        readers = [probe for probe in self.probes if probe.status.attached and probe.sends_records()]
+        for probe in readers:
+            t = threading.Thread(target=self._read_loop, args=(probe,),
+                                 name=f"reader-{probe.name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        self.spans.before_join = lambda: _drain(readers)
         t = threading.Thread(target=self._refresh_loop, name="refresh", daemon=True)
         t.start()
         self._threads.append(t)
@@ -213,6 +224,9 @@ class Daemon:
                  self.http.server_port)
 
     # -- loops -------------------------------------------------------------------
+    # (the read loops wait up to 100 ms for a wake-up, and the programs wake
+    # them once per batch of records: the span path drains the rings itself
+    # before each join, _drain)
     def _read_loop(self, probe: Probe) -> None:
         while not self.stopping.is_set():
             try:

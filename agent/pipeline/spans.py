@@ -50,6 +50,11 @@ class SpanPath:
         self._held_cv = threading.Condition()
         self._releaser: threading.Thread | None = None
         self._stopping = False
+        # Called before each request's join: the daemon drains the probes'
+        # rings there, so that the sampled records of the request's spans
+        # (written by the kernel before the spans ended) are in the join
+        # before their spans, not after them at the read loop's next wake-up.
+        self.before_join: Callable[[], None] | None = None
 
     def start(self) -> None:
         self.pods.start()
@@ -73,6 +78,8 @@ class SpanPath:
         held: list = []
         blobs: list = []
         origin = self.senders.origin(peer)
+        if self.before_join is not None:
+            self.before_join()
         cgroups = self.join.join(request.resource_spans, held, origin=origin, blobs=blobs)
         if held:
             self._hold(request, cgroups, held, origin)

@@ -101,6 +101,9 @@ class Probe:
         self.decode_errors = 0
         self.sink_errors = 0
         self._ring = None   # ringbuf.open_reader()
+        # One reader of the ring at a time: the read loop, or the span path
+        # draining it before a join (drain()); the ring is closed under it.
+        self._read_lock = threading.Lock()
         self._lock = threading.Lock()
         self._limited = Totals()
 
@@ -250,11 +253,16 @@ class Probe:
             return 0
         if not ring.pending():
             ring.wait(timeout_ms)
-        return self._consume(ring)
+        with self._read_lock:
+            return self._consume(ring) if ring is self._ring else 0
 
     def drain(self) -> int:
-        ring = self._ring
-        return self._consume(ring) if ring is not None else 0
+        """Hand on every record committed so far, now, from the calling
+        thread (the span path, before it joins spans whose records may wait
+        in the ring for the read loop's next wake-up)."""
+        with self._read_lock:
+            ring = self._ring
+            return self._consume(ring) if ring is not None else 0
 
     def events_dropped(self) -> int:
         if self.bpf is None:
@@ -279,9 +287,10 @@ class Probe:
                 self._detach()
             except Exception as e:  # keep detaching the rest
                 log.warning("%s: detach: %s", self.name, e)
-            if self._ring is not None:
-                self._ring.close()
-                self._ring = None
+            with self._read_lock:
+                if self._ring is not None:
+                    self._ring.close()
+                    self._ring = None
             if self.bpf is not None:
                 try:
                     _cleanup(self.bpf)

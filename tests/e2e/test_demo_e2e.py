@@ -30,6 +30,7 @@ from spanlet import inspect
 from spanlet.demo import run as demo
 from spanlet.demo import standin
 from spanlet.exporters.clickhouse.chdb_backend import ChdbBackend
+from spanlet.metrics.catalogue import BY_NAME
 from otlp_upstream import Upstream, wait_for
 from processes import free_port, stop_process
 from prometheus_server import Prometheus
@@ -153,6 +154,12 @@ def test_demo_lights_every_dashboard_query(agent, tmp_path):
         assert "left behind: nothing" in text, text
         metrics = _get(f"http://127.0.0.1:{port}/metrics").decode()
         assert "spanlet_sandbox_violations_total{" in metrics
+        # metric #17 raises no false alarm on the demo: its spans are joined and
+        # its sampled records reach their spans (SpanletSpanKernelCoverageLow's
+        # threshold; a newcomer's first `spanlet inspect` showed 68% in red)
+        (low,) = BY_NAME["spanlet_span_kernel_coverage_ratio"].thresholds
+        cov = dict(re.findall(r'spanlet_span_kernel_coverage_ratio\{[^}]*what="(\w+)"[^}]*\} (\S+)', metrics))
+        assert set(cov) == {"spans", "events"} and min(map(float, cov.values())) >= low.value, cov
     finally:
         if run.poll() is None:
             run.send_signal(signal.SIGTERM)

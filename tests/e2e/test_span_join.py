@@ -118,3 +118,26 @@ def test_each_span_gets_exactly_its_own_kernel_facts(agent, child, threads, span
     gpu = next(p for p in agent.probes if p.name == "gpu_launch")
     image = sum(c for (cg, mod, api), c in gpu.launches().items() if mod == events.Modality.image)
     assert image == total
+
+
+@pytest.mark.parametrize("agent", ["sampled"], indirect=True)
+def test_sampled_records_reach_their_spans_exported_at_once(agent, child):
+    """Spans exported the moment their work is done, 10 rounds: each gets its
+    sampled records, though the read loop may not have woken for them yet
+    (it waits up to 100 ms, and the programs wake it once per batch): the span
+    path drains the rings before each join. No record comes after its span,
+    so the join's event coverage (metric #17, what=events) is 1.0."""
+    proc, pid = child
+    up, join = agent.upstream, agent.spans.join
+    seen = 0
+    for _ in range(10):
+        expected = {sid: int(n) for _, sid, n, _, _ in run(proc, "work 8 4", "worked")}
+        run(proc, "flush", "flushed")
+        seen += len(expected)
+        wait_for(lambda: len(up.spans) >= seen, 10, "the spans upstream")
+        for sid, n in expected.items():
+            span, _ = up.spans[sid]
+            assert [e.name for e in span.events] == ["kernel.gpu.launch"] * min(SAMPLED, n) + \
+                ["kernel.gpu.sync_wait"] * (n < SAMPLED), (sid, n)
+    assert join.stats.events_evicted == 0
+    assert join.coverage() == (1.0, 1.0)

@@ -352,3 +352,21 @@ def test_steady_span_stream_keeps_memory_of_passed_spans_flat():
     # ttl_s of spans (~1,200 here), not one entry per span ever seen
     assert abs(used[2] - used[1]) < 0.05 * used[1], used
     assert abs(used[1] - used[0]) < 0.05 * used[0], used
+
+
+def test_a_real_loss_of_records_still_lowers_the_event_coverage():
+    """Metric #17's what=events: records whose span never came (gone after
+    ttl_s) and records that came after their span are losses, below the
+    0.95 threshold; the records that met their span are the rest."""
+    now = [0.0]
+    j = SpanJoin(JoinConfig(ttl_s=5), clock=lambda: now[0])
+    j.add_event(launch(7))
+    j.join(request(7))                     # met its span
+    j.add_event(launch(7))                 # after its span: lost
+    j.add_event(launch(8))                 # its span never comes
+    j.add_event(launch(8))
+    assert j.coverage() == (1.0, 1 / 2)    # settled so far: 1 joined, 1 late
+    now[0] = 6.0
+    j.add_event(launch(9))                 # the expiry sweep runs as records come
+    assert j.coverage() == (1.0, 1 / 4)
+    assert j.stats.events_evicted == 3

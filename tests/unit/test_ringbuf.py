@@ -9,6 +9,8 @@ import ctypes as C
 import random
 import struct
 import sys
+import threading
+import time
 
 import pytest
 
@@ -17,7 +19,6 @@ from fake_ring import PAGE, FakeRing, random_record
 from spanlet import events
 from spanlet.probes import ringbuf
 from spanlet.probes.base import Probe
-
 
 
 @pytest.fixture(autouse=True)
@@ -363,3 +364,39 @@ def test_a_ring_no_kernel_writes_is_given_back_not_read_past_or_walked_for_ever(
         assert got == before + [after]
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-walk", "python-walk"])
+def test_the_read_loop_and_a_drain_hand_each_record_on_once(cfg, fake, native):
+    """The read loop (poll) and the span path (drain, before each join) read one
+    ring from two threads while a producer fills it: every record reaches the
+    sink once, in the order written (the probe's read lock: without it the
+    Python walk's two readers start from the same consumer position and hand
+    the same records on; the C walk holds the GIL through a read)."""
+    p, got = reader_probe(cfg, fake, native, events.MonotonicClock())
+    n, done = 2000, threading.Event()
+    rng = random.Random(7)
+    raws = [random_record(rng, 1_000 * (i + 1), events.Kind.GPU_SYNC) for i in range(n)]
+
+    def produce() -> None:
+        for r in raws:
+            while fake.put(r) is None:
+                time.sleep(0)
+        done.set()
+
+    def read_loop() -> None:
+        while not (done.is_set() and fake.consumer == fake.prod):
+            p.poll(1)
+
+    def drains() -> None:
+        while not (done.is_set() and fake.consumer == fake.prod):
+            p.drain()
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (produce, read_loop, drains)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    ts = [struct.unpack_from("<Q", bytes(ev))[0] for ev in got]
+    assert ts == [1_000 * (i + 1) for i in range(n)]
