@@ -116,7 +116,8 @@ def build(out: Path) -> tuple[Path, Path]:
     return exe, lib
 
 
-SCHED_PROGRAMS = (b"raw_tracepoint__sched_switch", b"raw_tracepoint__sched_wakeup")
+SCHED_PROGRAMS = (b"raw_tracepoint__sched_switch", b"raw_tracepoint__sched_wakeup",
+                  b"raw_tracepoint__sched_stat_runtime")
 
 
 def program_ns(agent) -> tuple[int, int]:
@@ -209,7 +210,7 @@ def main() -> None:
         print(f"  {label:<24} {med[b, 'outside'] - med[a, 'outside']:14.1f} "
               f"{med[b, 'inside'] - med[a, 'inside']:14.1f}")
     print(f"  {'anatomy programs (bpf stats)':<24} {statistics.median(programs['outside']):14.1f} "
-          f"{statistics.median(programs['inside']):14.1f}   <- ns a switch in sched_switch + sched_wakeup"
+          f"{statistics.median(programs['inside']):14.1f}   <- ns a switch in the anatomy's programs"
           " (the whole system's switches during the run, over the ping-pong's)")
 
 

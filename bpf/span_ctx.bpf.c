@@ -65,7 +65,14 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
  * prev, next, prev_state; a switch out is involuntary as the kernel counts
  * them (nivcsw: preempted, or still runnable: its slice used up, CFS quota
  * throttling), and the thread is then in the run queue; else it sleeps
- * (TASK_UNINTERRUPTIBLE without TASK_NOLOAD: iowait as well). */
+ * (TASK_UNINTERRUPTIBLE without TASK_NOLOAD: iowait as well).
+ * Its CPU time is the scheduler's own account of it (sched_stat_runtime's
+ * runtime: the thread clock's measure, which leaves out the time the
+ * hypervisor took from the virtual CPU, steal, and interrupts where the
+ * kernel accounts them); the rest of the time it held a CPU it was runnable
+ * and not running, run queue. The time since the scheduler's last account,
+ * when a mark or a switch closes the interval, is timed by the clock (at
+ * most a tick). */
 #define SCHED_RUNNING 0
 #define SCHED_RUNQUEUE 1
 #define SCHED_BLOCKED 2
@@ -76,6 +83,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
 struct sched_thread_val {
     struct span_facts_key key;
     __u64 since_ns;
+    __u64 ran_ns;               /* the scheduler's runtime since since_ns (while running) */
+    __u64 accounted_ns;         /* when the scheduler last accounted it (since_ns at first) */
     __u64 sum[SCHED_SUMS];
     __u32 state;
     __u32 tgid;
@@ -87,7 +96,11 @@ static __always_inline void sched_close(struct sched_thread_val *s, __u64 now)
 {
     __u64 d = now > s->since_ns ? now - s->since_ns : 0;
     if (s->state == SCHED_RUNNING) {
-        s->sum[0] += d;
+        __u64 ran = s->ran_ns + (now > s->accounted_ns ? now - s->accounted_ns : 0);
+        if (ran > d)
+            ran = d;
+        s->sum[0] += ran;
+        s->sum[1] += d - ran;
     } else if (s->state == SCHED_RUNQUEUE) {
         s->sum[1] += d;
     } else {
@@ -96,6 +109,8 @@ static __always_inline void sched_close(struct sched_thread_val *s, __u64 now)
             s->sum[3] += d;
     }
     s->since_ns = now;
+    s->accounted_ns = now;
+    s->ran_ns = 0;
 }
 
 /* The sums so far onto the span's row. */
@@ -135,6 +150,7 @@ static __always_inline void sched_mark(struct span_ctx_val *c)
         v.key.span_id = c->span_id;
         v.key.cgroup_id = bpf_get_current_cgroup_id();
         v.since_ns = now;
+        v.accounted_ns = now;
         v.state = SCHED_RUNNING;
         v.tgid = (__u32)(bpf_get_current_pid_tgid() >> 32);
         sched_thread.update(&task, &v);
@@ -172,6 +188,23 @@ RAW_TRACEPOINT_PROBE(sched_switch)
         sched_close(s, now);   /* its wait: the run queue (or a sleep whose wake-up was not seen) */
         s->state = SCHED_RUNNING;
     }
+    return 0;
+}
+
+/* The scheduler accounts a running thread's CPU time (update_curr: at ticks,
+ * switches, wake-ups and clock reads): raw arguments task, runtime (Linux 6.8
+ * on; vruntime third before). A share no larger than the clock's time since
+ * the last account or the mark, so that time before a mark stays out. */
+RAW_TRACEPOINT_PROBE(sched_stat_runtime)
+{
+    __u64 task = ctx->args[0], runtime = ctx->args[1];
+    struct sched_thread_val *s = sched_thread.lookup(&task);
+    if (!s || s->state != SCHED_RUNNING)
+        return 0;
+    __u64 now = bpf_ktime_get_ns();
+    __u64 since = now > s->accounted_ns ? now - s->accounted_ns : 0;
+    s->ran_ns += runtime < since ? runtime : since;
+    s->accounted_ns = now;
     return 0;
 }
 

@@ -3,7 +3,8 @@ pinned two to a CPU, spin a known CPU time, sleep, read a pipe and copy to
 and from the device (through the stand-in libcuda, the GPU probe beside the
 span context probe) inside their spans; each span's facts row holds exactly
 its threads' time on a CPU, in the run queue and blocked, as the threads' own
-clocks and schedstat tell, and the bytes they copied each way, quiet and with
+clocks and schedstat tell (the run queue with whatever the hypervisor took from
+their CPU, which schedstat leaves out), and the bytes they copied each way, quiet and with
 a launch flood or a CPU hog beside them. Coroutines sharing a
 thread (asyncio, uvloop) each get the CPU time of their own steps."""
 
@@ -89,6 +90,20 @@ def rows_of(probe, spans) -> dict:
     return out
 
 
+def taken_ns(cpu: int) -> int:
+    """What /proc/stat says was taken from a CPU's tasks so far: its irq,
+    softirq and steal time (USER_HZ ticks, in ns)."""
+    with open("/proc/stat") as f:
+        for line in f:
+            w = line.split()
+            if w[0] == f"cpu{cpu}":
+                return sum(map(int, w[6:9])) * TICK_NS
+    raise AssertionError(f"no cpu{cpu} in /proc/stat")
+
+
+TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
 class Beside:
     """Load beside the child: a launch flood (a process launching through
     ctypes in a loop) or a CPU hog pinned to the children's CPU."""
@@ -114,9 +129,16 @@ class Beside:
 # test records the CPUs' switches itself (switch_trace.py) and checks the split
 # only of the spans that no untraced switch overlaps, running more rounds until
 # SPANS_TO_CHECK of them are checked. (2) Time the hypervisor took from a virtual
-# CPU while the thread ran: the span counts it as CPU time (the thread was on its
-# CPU), the thread's own clock leaves it out (paravirt steal accounting); this is
-# the share of the checked spans whose split may be off. The total and the switch
+# CPU while the thread held it (steal): the thread's own clock leaves it out, and
+# so does the span's CPU time (the scheduler's runtime); the span counts it as run
+# queue (runnable, not running), which the thread's schedstat wait does not. On a
+# VM with much steal (CI's failed so: the spans' CPU time 10-80% above the
+# threads' when it was timed by the clock) a span's run queue may exceed the
+# thread's wait by what the kernel says was taken from the test's CPU during the
+# run (/proc/stat: steal, and irq and softirq where the kernel accounts them
+# apart), in USER_HZ ticks, so give or take a tick a field; no more, and only in
+# a run where the kernel says something was taken. The share of the checked spans
+# whose split may still be off: SPLIT_MISSES_ALLOWED. The total and the switch
 # counts stay exact in every span.
 SPLIT_MISSES_ALLOWED = 0.05
 SPANS_TO_CHECK = 80
@@ -143,12 +165,15 @@ def test_each_span_holds_its_threads_cpu_run_queue_and_blocked_time(probe, gpu, 
         switches.clear()
         load = Beside(beside, spin)
         try:
+            taken = taken_ns(CPU)
             spans = run_child(probe, spin, "threads", str(CPU), "2", "2", "20", "5", "10", str(libcuda))
+            taken = taken_ns(CPU) - taken
         finally:
             load.close()
         untraced = switches.breaks()
         assert len(spans) == 4
         rows = rows_of(probe, spans)
+        over = {}          # the checked spans' run queue above the thread's wait (steal, if any)
         for key, figures in spans.items():
             (cpu, wait, wall, switched, involuntary), (cpu_o, wait_o, wall_o, switched_o, involuntary_o) = (
                 figures[:5], figures[5:10])
@@ -169,8 +194,13 @@ def test_each_span_holds_its_threads_cpu_run_queue_and_blocked_time(probe, gpu, 
             if switch_trace.overlaps(untraced, start, end):
                 continue
             checked += 1
-            if not (between(r.cpu_ns, cpu, cpu_o, 0.02) and between(r.runqueue_ns, wait, wait_o, 0.02)):
+            if not (between(r.cpu_ns, cpu, cpu_o, 0.02) and r.runqueue_ns >= wait - max(0.02 * wait, MS)):
                 split_misses.append(seen)
+            elif not between(r.runqueue_ns, wait, wait_o, 0.02):
+                over[key] = (r.runqueue_ns - wait_o, seen)
+        # what the run queue holds beyond the threads' waits: at most what was taken from their CPU
+        if over and (not taken or sum(o for o, _ in over.values()) > taken + 3 * TICK_NS):
+            split_misses.extend(f"{seen}; taken from the CPU in the run: {taken}" for _, seen in over.values())
         # two threads on one CPU: much of their time is the run queue, taken by preemption
         assert sum(f[1] for f in spans.values()) >= 10 * MS
         assert sum(r.preemptions for r in rows.values()) >= 1
