@@ -30,6 +30,9 @@ debs=(python3-bpfcc bpftool linux-headers-cloud-amd64 iproute2 gcc make libc6-de
 # fuzz targets (make fuzz, which make test runs briefly; python3-dev's
 # libpython to embed).
 debs+=(clang-16 libclang-rt-16-dev)
+# libbpf: the loader of the CO-RE objects (libbpf1), and its headers for
+# building them (libbpf-dev: bpf_helpers.h, bpf_core_read.h, bpf_tracing.h).
+debs+=(libbpf1 libbpf-dev)
 # kubectl (Debian's kubernetes-client) for the manifests' `kubectl kustomize`
 # test, unless a kubectl is already installed (another package of it would clash).
 command -v kubectl >/dev/null || debs+=(kubernetes-client)
