@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override one config key, e.g. --set sandbox.mode=enforce (repeatable)")
     run.add_argument("--dump-bpf", action="store_true",
-                     help="print the exact C compiled for each enabled probe, with its flags, and exit")
+                     help="print each enabled probe's C as shipped, with its compile flags (BCC) or the "
+                          "object's settings, programs and maps (CO-RE), and exit")
     run.add_argument("--print-events", action="store_true",
                      help="print every decoded kernel event as one JSON line on stdout")
     from spanlet import inspect as inspect_mod
@@ -45,6 +46,12 @@ def _dump_bpf(cfg: config_mod.Config) -> None:
         probe = cls(cfg)
         if owner is None:
             owner = probe  # the span_ctx probe: the others get the folder it will pin in
+        if probe.core:        # a CO-RE object: its source as shipped, and the object as the agent sets it up
+            rel = probe.object_path.relative_to(probe.object_path.parents[2])
+            print(f"/* ==== probe {probe.name}: {probe.source_path.name}  object: {rel} ==== */")
+            print(probe.source_text())
+            print("/* " + "\n * ".join(probe.describe_object()) + " */")
+            continue
         flags = " ".join(probe.compile_flags(pin_dir=str(owner.pin_dir)))
         print(f"/* ==== probe {probe.name}: {probe.source_path.name}  flags: {flags} ==== */")
         print(probe.source_text())

@@ -610,6 +610,10 @@ class Config(_Section):
     # host's are not mounted or incomplete; the image sets it to the headers it
     # carries (SPANLET_IMAGE_KERNEL_HEADERS=/opt/spanlet/kernel-headers).
     image_kernel_headers: str = ""
+    # The kernel's BTF for the CO-RE programs (probes/libbpf.py); empty:
+    # /sys/kernel/btf/vmlinux. A kernel built without BTF needs a file for it
+    # (BTFHub has them for the distributions' kernels).
+    btf_path: str = ""
     # Keep each probe's compiled instructions in data_dir/bpf-cache and load
     # them at a later start with the same program, flags, kernel, headers and
     # BCC instead of compiling again (probes/compile_cache.py).
@@ -918,7 +922,7 @@ _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 # Settings that name a file or folder (Config._absolute_paths).
 _PATH_KEYS = (("", "data_dir"), ("", "admin_socket"), ("", "kernel_headers"),
-              ("", "image_kernel_headers"), ("nvml", "library"), ("otlp", "tls_cert_file"),
+              ("", "image_kernel_headers"), ("", "btf_path"), ("nvml", "library"), ("otlp", "tls_cert_file"),
               ("otlp", "tls_key_file"), ("otlp", "tls_client_ca_file"), ("otlp", "bearer_token_file"),
               ("store", "password_file"), ("store", "ca_file"), ("span_context", "otel_map_path"))
 

@@ -8,7 +8,7 @@ import enum
 
 class Modality(enum.IntEnum):
     """The number the span-context marker, the kernel maps and the ring-buffer
-    records carry (bpf/spanlet.h SPANLET_MOD_*, checked by a unit test)."""
+    records carry (bpf/spanlet_types.h SPANLET_MOD_*, checked by a unit test)."""
     other = 0
     text = 1
     image = 2

@@ -54,6 +54,32 @@ struct task_struct {
     struct sched_info sched_info;
 };
 
+/* tracepoint records (the fields of /sys/kernel/tracing/events/.../format) */
+struct trace_entry {
+    unsigned short type;
+};
+
+struct trace_event_raw_sys_enter {
+    struct trace_entry ent;
+    long id;
+    unsigned long args[6];
+};
+
+struct trace_event_raw_inet_sock_set_state {
+    struct trace_entry ent;
+    const void *skaddr;
+    int oldstate;
+    int newstate;
+    __u16 sport;
+    __u16 dport;
+    __u16 family;
+    __u16 protocol;
+    __u8 saddr[4];
+    __u8 daddr[4];
+    __u8 saddr_v6[16];
+    __u8 daddr_v6[16];
+};
+
 #pragma clang attribute pop
 
 #include <bpf/bpf_helpers.h>

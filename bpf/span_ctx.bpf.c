@@ -1,29 +1,35 @@
 /* span_ctx.bpf.c: owner of the per-thread span context map (tid → trace id,
- * span id, modality) and of the span facts map the other programs write
- * (spanlet.h). A uprobe on the client's spanlet_mark() fills the context on
- * every span start and end; the other process-context programs open both
- * maps where this one pinned them. Loaded first. */
-#include "spanlet.h"
+ * span id, modality) and of the span facts maps the other programs write
+ * (span_facts.bpf.h): it makes them and libbpf pins them by name in the
+ * agent's pin folder, where the other programs open them. A uprobe on the
+ * client's spanlet_mark() fills the context on every span start and end.
+ * Loaded first. A CO-RE object (libbpf C), built with the package. */
+#include "core.h"
+#include "span_facts.bpf.h"
 
-#include <uapi/linux/ptrace.h>
+char LICENSE[] SEC("license") = "GPL";
 
-BPF_PERCPU_ARRAY(spanlet_span_marks_total, __u64, 1);
+/* Settings (the agent sets them before load; the programs a setting turns
+ * off are not loaded at all). */
+const volatile bool otel_map_on = false;    /* span_context.otel_map: traces_ctx_v1 written */
+
+SPANLET_MAP(BPF_MAP_TYPE_PERCPU_ARRAY, spanlet_span_marks_total, __u32, __u64, 1);
 /* Marks no span can have (W3C: an all-zero trace id is invalid): the thread
  * is taken out of its span, as a mark with span id 0 would. */
-BPF_PERCPU_ARRAY(spanlet_span_marks_invalid_total, __u64, 1);
+SPANLET_MAP(BPF_MAP_TYPE_PERCPU_ARRAY, spanlet_span_marks_invalid_total, __u32, __u64, 1);
 
 /* Processes whose spans are followed per thread only, by why (the follow
  * flags each of their marks carries in its modality's high 16 bits:
  * spanlet/runtimes.py): tgid -> flags; removed when the process exits. Named
  * after the metric it feeds. */
-BPF_TABLE("lru_hash", __u32, __u32, spanlet_client_thread_only_processes, 4096);
+SPANLET_MAP(BPF_MAP_TYPE_LRU_HASH, spanlet_client_thread_only_processes, __u32, __u32, 4096);
 
 /* Processes whose mapped libraries may have changed since library discovery
  * last looked (spanlet.discovery.MapsWatch drains it each refresh and reads
  * only these processes' maps between its slow full scans): an exec, a file
  * mapped executable (how the dynamic loader maps each library it loads, at
  * start and on dlopen), a process's exit. tgid → ktime of the last change. */
-BPF_TABLE("lru_hash", __u32, __u64, maps_changed_pids, 16384);
+SPANLET_MAP(BPF_MAP_TYPE_LRU_HASH, maps_changed_pids, __u32, __u64, 16384);
 
 #define SPANLET_PROT_EXEC 0x4        /* uapi/asm-generic/mman-common.h */
 #define SPANLET_MAP_ANONYMOUS 0x20
@@ -31,33 +37,35 @@ BPF_TABLE("lru_hash", __u32, __u64, maps_changed_pids, 16384);
 static __always_inline void maps_changed(__u32 tgid)
 {
     __u64 now = bpf_ktime_get_ns();
-    maps_changed_pids.update(&tgid, &now);
+    bpf_map_update_elem(&maps_changed_pids, &tgid, &now, BPF_ANY);
 }
 
-TRACEPOINT_PROBE(sched, sched_process_exec)
+SEC("tracepoint/sched/sched_process_exec")
+int sched_process_exec(void *ctx)
 {
     maps_changed((__u32)(bpf_get_current_pid_tgid() >> 32));
     return 0;
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
+/* mmap(addr, len, prot, flags, fd, off) */
+SEC("tracepoint/syscalls/sys_enter_mmap")
+int sys_enter_mmap(struct trace_event_raw_sys_enter *args)
 {
-    if (!(args->prot & SPANLET_PROT_EXEC) || (args->flags & SPANLET_MAP_ANONYMOUS) ||
-        (int)args->fd < 0)
+    __u64 prot = args->args[2], flags = args->args[3];
+    int fd = (int)args->args[4];
+    if (!(prot & SPANLET_PROT_EXEC) || (flags & SPANLET_MAP_ANONYMOUS) || fd < 0)
         return 0;
     maps_changed((__u32)(bpf_get_current_pid_tgid() >> 32));
     return 0;
 }
 
-#ifndef SPANLET_SCHED
-#define SPANLET_SCHED 1
-#endif
-#if SPANLET_SCHED
+const volatile bool sched_on = false;      /* sched.enabled: the anatomy (its programs loaded) */
+
 /* Request anatomy: where the time of each thread that is in a span goes. A
  * thread has an entry here only while it is in a span (its marks put it in
  * and take it out), keyed by its task's address (bpf_get_current_task() in
  * the thread itself; the raw tracepoints' task arguments elsewhere: an
- * address is compared, never read, so no kernel struct is read). The
+ * address is compared, never read). The
  * scheduler's raw tracepoints add each interval to the entry (a switch of
  * threads outside spans costs one lookup of each); the entry's sums go to
  * the span's facts row at the thread's next mark or exit, before the span
@@ -89,7 +97,7 @@ struct sched_thread_val {
     __u32 state;
     __u32 tgid;
 };
-BPF_TABLE("hash", __u64, struct sched_thread_val, sched_thread, SPANLET_SPAN_CTX_MAX);
+SPANLET_MAP(BPF_MAP_TYPE_HASH, sched_thread, __u64, struct sched_thread_val, SPANLET_SPAN_CTX_MAX);
 
 /* The interval the thread was in since s->since_ns, into its sums. */
 static __always_inline void sched_close(struct sched_thread_val *s, __u64 now)
@@ -138,7 +146,7 @@ static __always_inline void sched_mark(struct span_ctx_val *c)
 {
     __u64 task = bpf_get_current_task();
     struct sched_thread_val old = {}, v = {};
-    struct sched_thread_val *s = sched_thread.lookup(&task);
+    struct sched_thread_val *s = bpf_map_lookup_elem(&sched_thread, &task);
     __u64 now = bpf_ktime_get_ns();
     int had = 0;
     if (s) {
@@ -153,9 +161,9 @@ static __always_inline void sched_mark(struct span_ctx_val *c)
         v.accounted_ns = now;
         v.state = SCHED_RUNNING;
         v.tgid = (__u32)(bpf_get_current_pid_tgid() >> 32);
-        sched_thread.update(&task, &v);
+        bpf_map_update_elem(&sched_thread, &task, &v, BPF_ANY);
     } else if (had) {
-        sched_thread.delete(&task);
+        bpf_map_delete_elem(&sched_thread, &task);
     }
     if (had) {
         sched_close(&old, now);
@@ -163,11 +171,12 @@ static __always_inline void sched_mark(struct span_ctx_val *c)
     }
 }
 
-RAW_TRACEPOINT_PROBE(sched_switch)
+SEC("raw_tracepoint/sched_switch")
+int sched_switch(struct bpf_raw_tracepoint_args *ctx)
 {
     __u64 preempt = ctx->args[0], prev = ctx->args[1], next = ctx->args[2];
     __u32 state = (__u32)ctx->args[3];
-    struct sched_thread_val *s = sched_thread.lookup(&prev);
+    struct sched_thread_val *s = bpf_map_lookup_elem(&sched_thread, &prev);
     __u64 now = 0;
     if (s) {
         now = bpf_ktime_get_ns();
@@ -181,7 +190,7 @@ RAW_TRACEPOINT_PROBE(sched_switch)
                      ? SCHED_IOWAIT : SCHED_BLOCKED;
         }
     }
-    s = sched_thread.lookup(&next);
+    s = bpf_map_lookup_elem(&sched_thread, &next);
     if (s) {
         if (!now)
             now = bpf_ktime_get_ns();
@@ -195,10 +204,11 @@ RAW_TRACEPOINT_PROBE(sched_switch)
  * switches, wake-ups and clock reads): raw arguments task, runtime (Linux 6.8
  * on; vruntime third before). A share no larger than the clock's time since
  * the last account or the mark, so that time before a mark stays out. */
-RAW_TRACEPOINT_PROBE(sched_stat_runtime)
+SEC("raw_tracepoint/sched_stat_runtime")
+int sched_stat_runtime(struct bpf_raw_tracepoint_args *ctx)
 {
     __u64 task = ctx->args[0], runtime = ctx->args[1];
-    struct sched_thread_val *s = sched_thread.lookup(&task);
+    struct sched_thread_val *s = bpf_map_lookup_elem(&sched_thread, &task);
     if (!s || s->state != SCHED_RUNNING)
         return 0;
     __u64 now = bpf_ktime_get_ns();
@@ -208,66 +218,61 @@ RAW_TRACEPOINT_PROBE(sched_stat_runtime)
     return 0;
 }
 
-RAW_TRACEPOINT_PROBE(sched_wakeup)
+SEC("raw_tracepoint/sched_wakeup")
+int sched_wakeup(struct bpf_raw_tracepoint_args *ctx)
 {
     __u64 task = ctx->args[0];
-    struct sched_thread_val *s = sched_thread.lookup(&task);
+    struct sched_thread_val *s = bpf_map_lookup_elem(&sched_thread, &task);
     if (!s || s->state == SCHED_RUNNING || s->state == SCHED_RUNQUEUE)
         return 0;
     sched_close(s, bpf_ktime_get_ns());
     s->state = SCHED_RUNQUEUE;
     return 0;
 }
-#endif
 
-#ifdef SPANLET_OTEL_MAP
 /* The OpenTelemetry shared context map (span_context.otel_map): the OTel eBPF
  * profiler and OBI read a thread's current span here. Key: pid_tgid; ids in
- * W3C byte order. Pinned at SPANLET_OTEL_MAP (created, or opened when another
- * tool pinned it first). */
+ * W3C byte order. The agent pins it at span_context.otel_map_path (created,
+ * or opened when another tool pinned it first); written with otel_map_on. */
 struct otel_ctx_val {
     __u8 trace_id[16];
     __u8 span_id[8];
 };
-BPF_TABLE_PINNED("lru_hash", __u64, struct otel_ctx_val, traces_ctx_v1, 16384, SPANLET_OTEL_MAP);
-#endif
+SPANLET_MAP(BPF_MAP_TYPE_LRU_HASH, traces_ctx_v1, __u64, struct otel_ctx_val, 16384);
 
 /* void spanlet_mark(u64 trace_hi, u64 trace_lo, u64 span_id, u32 modality)
  * (native/spanlet_marker.c). span_id 0: the thread left its last span. */
+SEC("uprobe")
 int span_ctx_mark(struct pt_regs *ctx)
 {
-    __u32 tid = (__u32)bpf_get_current_pid_tgid();
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tid = (__u32)pid_tgid;
     __u64 span_id = PT_REGS_PARM3(ctx);
-    int zero = 0;
-    __u64 *marks = spanlet_span_marks_total.lookup(&zero);
+    __u32 zero = 0;
+    __u64 *marks = bpf_map_lookup_elem(&spanlet_span_marks_total, &zero);
     if (marks)
         *marks += 1;
-#ifdef SPANLET_OTEL_MAP
-    __u64 pid_tgid = bpf_get_current_pid_tgid();
-#endif
     __u32 follow_flags = (__u32)PT_REGS_PARM4(ctx) >> 16;
     if (follow_flags) {
-        __u32 tgid = (__u32)(bpf_get_current_pid_tgid() >> 32);
-        __u32 *known = spanlet_client_thread_only_processes.lookup(&tgid);
+        __u32 tgid = (__u32)(pid_tgid >> 32);
+        __u32 *known = bpf_map_lookup_elem(&spanlet_client_thread_only_processes, &tgid);
         if (!known || *known != follow_flags)
-            spanlet_client_thread_only_processes.update(&tgid, &follow_flags);
+            bpf_map_update_elem(&spanlet_client_thread_only_processes, &tgid, &follow_flags, BPF_ANY);
     }
     __u64 hi = __builtin_bswap64((__u64)PT_REGS_PARM1(ctx));
     __u64 lo = __builtin_bswap64((__u64)PT_REGS_PARM2(ctx));
     if (span_id != 0 && hi == 0 && lo == 0) {
-        __u64 *invalid = spanlet_span_marks_invalid_total.lookup(&zero);
+        __u64 *invalid = bpf_map_lookup_elem(&spanlet_span_marks_invalid_total, &zero);
         if (invalid)
             *invalid += 1;
         span_id = 0;
     }
     if (span_id == 0) {
-        span_ctx.delete(&tid);
-#if SPANLET_SCHED
-        sched_mark(0);
-#endif
-#ifdef SPANLET_OTEL_MAP
-        traces_ctx_v1.delete(&pid_tgid);
-#endif
+        bpf_map_delete_elem(&span_ctx, &tid);
+        if (sched_on)
+            sched_mark(0);
+        if (otel_map_on)
+            bpf_map_delete_elem(&traces_ctx_v1, &pid_tgid);
         return 0;
     }
     struct span_ctx_val v = {};
@@ -277,41 +282,38 @@ int span_ctx_mark(struct pt_regs *ctx)
     v.span_id = span_id;
     __u32 modality = (__u32)PT_REGS_PARM4(ctx) & 0xffff;
     v.modality = modality < SPANLET_N_MODALITIES ? modality : SPANLET_MOD_OTHER;
-    span_ctx.update(&tid, &v);
-#if SPANLET_SCHED
-    sched_mark(&v);
-#endif
-#ifdef SPANLET_OTEL_MAP
-    struct otel_ctx_val o = {};
-    __builtin_memcpy(o.trace_id, v.trace_id, 16);
-    __u64 sid = __builtin_bswap64(span_id);
-    __builtin_memcpy(o.span_id, &sid, 8);
-    traces_ctx_v1.update(&pid_tgid, &o);
-#endif
+    bpf_map_update_elem(&span_ctx, &tid, &v, BPF_ANY);
+    if (sched_on)
+        sched_mark(&v);
+    if (otel_map_on) {
+        struct otel_ctx_val o = {};
+        __builtin_memcpy(o.trace_id, v.trace_id, 16);
+        __u64 sid = __builtin_bswap64(span_id);
+        __builtin_memcpy(o.span_id, &sid, 8);
+        bpf_map_update_elem(&traces_ctx_v1, &pid_tgid, &o, BPF_ANY);
+    }
     return 0;
 }
 
 /* A thread that exits inside a span must not lend its context to the next
  * thread that gets its id. */
-TRACEPOINT_PROBE(sched, sched_process_exit)
+SEC("tracepoint/sched/sched_process_exit")
+int sched_process_exit(void *ctx)
 {
     __u64 pid_tgid = bpf_get_current_pid_tgid();
     __u32 tid = (__u32)pid_tgid;
-    span_ctx.delete(&tid);
-#if SPANLET_SCHED
-    sched_mark(0);             /* its last running time goes to its span */
-#endif
-#ifdef SPANLET_OTEL_MAP
-    traces_ctx_v1.delete(&pid_tgid);
-#endif
+    bpf_map_delete_elem(&span_ctx, &tid);
+    if (sched_on)
+        sched_mark(0);             /* its last running time goes to its span */
+    if (otel_map_on)
+        bpf_map_delete_elem(&traces_ctx_v1, &pid_tgid);
     if (tid == (__u32)(pid_tgid >> 32)) {   /* the process's main thread: its maps go */
         maps_changed(tid);
-        spanlet_client_thread_only_processes.delete(&tid);
+        bpf_map_delete_elem(&spanlet_client_thread_only_processes, &tid);
     }
     return 0;
 }
 
-#ifdef SPANLET_SOCK_OWNER
 /* The sender of an OTLP connection (DESIGN.md, facts stay in their pod): who
  * opened each TCP connection to the agent's receiver ports, from the stable
  * sock:inet_sock_set_state tracepoint alone (its fields; no kernel struct is
@@ -324,7 +326,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
  * The tracepoint names no network namespace: a second live connection with
  * the same addresses and ports (another namespace's loopback, say) makes the
  * entry ambiguous (cgroup id 0: no sender), never another owner's.
- * Compiled where the tracepoint exists (SpanCtxProbe checks tracefs). */
+ * Loaded where the tracepoint exists (SpanCtxProbe checks tracefs). */
 #define SPANLET_TCP_ESTABLISHED 1
 #define SPANLET_TCP_SYN_SENT 2
 #define SPANLET_TCP_CLOSE 7
@@ -345,9 +347,9 @@ struct sock_owner_val {
     __u32 tgid;
     __u32 pad;
 };
-BPF_TABLE("lru_hash", __u64, struct sock_owner_val, sock_connecting, 4096);
-BPF_TABLE("lru_hash", struct sock_owner_key, struct sock_owner_val, sock_owner, 16384);
-BPF_HASH(sock_owner_ports, __u16, __u8, 8);
+SPANLET_MAP(BPF_MAP_TYPE_LRU_HASH, sock_connecting, __u64, struct sock_owner_val, 4096);
+SPANLET_MAP(BPF_MAP_TYPE_LRU_HASH, sock_owner, struct sock_owner_key, struct sock_owner_val, 16384);
+SPANLET_MAP(BPF_MAP_TYPE_HASH, sock_owner_ports, __u16, __u8, 8);
 
 static __always_inline int spanlet_v4_mapped(const __u8 *a)
 {
@@ -357,27 +359,29 @@ static __always_inline int spanlet_v4_mapped(const __u8 *a)
     return a[10] == 0xff && a[11] == 0xff;
 }
 
-/* The key of the connection a tracepoint's args name (a macro: BCC makes the
- * args struct at the probe below); the addresses are copied out of the args
- * before they are looked at (the verifier allows no pointer into them). */
+/* The key of the connection a tracepoint's args name; the addresses are
+ * copied out of the args with a probe read (their offsets are CO-RE
+ * relocations, and the verifier allows no load through a ctx pointer moved
+ * by a register). */
 #define SOCK_OWNER_KEY(k, args)                                                   \
     do {                                                                          \
         (k).sport = (args)->sport;                                                \
         (k).dport = (args)->dport;                                                \
-        __builtin_memcpy((k).saddr, (args)->saddr_v6, 16);                        \
-        __builtin_memcpy((k).daddr, (args)->daddr_v6, 16);                        \
+        bpf_probe_read_kernel((k).saddr, 16, (args)->saddr_v6);                   \
+        bpf_probe_read_kernel((k).daddr, 16, (args)->daddr_v6);                   \
         if ((args)->family == SPANLET_AF_INET6 && !spanlet_v4_mapped((k).daddr)) { \
             (k).family = SPANLET_AF_INET6;                                        \
         } else {                                                                  \
             (k).family = SPANLET_AF_INET;                                         \
             __builtin_memset((k).saddr, 0, 16);                                   \
             __builtin_memset((k).daddr, 0, 16);                                   \
-            __builtin_memcpy((k).saddr, (args)->saddr, 4);                        \
-            __builtin_memcpy((k).daddr, (args)->daddr, 4);                        \
+            bpf_probe_read_kernel((k).saddr, 4, (args)->saddr);                   \
+            bpf_probe_read_kernel((k).daddr, 4, (args)->daddr);                   \
         }                                                                         \
     } while (0)
 
-TRACEPOINT_PROBE(sock, inet_sock_set_state)
+SEC("tracepoint/sock/inet_sock_set_state")
+int inet_sock_set_state(struct trace_event_raw_inet_sock_set_state *args)
 {
     if (args->protocol != SPANLET_IPPROTO_TCP)
         return 0;
@@ -385,38 +389,37 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
     int state = args->newstate;
     if (state == SPANLET_TCP_SYN_SENT) {
         __u16 dport = args->dport;
-        if (!sock_owner_ports.lookup(&dport))
+        if (!bpf_map_lookup_elem(&sock_owner_ports, &dport))
             return 0;
         struct sock_owner_val v = {};
         v.cgroup_id = bpf_get_current_cgroup_id();
         v.tgid = (__u32)(bpf_get_current_pid_tgid() >> 32);
-        sock_connecting.update(&sk, &v);
+        bpf_map_update_elem(&sock_connecting, &sk, &v, BPF_ANY);
         return 0;
     }
     if (state == SPANLET_TCP_ESTABLISHED) {
         if (args->oldstate != SPANLET_TCP_SYN_SENT)
             return 0;
-        struct sock_owner_val *v = sock_connecting.lookup(&sk);
+        struct sock_owner_val *v = bpf_map_lookup_elem(&sock_connecting, &sk);
         if (!v)
             return 0;
         struct sock_owner_key k = {};
         SOCK_OWNER_KEY(k, args);
         struct sock_owner_val owner = *v;
-        if (sock_owner.lookup(&k))
+        if (bpf_map_lookup_elem(&sock_owner, &k))
             owner.cgroup_id = owner.tgid = 0;
-        sock_owner.update(&k, &owner);
-        sock_connecting.delete(&sk);
+        bpf_map_update_elem(&sock_owner, &k, &owner, BPF_ANY);
+        bpf_map_delete_elem(&sock_connecting, &sk);
         return 0;
     }
     if (state == SPANLET_TCP_CLOSE) {
         __u16 dport = args->dport;
-        if (!sock_owner_ports.lookup(&dport))
+        if (!bpf_map_lookup_elem(&sock_owner_ports, &dport))
             return 0;
-        sock_connecting.delete(&sk);
+        bpf_map_delete_elem(&sock_connecting, &sk);
         struct sock_owner_key k = {};
         SOCK_OWNER_KEY(k, args);
-        sock_owner.delete(&k);
+        bpf_map_delete_elem(&sock_owner, &k);
     }
     return 0;
 }
-#endif /* SPANLET_SOCK_OWNER */

@@ -5,7 +5,9 @@ the objects with libbpf (agent/probes/libbpf.py) and compiles nothing.
 
     python3 scripts/build_bpf.py SRC.bpf.c OUT_DIR [--arch x86|arm64 ...]
 
-writes OUT_DIR/<arch>/<name>.bpf.o for each architecture (both by default)."""
+writes OUT_DIR/<arch>/<name>.bpf.o for each architecture (both by default);
+the package build (setup.py) writes bpf/objects/<arch>/ for CORE_PROGRAMS.
+-mcpu=v3: atomics that return the old value (Linux 5.12 on)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,13 @@ ARCHES = ("x86", "arm64")
 # Where a machine's name says which of ours it is (platform.machine()).
 MACHINE_ARCH = {"x86_64": "x86", "aarch64": "arm64"}
 CLANGS = ("clang-16", "clang")
+
+
+# The programs built as CO-RE objects and shipped in the package (the others
+# are still compiled by BCC on the node, from their C: the loader issue moves
+# them one by one).
+CORE_PROGRAMS = ("span_ctx",)
+PACKAGE_OBJECTS = BPF_DIR / "objects"
 
 
 class BuildError(RuntimeError):
@@ -53,13 +62,28 @@ def build(src: Path, out_dir: Path, arch: str, *, include: tuple[Path, ...] = ()
     name = src.name.removesuffix(".c")
     out = out_dir / arch / f"{name}.o"
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [clang(), "-g", "-O2", "-target", "bpfel", f"-D__TARGET_ARCH_{arch}", "-Wall", "-Werror",
+    cmd = [clang(), "-g", "-O2", "-target", "bpfel", "-mcpu=v3", f"-D__TARGET_ARCH_{arch}", "-Wall", "-Werror",
            "-I", str(BPF_DIR), *(f"-I{p}" for p in include), *_multiarch_include(),
            "-c", str(src), "-o", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise BuildError(f"{src.name} ({arch}): {res.stderr.strip()}")
     return out
+
+
+def build_package(out_dir: Path = PACKAGE_OBJECTS) -> list[Path]:
+    """Every shipped object for every architecture (the package build's step:
+    setup.py), rebuilt where its sources are newer."""
+    built = []
+    for name in CORE_PROGRAMS:
+        src = BPF_DIR / f"{name}.bpf.c"
+        newest = max(p.stat().st_mtime for p in [src, *BPF_DIR.glob("*.h")])
+        for arch in ARCHES:
+            out = out_dir / arch / f"{name}.bpf.o"
+            if not out.exists() or out.stat().st_mtime < newest:
+                out = build(src, out_dir, arch)
+            built.append(out)
+    return built
 
 
 def main(argv: list[str] | None = None) -> int:

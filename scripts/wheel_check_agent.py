@@ -1,5 +1,6 @@
 """Run by wheel_check.sh in a fresh venv holding `pip install 'spanlet[agent]'`:
-`spanlet run --dump-bpf` (its output file given) compiled the installed package's BPF sources."""
+`spanlet run --dump-bpf` (its output file given) showed the installed package's BPF sources, and the
+CO-RE objects it names are in the package."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sysconfig
 from pathlib import Path
 
 PROBE_HEADER = re.compile(r"^/\* ==== probe (\w+): (\S+)", re.M)
+# a CO-RE probe's header names its object, relative to the package's bpf folder
+OBJECT = re.compile(r"^/\* ==== probe (\w+): \S+  object: (\S+) ====", re.M)
 
 
 def problems(dump: str, bpf_dir: Path, site: Path | None) -> list[str]:
@@ -22,6 +25,8 @@ def problems(dump: str, bpf_dir: Path, site: Path | None) -> list[str]:
     if not shipped:
         found.append(f"no *.bpf.c in {bpf_dir}")
     found += [f"{f} is in the package but not in the dump" for f in shipped if f not in dumped]
+    found += [f"probe {name} loads {rel}, which the package does not hold (built without its objects?)"
+              for name, rel in OBJECT.findall(dump) if not (bpf_dir / rel).is_file()]
     dump_lines = set(dump.splitlines())
     for file in sorted(dumped):
         if file not in shipped:

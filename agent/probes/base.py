@@ -1,11 +1,14 @@
-"""Base of every probe loader: compile a bpf/*.bpf.c with its -D flags, attach,
-drain its ring buffer into the decoder, report attached-or-why, detach."""
+"""Base of every probe loader: load its program (a CO-RE object built with the
+package, through libbpf; or, for the programs not moved yet, bpf/*.bpf.c
+compiled by BCC with its -D flags), attach, drain its ring buffer into the
+decoder, report attached-or-why, detach."""
 
 from __future__ import annotations
 
 import importlib.resources
 import logging
 import mmap
+import platform
 import re
 import struct
 import threading
@@ -17,12 +20,14 @@ from typing import Callable
 from spanlet import events
 from spanlet.config import Config
 from spanlet.probes.maps import Totals, percpu_sum, read_batches
-from spanlet.probes import compile_cache, ringbuf
+from spanlet.probes import compile_cache, libbpf, ringbuf
 
 log = logging.getLogger(__name__)
 
-# The C sources are package data of spanlet.bpf (the bpf/ folder of the checkout).
+# The C sources are package data of spanlet.bpf (the bpf/ folder of the checkout),
+# and so are the CO-RE objects the package build makes (objects/<arch>/).
 BPF_DIR = Path(str(importlib.resources.files("spanlet.bpf")))
+OBJECT_ARCH = {"x86_64": "x86", "aarch64": "arm64"}.get(platform.machine())
 _LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.-]+\.h)"\s*$', re.M)
 
 EventSink = Callable[[events._Event], None]
@@ -86,6 +91,8 @@ class Probe:
     """One kernel program: bpf/<name>.bpf.c and the code that drives it."""
 
     name = ""
+    # Loaded from the CO-RE object the package ships (libbpf), not compiled by BCC.
+    core = False
     # The ring walked in C, each record handed on undecoded (spanlet._ring)
     # where the module is built; False: the Python walk, a struct per record.
     native_ring = ringbuf.NATIVE
@@ -111,6 +118,14 @@ class Probe:
     @property
     def source_path(self) -> Path:
         return BPF_DIR / f"{self.name}.bpf.c"
+
+    @property
+    def object_path(self) -> Path:
+        """The CO-RE object of this machine's architecture (core probes)."""
+        return BPF_DIR / "objects" / (OBJECT_ARCH or platform.machine()) / f"{self.name}.bpf.o"
+
+    def setup_object(self, obj: libbpf.Object, pin_dir: str | None) -> None:
+        """Before load (core probes): settings, programs left out, map sizes, pins."""
 
     def cflags(self) -> list[str]:
         """-D flags that switch this probe's behaviour."""
@@ -151,6 +166,9 @@ class Probe:
         return flags
 
     def compile(self, pin_dir: str | None = None) -> None:
+        if self.core:
+            self.bpf = self._load_object(pin_dir)
+            return
         from bcc import BPF  # imported late: unit tiers run without BCC
 
         flags = self.compile_flags(pin_dir)
@@ -164,6 +182,30 @@ class Probe:
                     self.bpf = BPF(text=text, cflags=flags)
         except Exception as e:  # BCC raises bare Exception with the reason
             raise ProbeError(f"compile/load of {self.source_path.name} failed: {e}") from None
+
+    def describe_object(self, pin_dir: str | None = None) -> list[str]:
+        """The CO-RE object as this probe would load it (opened and set up, not
+        loaded): its settings, programs and maps, a line each."""
+        with libbpf.Object.open_file(self.object_path, pin_root=pin_dir) as obj:
+            self.setup_object(obj, pin_dir)
+            return [str(self.object_path.name), *obj.describe()]
+
+    def _load_object(self, pin_dir: str | None) -> libbpf.Object:
+        """The CO-RE object opened, set up and loaded (nothing compiled)."""
+        path = self.object_path
+        if not path.is_file():
+            raise ProbeError(f"the package has no BPF object {path.parent.name}/{path.name} "
+                             f"(built without clang, or not for {platform.machine()})")
+        obj = None
+        try:
+            btf = libbpf.kernel_btf(self.cfg.btf_path or None)
+            obj = libbpf.Object.open_file(path, btf_path=btf if self.cfg.btf_path else None, pin_root=pin_dir)
+            self.setup_object(obj, pin_dir)
+            return obj.load()
+        except (libbpf.LibbpfError, KeyError, ValueError) as e:
+            if obj is not None:
+                obj.close()
+            raise ProbeError(f"load of {path.name} failed: {e}") from None
 
     def start(self, pin_dir: str | None = None) -> ProbeStatus:
         """Compile, attach and open the ring buffer; never raises. With
@@ -273,7 +315,7 @@ class Probe:
         """cgroup id → records refused by the per-cgroup bound
         (SPANLET_RECORDS_PER_CGROUP_S), totals since start."""
         with self._lock:
-            if self.bpf is None:
+            if self.bpf is None or not self.sends_records():
                 return self._limited.update({})
             keys, vals = read_batches(self.bpf["cgroup_record_budget"])
             return self._limited.update({cg: limited for (cg,), (_, _, limited) in
@@ -291,6 +333,9 @@ class Probe:
                 if self._ring is not None:
                     self._ring.close()
                     self._ring = None
+            if isinstance(self.bpf, libbpf.Object):
+                self.bpf.close()         # its links, programs and maps (pins stay: _detach)
+                self.bpf = None
             if self.bpf is not None:
                 try:
                     _cleanup(self.bpf)

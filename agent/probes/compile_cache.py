@@ -150,11 +150,14 @@ def capture(module, text: str, flags: list[str], templates: dict[str, str]) -> d
         if fd < 0:
             raise CacheError(f"table {name!r} has no fd")
         info = map_info(fd)
-        if info.btf_id:
+        pin = pins.get(name.decode())
+        # A pinned table is opened again where its pin is (the span context
+        # maps, which the CO-RE span_ctx object makes with BTF); only a table
+        # this makes itself must need none.
+        if info.btf_id and pin is None:
             raise CacheError(f"table {name.decode()} has BTF, which this does not make again")
         key_desc = lib.bpf_table_key_desc(module, name)
         leaf_desc = lib.bpf_table_leaf_desc(module, name)
-        pin = pins.get(name.decode())
         if pin is not None:
             pfd = _obj_get(pin)
             if pfd < 0:

@@ -48,7 +48,7 @@ _LEVELS = (logging.WARNING, logging.INFO, logging.DEBUG)     # enum libbpf_print
 
 
 def _vformat(fmt: bytes, ap: int) -> str:
-    buf = C.create_string_buffer(1024)
+    buf = C.create_string_buffer(1 << 16)
     _libc.vsnprintf(buf, len(buf), fmt, ap)
     return buf.value.decode(errors="replace").rstrip("\n")
 
@@ -97,8 +97,13 @@ _SIGNATURES = {
     "bpf_map_update_elem": (C.c_int, [C.c_int, C.c_void_p, C.c_void_p, C.c_uint64]),
     "bpf_map_delete_elem": (C.c_int, [C.c_int, C.c_void_p]),
     "bpf_map_get_next_key": (C.c_int, [C.c_int, C.c_void_p, C.c_void_p]),
+    "bpf_map_lookup_batch": (C.c_int, [C.c_int, C.c_void_p, C.c_void_p, C.c_void_p, C.c_void_p,
+                                       C.POINTER(C.c_uint32), C.c_void_p]),
+    "libbpf_num_possible_cpus": (C.c_int, []),
     "libbpf_set_print": (C.c_void_p, [_PRINT]),
 }
+# enum bpf_map_type: the per-CPU kinds, whose value is one per possible CPU
+_PERCPU_TYPES = {5, 6, 10}        # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH
 
 
 def lib() -> C.CDLL:
@@ -136,7 +141,9 @@ def kernel_btf(btf_path: str | os.PathLike | None = None) -> Path:
 
 class Map:
     """A map of a loaded object, read and written through its fd with the
-    key and value types of its BTF."""
+    key and value types of its BTF. As a mapping: map[key] (KeyError when
+    absent; a per-CPU map's value is a list, one a possible CPU), map[key] =
+    value, del map[key]."""
 
     def __init__(self, obj: "Object", ptr: int):
         L = lib()
@@ -145,6 +152,30 @@ class Map:
         key_id, value_id = L.bpf_map__btf_key_type_id(ptr), L.bpf_map__btf_value_type_id(ptr)
         self.Key = obj.btf.ctype(key_id) if key_id else C.c_uint8 * L.bpf_map__key_size(ptr)
         self.Leaf = obj.btf.ctype(value_id) if value_id else C.c_uint8 * L.bpf_map__value_size(ptr)
+        self.percpu = L.bpf_map__type(ptr) in _PERCPU_TYPES
+        if self.percpu:
+            self._cpus = L.libbpf_num_possible_cpus()
+            self._slot = (C.sizeof(self.Leaf) + 7) // 8 * 8
+
+    def __getitem__(self, key):
+        if not self.percpu:
+            value = self.lookup(key)
+            if value is None:
+                raise KeyError(key)
+            return value
+        buf = C.create_string_buffer(self._slot * self._cpus)
+        if lib().bpf_map_lookup_elem(self.fd, C.byref(key), buf) != 0:
+            if C.get_errno() == errno.ENOENT:
+                raise KeyError(key)
+            raise _fail(f"lookup in {self.name}")
+        return [self.Leaf.from_buffer_copy(buf, i * self._slot) for i in range(self._cpus)]
+
+    def __setitem__(self, key, value) -> None:
+        self.update(key, value)
+
+    def __delitem__(self, key) -> None:
+        if not self.delete(key):
+            raise KeyError(key)
 
     @property
     def fd(self) -> int:
@@ -289,6 +320,29 @@ class Object:
                 raise BTFError(f"{self.name}: setting {name} lies past .rodata")
             C.memmove(addr + off, int(value).to_bytes(width, "little", signed=value < 0), width)
         return self
+
+    def settings(self) -> dict[str, int]:
+        """Its integer settings as they stand (set, or as built)."""
+        addr, size = self._rodata()
+        out = {}
+        for name, (off, width) in self.btf.datasec_vars(".rodata").items():
+            if width in (1, 2, 4, 8) and off + width <= size and not name.startswith("spanlet_btf_"):
+                out[name] = int.from_bytes(C.string_at(addr + off, width), "little")
+        return out
+
+    def describe(self) -> list[str]:
+        """Its settings, programs (loaded or left out) and maps, a line each."""
+        L = lib()
+        lines = [f"settings: {' '.join(f'{k}={v}' for k, v in self.settings().items())}"]
+        for p in self._each(L.bpf_object__next_program):
+            lines.append(f"program {L.bpf_program__name(p).decode()}: {L.bpf_program__section_name(p).decode()}"
+                         f"{'' if L.bpf_program__autoload(p) else ' (left out)'}")
+        for m in self._each(L.bpf_object__next_map):
+            if not L.bpf_map__is_internal(m):
+                lines.append(f"map {L.bpf_map__name(m).decode()}: type {L.bpf_map__type(m)}, key "
+                             f"{L.bpf_map__key_size(m)} B, value {L.bpf_map__value_size(m)} B, "
+                             f"max_entries {L.bpf_map__max_entries(m)}")
+        return lines
 
     def autoload(self, program: str, on: bool) -> "Object":
         """Whether a program is loaded at all (a setting that turns it off: not)."""

@@ -1,5 +1,7 @@
-"""Readers of BPF maps shared by the probes: a batch dump of a BCC hash table
-(as ctypes entries, or packed bytes) and the sum of a per-CPU counter."""
+"""Readers of BPF maps shared by the probes: a batch dump of a hash map (a
+BCC table or a CO-RE object's map: both give map_fd, Key, Leaf,
+max_entries and name) as ctypes entries, or packed bytes, and the sum of a
+per-CPU counter."""
 
 from __future__ import annotations
 
@@ -7,17 +9,14 @@ import ctypes as C
 import errno
 import os
 
-
-def _bcc_lib():
-    from bcc.libbcc import lib  # imported late: unit tiers run without BCC
-    return lib
+from spanlet.probes import libbpf
 
 
 def _batches(table, chunk: int):
     """(keys array, values array, count) per BPF_MAP_LOOKUP_BATCH call over the
     whole table (the arrays are reused: copy before the next); None where
     the kernel refuses batches for this map."""
-    lib = _bcc_lib()
+    lib = libbpf.lib()
     n = max(1, min(chunk, table.max_entries))
     keys = (table.Key * n)()
     values = (table.Leaf * n)()
@@ -26,9 +25,9 @@ def _batches(table, chunk: int):
     first = True
     while True:
         count.value = n
-        res = lib.bpf_lookup_batch(table.map_fd, None if first else C.byref(token),
-                                   C.byref(token), C.byref(keys), C.byref(values),
-                                   C.byref(count))
+        res = lib.bpf_map_lookup_batch(table.map_fd, None if first else C.byref(token),
+                                       C.byref(token), C.byref(keys), C.byref(values),
+                                       C.byref(count), None)
         err = C.get_errno()
         if res != 0 and err not in (errno.ENOENT,):
             if first and err in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
@@ -42,7 +41,7 @@ def _batches(table, chunk: int):
 
 
 def dump_table(table, chunk: int = 4096) -> dict[bytes, object]:
-    """All entries of a BCC hash table, read in batches (one syscall per chunk
+    """All entries of a hash map, read in batches (one syscall per chunk
     instead of two per key); falls back to iteration where batches are refused."""
     out: dict[bytes, object] = {}
     for batch in _batches(table, chunk):
@@ -55,7 +54,7 @@ def dump_table(table, chunk: int = 4096) -> dict[bytes, object]:
 
 
 def read_batches(table, chunk: int = 4096) -> tuple[bytes, bytes]:
-    """All keys and all values of a BCC hash table, each packed into one
+    """All keys and all values of a hash map, each packed into one
     bytes object (for struct.iter_unpack: no Python object per entry)."""
     ks, vs = [], []
     k_size, v_size = C.sizeof(table.Key), C.sizeof(table.Leaf)

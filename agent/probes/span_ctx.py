@@ -1,5 +1,6 @@
-"""Loader of bpf/span_ctx.bpf.c: owns the span_ctx and span_facts maps that the
-other process-context probes share (pinned in one folder) and their reader
+"""Loader of bpf/span_ctx.bpf.c (a CO-RE object built with the package, loaded
+by libbpf): owns the span_ctx and span_facts maps that the other
+process-context probes share (pinned by name in one folder) and their reader
 (`facts`), and attaches the marker uprobe to every copy of the client's
 marker (the libspanlet_marker extension) that discovery finds (containers included)."""
 
@@ -9,6 +10,7 @@ import ctypes
 import itertools
 import json
 import logging
+import mmap
 import os
 import shutil
 import socket
@@ -20,7 +22,8 @@ from typing import Iterable
 
 from spanlet import events, runtimes
 from spanlet.discovery import LibraryFinder, MappedLibrary, MapsWatch
-from spanlet.probes.base import EventSink, Probe
+from spanlet.probes import libbpf
+from spanlet.probes.base import EventSink, Probe, ProbeError
 from spanlet.probes.maps import percpu_sum, read_batches
 from spanlet.probes.sandbox.probe import tracepoint_exists
 from spanlet.probes.span_facts import SpanFacts
@@ -41,16 +44,28 @@ OTEL_MAP_LAYOUT = {"type": "lru_hash", "bytes_key": 8, "bytes_value": 24}
 # Where the connecting process of each connection to the receiver is seen
 # (kernels since 4.16 have it); without it senders are known by pod IP only.
 SOCK_STATE_TRACEPOINT = "sock:inet_sock_set_state"
+# The programs of the request anatomy (sched.enabled), of the senders
+# (SOCK_STATE_TRACEPOINT), and the marker's uprobe (attached per library).
+SCHED_PROGRAMS = ("sched_switch", "sched_wakeup", "sched_stat_runtime")
+SOCK_PROGRAM = "inet_sock_set_state"
+MARK_PROGRAM = "span_ctx_mark"
+OTEL_MAP = "traces_ctx_v1"
+
+
+def pinned_map_info(path: str) -> dict | None:
+    """What bpftool says of the map pinned at `path` (type, bytes_key,
+    bytes_value, max_entries, ...), None if unreadable."""
+    try:
+        out = subprocess.run(["bpftool", "-j", "map", "show", "pinned", path],
+                             capture_output=True, text=True, timeout=10)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
 
 
 def pinned_map_layout(path: str) -> dict | None:
     """Type and key/value sizes of the map pinned at `path` (bpftool), None if unreadable."""
-    try:
-        out = subprocess.run(["bpftool", "-j", "map", "show", "pinned", path],
-                             capture_output=True, text=True, timeout=10)
-        info = json.loads(out.stdout) if out.returncode == 0 else None
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return None
+    info = pinned_map_info(path)
     return {k: info.get(k) for k in OTEL_MAP_LAYOUT} if info else None
 
 
@@ -86,6 +101,7 @@ def _packed(host: str) -> bytes | None:
 
 class SpanCtxProbe(Probe):
     name = "span_ctx"
+    core = True
 
     def __init__(self, cfg, sink: EventSink | None = None,
                  clock: events.MonotonicClock | None = None, proc: str = "/proc"):
@@ -110,19 +126,30 @@ class SpanCtxProbe(Probe):
         this probe is attached (what the other probes are started with), else None."""
         return str(self.pin_dir) if self.status.attached else None
 
-    def compile_flags(self, pin_dir: str | None = None) -> list[str]:
-        # This probe creates the maps (and pins them in self.pin_dir) for the others.
-        flags = super().compile_flags(str(self.pin_dir))
-        flags.append(f"-DSPANLET_SCHED={int(self.cfg.sched.enabled)}")
+    def setup_object(self, obj, pin_dir: str | None) -> None:
+        cfg = self.cfg
+        obj.set(sched_on=int(cfg.sched.enabled), otel_map_on=int(self.otel_map is not None),
+                span_facts_max_per_cgroup=cfg.join.span_facts_max_per_cgroup)
+        for prog in SCHED_PROGRAMS:
+            obj.autoload(prog, cfg.sched.enabled)
+        if not cfg.sched.enabled:
+            obj.resize("sched_thread", 1)
+        obj.resize("span_facts", cfg.join.span_facts_max).resize("span_facts_index", cfg.join.span_facts_max)
+        obj.resize("events", self.ringbuf_pages() * mmap.PAGESIZE)
         if self.otel_map:
-            flags.append(f'-DSPANLET_OTEL_MAP="{self.otel_map}"')
-        self.sock_owners = tracepoint_exists(SOCK_STATE_TRACEPOINT)
-        if self.sock_owners:
-            flags.append("-DSPANLET_SOCK_OWNER")
+            # a map another tool pinned is reused only with the same size: take its
+            info = pinned_map_info(self.otel_map) if Path(self.otel_map).exists() else None
+            if info and info.get("max_entries"):
+                obj.resize(OTEL_MAP, int(info["max_entries"]))
+            obj.pin(OTEL_MAP, self.otel_map)
         else:
+            obj.resize(OTEL_MAP, 1)
+        self.sock_owners = tracepoint_exists(SOCK_STATE_TRACEPOINT)
+        obj.autoload(SOCK_PROGRAM, self.sock_owners)
+        if not self.sock_owners:
+            obj.resize("sock_connecting", 1).resize("sock_owner", 1)
             log.warning("span_ctx: no %s tracepoint: OTLP senders are known by pod IP only",
                         SOCK_STATE_TRACEPOINT)
-        return flags
 
     def _prepare_otel_map(self) -> None:
         """Decide whether to write the OTel shared map: create it where nobody
@@ -162,7 +189,7 @@ class SpanCtxProbe(Probe):
         self.pin_dir.mkdir(parents=True, exist_ok=True)
         self._prepare_otel_map()
         try:
-            super().compile()
+            super().compile(str(self.pin_dir))   # this probe makes the shared maps, pinned there
         except Exception:
             self._remove_otel_map()
             raise
@@ -216,7 +243,15 @@ class SpanCtxProbe(Probe):
         return False
 
     def _attach(self) -> None:
-        # The exit tracepoint is attached by BCC at load; markers come from discovery.
+        # Every program loaded but the marker's uprobe, which discovery attaches per library.
+        for prog, section in self.bpf.programs().items():
+            if prog == MARK_PROGRAM or self.bpf.program_fd(prog) < 0:
+                continue
+            try:
+                self.bpf.attach(prog)
+            except libbpf.LibbpfError as e:
+                raise ProbeError(f"span_ctx: cannot attach {prog} ({section}): {e}") from None
+            self.status.attachments.append(section)
         self.refresh()
 
     def refresh(self) -> None:
@@ -224,9 +259,8 @@ class SpanCtxProbe(Probe):
         for lib in self.finder.refresh():
             label = f"{MARKER_SYMBOL}@{lib.path} (inode {lib.inode}, pid {lib.pid})"
             try:
-                self.bpf.attach_uprobe(name=lib.open_path, sym=MARKER_SYMBOL,
-                                       fn_name="span_ctx_mark")
-            except Exception as e:  # BCC raises bare Exception
+                self.bpf.attach_uprobe(MARK_PROGRAM, lib.open_path, symbol=MARKER_SYMBOL)
+            except libbpf.LibbpfError as e:
                 self.status.failed_attachments.append(f"{label}: {e}")
                 log.warning("span_ctx: cannot attach %s: %s", label, e)
                 continue

@@ -5,7 +5,6 @@ that cannot be used is compiled past."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import ctypes
 import json
@@ -92,12 +91,13 @@ def started(cfg, aside: bool = False):
 
 
 def test_a_cached_module_is_the_compiled_one(tmp_path):
+    """The three programs BCC still compiles (span_ctx is a CO-RE object: nothing to cache)."""
     cfg = config.load(env={}, overrides=[f"data_dir={tmp_path}"])
     with started(cfg) as cold, started(cfg) as warm:
         assert [p.status.cached for p in cold] == [False] * 4
-        assert [p.status.cached for p in warm] == [True] * 4
-        assert len(list((tmp_path / "bpf-cache").glob("*.json"))) == 4
-        for c, w in zip(cold, warm):
+        assert [p.status.cached for p in warm] == [False, True, True, True]
+        assert len(list((tmp_path / "bpf-cache").glob("*.json"))) == 3
+        for c, w in zip(cold[1:], warm[1:]):
             assert shape(w.bpf) == shape(c.bpf), c.name
         assert warm[0].pin_dir != cold[0].pin_dir
 
@@ -113,7 +113,7 @@ def test_a_cached_start_counts_exactly_and_pins_in_its_own_folder(standin, spawn
     folders = []
     for round_ in ("compiled", "cached"):
         span, gpu = kernel(f"data_dir={tmp_path}")
-        assert (span.status.cached, gpu.status.cached) == ((round_ == "cached"),) * 2
+        assert (span.status.cached, gpu.status.cached) == (False, round_ == "cached")
         assert sorted(p.name for p in span.pin_dir.iterdir()) >= ["span_ctx", "span_facts"]
         folders.append(span.pin_dir)
         for rep in range(20):
@@ -139,33 +139,35 @@ def _no_map_type(image):
     image["tables"][0]["type"] = 9999                     # no map can be made
 
 
-def _refused_program(image):
-    fn = next(f for f in image["functions"] if f["name"].startswith("tracepoint__"))
-    fn["insns"], fn["maps"] = base64.b64encode(bytes([0x95] + [0] * 7)).decode(), []  # exit, r0 unset
-
-
-@pytest.mark.parametrize("spoil", [_no_map_type, _refused_program])
+# (A program the verifier refuses once was the other case: BCC loaded the
+# span context program's tracepoint programs at compile. Those are CO-RE now;
+# the programs BCC still compiles are loaded when they are attached.)
+@pytest.mark.parametrize("spoil", [_no_map_type])
 def test_a_file_that_cannot_be_used_is_compiled_past_and_written_again(tmp_path, caplog, spoil):
     cfg = config.load(env={}, overrides=[f"data_dir={tmp_path}"])
-    span = SpanCtxProbe(cfg)
+    span = SpanCtxProbe(cfg)            # the span context maps' owner, a CO-RE object (not cached)
     assert span.start().attached
-    span.stop()
+    probe = SandboxProbe(cfg)
+    assert probe.start(span.shared_pin_dir()).attached
+    probe.stop()
     (path,) = (tmp_path / "bpf-cache").glob("*.json")
     good = path.read_text()
     image = json.loads(good)
-    spoil(image)                 # a map refused, or a program the verifier refuses (its autoload)
+    spoil(image)                 # a map refused
     path.write_text(json.dumps(image))
-    span = SpanCtxProbe(cfg)
     try:
-        assert span.start().attached and not span.status.cached
-    finally:
-        span.stop()
-    assert "compiling" in caplog.text
-    assert json.loads(path.read_text()) == json.loads(good)     # the compile's, written again
-    assert not any(p.is_dir() for p in span.pin_dir.parent.glob(span.pin_dir.name))
-    span = SpanCtxProbe(cfg)
-    try:
-        assert span.start().attached and span.status.cached
+        probe = SandboxProbe(cfg)
+        try:
+            assert probe.start(span.shared_pin_dir()).attached and not probe.status.cached
+        finally:
+            probe.stop()
+        assert "compiling" in caplog.text
+        assert json.loads(path.read_text()) == json.loads(good)     # the compile's, written again
+        probe = SandboxProbe(cfg)
+        try:
+            assert probe.start(span.shared_pin_dir()).attached and probe.status.cached
+        finally:
+            probe.stop()
     finally:
         span.stop()
 
@@ -184,7 +186,7 @@ def test_compiles_in_processes_of_their_own_write_the_compiled_images(tmp_path):
     with started(here) as compiled, started(aside, aside=True) as probes:
         assert [p.status.cached for p in probes] == [False, True, True, True]
         assert _images(tmp_path / "aside" / "bpf-cache") == _images(tmp_path / "here" / "bpf-cache")
-        for c, a in zip(compiled, probes):
+        for c, a in zip(compiled[1:], probes[1:]):
             assert shape(a.bpf) == shape(c.bpf), c.name
         assert not list(probes[0].pin_dir.parent.glob("*-compile"))
 
@@ -214,7 +216,7 @@ def test_a_first_start_compiles_the_probes_after_the_owner_in_processes_of_their
         assert "2 probe compile(s) begun in processes of their own" in caplog.text
         # each read the two kallsyms lines, under those the compile thread that began it reads
         assert "of its own not made" not in caplog.text
-        assert len(list((tmp_path / "bpf-cache").glob("*.json"))) == 3
+        assert len(list((tmp_path / "bpf-cache").glob("*.json"))) == 2       # span_ctx: a CO-RE object
     finally:
         for p in reversed(starter.probes):
             p.stop()

@@ -42,7 +42,8 @@ def test_python_structs_match_the_compiled_c(tmp_path):
     src = tmp_path / "layout.bpf.c"
     src.write_text('#include "spanlet.h"\n' + "".join(
         f"BPF_ARRAY(t_{name}, struct {name}, 1);\n" for name in STRUCTS))
-    (tmp_path / "spanlet.h").write_text((BPF_DIR / "spanlet.h").read_text())
+    for h in ("spanlet.h", "spanlet_types.h"):
+        (tmp_path / h).write_text((BPF_DIR / h).read_text())
     b = BPF(text=expand_source(src))
     try:
         for name, ours in STRUCTS.items():

@@ -40,6 +40,9 @@ def maps(tmp_path_factory):
         proxy = compile_cache._install()          # libbcc's module calls, as bcc's Python makes them
         out = {}
         for p in probes:
+            if p.core:                            # a CO-RE object: its maps by name
+                out.update({(p.name, name): map_info(p.bpf[name].fd) for name in p.bpf.maps()})
+                continue
             for i in range(proxy.bpf_num_tables(p.bpf.module)):
                 name = proxy.bpf_table_name(p.bpf.module, i)
                 out[(p.name, name.decode())] = map_info(proxy.bpf_table_fd_id(p.bpf.module, i))

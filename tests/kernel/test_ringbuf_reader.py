@@ -111,7 +111,8 @@ def program(tmp_path_factory):
 
     cfg = config.load(env={})
     tmp = tmp_path_factory.mktemp("ring")
-    (tmp / "spanlet.h").write_text((BPF_DIR / "spanlet.h").read_text())
+    for h in ("spanlet.h", "spanlet_types.h"):
+        (tmp / h).write_text((BPF_DIR / h).read_text())
     src = tmp / "ring_test.bpf.c"
     src.write_text(PROGRAM)
     p = Probe(cfg)

@@ -24,10 +24,19 @@ DECLARATION = re.compile(r"\bBPF_([A-Z_]+)\s*\((.*?)\)\s*;", re.S)
 COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 
 
+# CO-RE (libbpf C): SPANLET_MAP / SPANLET_PINNED_MAP(kind, name, ...) of
+# span_facts.bpf.h, and BTF-defined maps (`struct { ... } name SEC(".maps")`)
+CORE_DECLARATION = re.compile(r"^\s*SPANLET_(?:PINNED_)?MAP\s*\(\s*\w+\s*,\s*(\w+)|}\s*(\w+)\s+SEC\(\"\.maps\"\)",
+                              re.M)
+DEFINE = re.compile(r"^[ \t]*#define(?:[^\n]*\\\n)*[^\n]*", re.M)
+
+
 def declared_maps(text: str) -> set[str]:
-    """Map names of the BPF_*( ... ) declarations in C text, multi-line ones too."""
-    names = set()
-    for kind, args in DECLARATION.findall(COMMENT.sub("", text)):
+    """Map names of the BPF_*( ... ) declarations in C text, multi-line ones
+    too, and of the CO-RE programs' map declarations."""
+    text = DEFINE.sub("", COMMENT.sub("", text))
+    names = {a or b for a, b in CORE_DECLARATION.findall(text)}
+    for kind, args in DECLARATION.findall(text):
         parts = [a.strip() for a in args.split(",")]
         # BPF_TABLE("type", key, leaf, name, size) and its _PINNED form name the map fourth
         names.add(parts[3] if kind.startswith("TABLE") or kind.startswith("F_TABLE") else parts[0])
@@ -44,8 +53,15 @@ def test_declarations_are_found_on_one_line_and_on_several():
     /* BPF_HASH(in_a_comment, __u32, __u64, 8); */
     BPF_TABLE("lru_percpu_hash", struct flow_key, struct flow_counters,
               several_lines, SPANLET_TC_MAX_FLOWS);
-    BPF_TABLE_PINNED("lru_hash", __u32, struct v, pinned, 16, "/sys/fs/bpf/x");"""
-    assert declared_maps(text) == {"one_line", "several_lines", "pinned"}
+    BPF_TABLE_PINNED("lru_hash", __u32, struct v, pinned, 16, "/sys/fs/bpf/x");
+    #define SPANLET_MAP(kind, name, key_t, value_t, entries) \\
+        struct { __uint(type, kind); } name SEC(".maps")
+    SPANLET_MAP(BPF_MAP_TYPE_HASH, core_one, __u32, __u64, 8);
+    SPANLET_PINNED_MAP(BPF_MAP_TYPE_LRU_HASH, core_pinned, __u32, struct v, 16);
+    struct {
+        __uint(type, BPF_MAP_TYPE_RINGBUF);
+    } core_ring SEC(".maps");"""
+    assert declared_maps(text) == {"one_line", "several_lines", "pinned", "core_one", "core_pinned", "core_ring"}
     assert {"spanlet_network_bytes_total", "spanlet_events_dropped_total", "events"} <= bpf_maps()
 
 

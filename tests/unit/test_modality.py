@@ -1,4 +1,4 @@
-"""The one modality definition: bpf/spanlet.h's numbers, the decoder, the
+"""The one modality definition: bpf/spanlet_types.h's numbers, the decoder, the
 client and the config all agree with spanlet.modality."""
 
 import re
@@ -9,7 +9,7 @@ from spanlet.probes.base import BPF_DIR
 
 
 def c_modalities() -> tuple[dict[str, int], int]:
-    text = (BPF_DIR / "spanlet.h").read_text()
+    text = (BPF_DIR / "spanlet_types.h").read_text()
     numbers = {m.group(1).lower(): int(m.group(2))
                for m in re.finditer(r"^#define SPANLET_MOD_(\w+) (\d+)", text, re.M)}
     count = int(re.search(r"^#define SPANLET_N_MODALITIES (\d+)", text, re.M).group(1))

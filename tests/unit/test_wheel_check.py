@@ -51,6 +51,17 @@ def test_the_agent_check_accepts_a_dump_of_every_shipped_probe(tmp_path):
     assert wheel_check_agent.problems(dump, d, (tmp_path / "site").resolve()) == []
 
 
+def test_the_agent_check_finds_an_object_the_package_does_not_hold(tmp_path):
+    d = _bpf_dir(tmp_path)
+    (d / "objects" / "x86").mkdir(parents=True)
+    (d / "objects" / "x86" / "one.bpf.o").write_bytes(b"\x7fELF")
+    dump = ("/* ==== probe one: one.bpf.c  object: objects/x86/one.bpf.o ==== */\nint one(void) { return 1; }\n"
+            "/* ==== probe two: two.bpf.c  object: objects/x86/two.bpf.o ==== */\nint two(void) { return 2; }\n")
+    found = wheel_check_agent.problems(dump, d, (tmp_path / "site").resolve())
+    assert found == ["probe two loads objects/x86/two.bpf.o, which the package does not hold "
+                     "(built without its objects?)"]
+
+
 def test_the_agent_check_finds_missing_probes_other_sources_and_the_wrong_place(tmp_path):
     d = _bpf_dir(tmp_path)
     dump = ("/* ==== probe one: one.bpf.c  flags: ==== */\nint one(void) { return 0; }\n"
