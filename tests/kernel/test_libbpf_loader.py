@@ -18,7 +18,7 @@ import pytest
 
 import core_fixture
 from otlp_upstream import wait_for
-from spanlet.probes.libbpf import LibbpfError, Object, kernel_btf
+from spanlet.probes.libbpf import LibbpfError, Object, kernel_btf, lib
 from spanlet.probes.ringbuf import RingBufferReader
 
 pytestmark = pytest.mark.kernel
@@ -131,6 +131,16 @@ def test_a_uprobe_its_ring_and_a_map_shared_by_pin(obj_path, child, probed_lib, 
         shared = other["fixture_shared"]
         assert shared.lookup(shared.Key(0)).value == 3 * CALLS
         assert other["calls"].lookup(other["calls"].Key(0)).n == 0      # not pinned: its own
+        # a per-CPU map reads as one value a possible CPU; a mapping's KeyError, set and delete
+        per_cpu = obj["per_cpu_calls"][obj["per_cpu_calls"].Key(0)]
+        assert len(per_cpu) == lib().libbpf_num_possible_cpus() and sum(v.value for v in per_cpu) == CALLS
+        with pytest.raises(KeyError):
+            shared[shared.Key(7)]
+        shared[shared.Key(7)] = shared.Leaf(-9)
+        assert obj["fixture_shared"][shared.Key(7)].value == -9
+        del shared[shared.Key(7)]
+        with pytest.raises(KeyError):
+            del shared[shared.Key(7)]
 
 
 def test_a_setting_or_program_that_is_not_there_is_named(obj_path):

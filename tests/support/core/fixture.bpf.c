@@ -34,6 +34,13 @@ struct {
 } fixture_shared SEC(".maps");
 
 struct {
+    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, __u32);
+    __type(value, __u64);
+} per_cpu_calls SEC(".maps");
+
+struct {
     __uint(type, BPF_MAP_TYPE_RINGBUF);
     __uint(max_entries, 64 * 4096);
 } events SEC(".maps");
@@ -68,6 +75,9 @@ int BPF_KPROBE(on_call, __u64 a, __u64 b)
         return 0;
     __sync_fetch_and_add(&c->n, call_weight);
     __sync_fetch_and_add(&c->args_sum, a + b);
+    __u64 *mine = bpf_map_lookup_elem(&per_cpu_calls, &zero);
+    if (mine)
+        *mine += 1;
     __s64 n = c->n;
     bpf_map_update_elem(&fixture_shared, &zero, &n, BPF_ANY);
     struct fixture_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
