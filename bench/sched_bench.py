@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from spanlet import config  # noqa: E402
+from spanlet.probes.span_ctx import SCHED_PROGRAMS  # noqa: E402
 
 PINGPONG_C = r"""
 #define _GNU_SOURCE
@@ -116,10 +117,6 @@ def build(out: Path) -> tuple[Path, Path]:
     return exe, lib
 
 
-SCHED_PROGRAMS = (b"raw_tracepoint__sched_switch", b"raw_tracepoint__sched_wakeup",
-                  b"raw_tracepoint__sched_stat_runtime")
-
-
 def program_ns(agent) -> tuple[int, int]:
     """(run_time_ns, run_cnt) of the anatomy's programs so far (their fdinfo,
     bpf stats on)."""
@@ -127,9 +124,10 @@ def program_ns(agent) -> tuple[int, int]:
         return 0, 0
     span_ctx = next(p for p in agent.probes if p.name == "span_ctx")
     t = n = 0
-    for name, fn in span_ctx.bpf.funcs.items():
-        if name in SCHED_PROGRAMS:
-            info = dict(line.split(":", 1) for line in Path(f"/proc/self/fdinfo/{fn.fd}").read_text().splitlines()
+    for name in SCHED_PROGRAMS:
+        fd = span_ctx.bpf.program_fd(name)
+        if fd >= 0:
+            info = dict(line.split(":", 1) for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines()
                         if ":" in line)
             t += int(info.get("run_time_ns", 0))
             n += int(info.get("run_cnt", 0))

@@ -63,13 +63,12 @@ const volatile bool sched_on = false;      /* sched.enabled: the anatomy (its pr
 
 /* Request anatomy: where the time of each thread that is in a span goes. A
  * thread has an entry here only while it is in a span (its marks put it in
- * and take it out), keyed by its task's address (bpf_get_current_task() in
- * the thread itself; the raw tracepoints' task arguments elsewhere: an
- * address is compared, never read). The
- * scheduler's raw tracepoints add each interval to the entry (a switch of
- * threads outside spans costs one lookup of each); the entry's sums go to
- * the span's facts row at the thread's next mark or exit, before the span
- * can be exported. sched_switch's raw arguments (Linux 5.18+): preempt,
+ * and take it out), in its task's own storage (task-local storage: the
+ * lookup of a thread without one reads one pointer of its task, and the
+ * kernel frees it with the task). The scheduler's tracepoints (tp_btf: their
+ * task arguments typed) add each interval to the entry; the entry's sums go
+ * to the span's facts row at the thread's next mark or exit, before the span
+ * can be exported. sched_switch's arguments (Linux 5.18+): preempt,
  * prev, next, prev_state; a switch out is involuntary as the kernel counts
  * them (nivcsw: preempted, or still runnable: its slice used up, CFS quota
  * throttling), and the thread is then in the run queue; else it sleeps
@@ -97,7 +96,12 @@ struct sched_thread_val {
     __u32 state;
     __u32 tgid;
 };
-SPANLET_MAP(BPF_MAP_TYPE_HASH, sched_thread, __u64, struct sched_thread_val, SPANLET_SPAN_CTX_MAX);
+struct {
+    __uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+    __uint(map_flags, BPF_F_NO_PREALLOC);
+    __type(key, int);
+    __type(value, struct sched_thread_val);
+} sched_thread SEC(".maps");
 
 /* The interval the thread was in since s->since_ns, into its sums. */
 static __always_inline void sched_close(struct sched_thread_val *s, __u64 now)
@@ -144,9 +148,9 @@ static __always_inline void sched_flush(struct sched_thread_val *s)
  * that a preemption past that point lands on the new entry as it should. */
 static __always_inline void sched_mark(struct span_ctx_val *c)
 {
-    __u64 task = bpf_get_current_task();
+    struct task_struct *task = bpf_get_current_task_btf();
     struct sched_thread_val old = {}, v = {};
-    struct sched_thread_val *s = bpf_map_lookup_elem(&sched_thread, &task);
+    struct sched_thread_val *s = bpf_task_storage_get(&sched_thread, task, 0, 0);
     __u64 now = bpf_ktime_get_ns();
     int had = 0;
     if (s) {
@@ -161,9 +165,11 @@ static __always_inline void sched_mark(struct span_ctx_val *c)
         v.accounted_ns = now;
         v.state = SCHED_RUNNING;
         v.tgid = (__u32)(bpf_get_current_pid_tgid() >> 32);
-        bpf_map_update_elem(&sched_thread, &task, &v, BPF_ANY);
+        s = bpf_task_storage_get(&sched_thread, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+        if (s)
+            *s = v;
     } else if (had) {
-        bpf_map_delete_elem(&sched_thread, &task);
+        bpf_task_storage_delete(&sched_thread, task);
     }
     if (had) {
         sched_close(&old, now);
@@ -171,12 +177,10 @@ static __always_inline void sched_mark(struct span_ctx_val *c)
     }
 }
 
-SEC("raw_tracepoint/sched_switch")
-int sched_switch(struct bpf_raw_tracepoint_args *ctx)
+SEC("tp_btf/sched_switch")
+int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int state)
 {
-    __u64 preempt = ctx->args[0], prev = ctx->args[1], next = ctx->args[2];
-    __u32 state = (__u32)ctx->args[3];
-    struct sched_thread_val *s = bpf_map_lookup_elem(&sched_thread, &prev);
+    struct sched_thread_val *s = bpf_task_storage_get(&sched_thread, prev, 0, 0);
     __u64 now = 0;
     if (s) {
         now = bpf_ktime_get_ns();
@@ -190,7 +194,7 @@ int sched_switch(struct bpf_raw_tracepoint_args *ctx)
                      ? SCHED_IOWAIT : SCHED_BLOCKED;
         }
     }
-    s = bpf_map_lookup_elem(&sched_thread, &next);
+    s = bpf_task_storage_get(&sched_thread, next, 0, 0);
     if (s) {
         if (!now)
             now = bpf_ktime_get_ns();
@@ -204,11 +208,10 @@ int sched_switch(struct bpf_raw_tracepoint_args *ctx)
  * switches, wake-ups and clock reads): raw arguments task, runtime (Linux 6.8
  * on; vruntime third before). A share no larger than the clock's time since
  * the last account or the mark, so that time before a mark stays out. */
-SEC("raw_tracepoint/sched_stat_runtime")
-int sched_stat_runtime(struct bpf_raw_tracepoint_args *ctx)
+SEC("tp_btf/sched_stat_runtime")
+int BPF_PROG(sched_stat_runtime, struct task_struct *task, __u64 runtime)
 {
-    __u64 task = ctx->args[0], runtime = ctx->args[1];
-    struct sched_thread_val *s = bpf_map_lookup_elem(&sched_thread, &task);
+    struct sched_thread_val *s = bpf_task_storage_get(&sched_thread, task, 0, 0);
     if (!s || s->state != SCHED_RUNNING)
         return 0;
     __u64 now = bpf_ktime_get_ns();
@@ -218,11 +221,10 @@ int sched_stat_runtime(struct bpf_raw_tracepoint_args *ctx)
     return 0;
 }
 
-SEC("raw_tracepoint/sched_wakeup")
-int sched_wakeup(struct bpf_raw_tracepoint_args *ctx)
+SEC("tp_btf/sched_wakeup")
+int BPF_PROG(sched_wakeup, struct task_struct *task)
 {
-    __u64 task = ctx->args[0];
-    struct sched_thread_val *s = bpf_map_lookup_elem(&sched_thread, &task);
+    struct sched_thread_val *s = bpf_task_storage_get(&sched_thread, task, 0, 0);
     if (!s || s->state == SCHED_RUNNING || s->state == SCHED_RUNQUEUE)
         return 0;
     sched_close(s, bpf_ktime_get_ns());

@@ -132,8 +132,6 @@ class SpanCtxProbe(Probe):
                 span_facts_max_per_cgroup=cfg.join.span_facts_max_per_cgroup)
         for prog in SCHED_PROGRAMS:
             obj.autoload(prog, cfg.sched.enabled)
-        if not cfg.sched.enabled:
-            obj.resize("sched_thread", 1)
         obj.resize("span_facts", cfg.join.span_facts_max).resize("span_facts_index", cfg.join.span_facts_max)
         obj.resize("events", self.ringbuf_pages() * mmap.PAGESIZE)
         if self.otel_map:

@@ -49,7 +49,7 @@ def test_dump_bpf_prints_each_probe_with_its_flags():
     assert "-DSPANLET_PIN_DIR=" in r.stdout
     # the CO-RE object: its settings, its programs (left out where a setting says) and its maps
     assert "/* ==== probe span_ctx: span_ctx.bpf.c  object: objects/" in r.stdout
-    assert " * program sched_switch: raw_tracepoint/sched_switch (left out)" in r.stdout
+    assert " * program sched_switch: tp_btf/sched_switch (left out)" in r.stdout
     assert " * program span_ctx_mark: uprobe" in r.stdout and " * map span_facts: type 9" in r.stdout
 
 
